@@ -1,0 +1,21 @@
+"""hf-accel: one-line LLM inference acceleration for Hugging Face transformers.
+
+    import hf_accel
+    model = hf_accel.accelerate_model(model)   # the one line
+    model.generate(...)                        # unchanged
+"""
+
+from hf_accel.integrations.measure import GenerationStats, TimingStreamer, measure_generate
+from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, accelerate_model, is_accelerated, revert_model
+
+__version__ = "0.1.0"
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "GenerationStats",
+    "TimingStreamer",
+    "accelerate_model",
+    "is_accelerated",
+    "measure_generate",
+    "revert_model",
+    "__version__",
+]

@@ -1,0 +1,158 @@
+"""hf-accel's attention function and mask function, registered into transformers.
+
+transformers (>= 5) looks attention up by name in ``AttentionInterface`` and builds the mask with the
+function of the same name in ``AttentionMaskInterface``. Both are registered here under
+:data:`ATTN_NAME`, a name with none of the substrings ("flash", "sdpa", "paged", "|") that make
+transformers change behaviour. Selecting it is done per model instance by
+:func:`hf_accel.accelerate_model`.
+
+Mask protocol between the two functions: for the plain causal mask whose queries are the last
+``q_len`` keys (DynamicCache prefill/decode, no cache), the mask function returns only the 2-D key
+padding mask [batch, kv_len] (or ``None`` when nothing is padded), and the attention function applies
+causality itself, bottom-right aligned. Anything else (sliding window, packed sequences, static cache,
+custom mask functions, bidirectional configs) gets transformers' own 4-D SDPA mask, and the attention
+function then falls back to SDPA, logging the reason once. So no case silently loses its mask.
+"""
+
+from __future__ import annotations
+
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from hf_accel._logging import log_once, logger
+from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, attention, attention_ref
+
+ATTN_NAME = "hf_accel"
+
+
+def hf_accel_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+):
+    """Mask function registered under :data:`ATTN_NAME` (same signature as ``sdpa_mask``).
+
+    Returns ``None`` (causal, nothing padded), a bool key mask [batch, kv_length] (causal with
+    padding; the attention function applies causality), or transformers' 4-D bool SDPA mask
+    [batch, 1, q_length, kv_length] for every other pattern (which makes attention fall back to SDPA).
+    """
+    aligned = (
+        mask_function is causal_mask_function
+        and isinstance(q_offset, int)
+        and isinstance(kv_offset, int)
+        and q_offset + q_length == kv_offset + kv_length
+    )
+    if aligned and attention_mask is None:
+        return None
+    if aligned and attention_mask.dim() == 2 and attention_mask.shape[1] == kv_offset + kv_length:
+        key_mask = attention_mask[:, kv_offset:].to(torch.bool)
+        if key_mask.shape[0] != batch_size and key_mask.shape[0] == 1:
+            key_mask = key_mask.expand(batch_size, -1)
+        return None if bool(key_mask.all()) else key_mask
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        **kwargs,
+    )
+
+
+def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str | None:
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True (the kernel does not materialise attention weights)"
+    if module.training or dropout:
+        return "training mode / attention dropout"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        return "autograd is recording (the kernel has no backward pass)"
+    for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            return f"{name} is set"
+    if query.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {query.dtype} (supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)})"
+    if query.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {query.shape[-1]} > {MAX_HEAD_DIM}"
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            return "a non-causal or custom mask (4-D mask: static cache, sliding window, packed sequences, ...)"
+        if tuple(attention_mask.shape) != (query.shape[0], key.shape[2]):
+            return f"key mask shape {tuple(attention_mask.shape)} != [batch, kv_len]"
+    return None
+
+
+def hf_accel_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
+    """Attention function registered under :data:`ATTN_NAME` (transformers' attention signature).
+
+    Args:
+        query: [batch, num_heads, q_len, head_dim]; key/value: [batch, num_kv_heads, kv_len, head_dim]
+            (as returned by the cache), fp16/bf16/fp32.
+        attention_mask: ``None``, a bool key mask [batch, kv_len] from :func:`hf_accel_mask`, or a
+            4-D mask (-> SDPA fallback).
+
+    Returns:
+        (attn_output [batch, q_len, num_heads, head_dim], None). On CUDA tensors the Triton kernel
+        :func:`hf_accel.kernels.attention.attention` runs; on other devices its PyTorch reference.
+    """
+    reason = _fallback_reason(module, query, key, attention_mask, dropout, kwargs)
+    if reason is not None:
+        if kwargs.get("output_attentions"):
+            log_once(f"fallback:{reason}", f"hf-accel: eager attention fallback: {reason}")
+            return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                           dropout=dropout, **kwargs)
+        log_once(f"fallback:{reason}", f"hf-accel: SDPA fallback: {reason}")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if query.is_cuda:
+        log_once("path:triton", "hf-accel: attention runs the Triton kernel")
+        out = attention(query, key, value, attention_mask, causal=causal, sm_scale=scaling)
+    else:
+        log_once(
+            f"path:ref:{query.device.type}",
+            f"hf-accel: no GPU for this tensor ({query.device.type}); attention runs the PyTorch reference",
+        )
+        out = attention_ref(query, key, value, attention_mask, causal=causal, sm_scale=scaling)
+    return out, None
+
+
+_registered = False
+
+
+def register() -> str:
+    """Register the attention and mask functions under :data:`ATTN_NAME`; returns the name."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTN_NAME, hf_accel_attention_forward)
+        AttentionMaskInterface.register(ATTN_NAME, hf_accel_mask)
+        _registered = True
+        logger.debug("registered attention and mask functions under %r", ATTN_NAME)
+    return ATTN_NAME
+
+
+__all__ = ["ATTN_NAME", "hf_accel_attention_forward", "hf_accel_mask", "register"]

@@ -1,0 +1,121 @@
+"""Timing of ``model.generate()``: tokens/s, time to first token (TTFT) and peak memory.
+
+Used by the CLI's side-by-side table and by the demo; it wraps an ordinary transformers streamer, so
+it measures exactly what a user's ``generate`` call does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+
+class TimingStreamer(BaseStreamer):
+    """A transformers streamer that timestamps every ``put`` and forwards to an optional inner streamer.
+
+    transformers calls ``put`` once with the prompt ids, then once per generated step with the new
+    token ids [batch] (or [batch, 1]); the first of those is the first token (TTFT).
+    """
+
+    def __init__(self, inner: BaseStreamer | None = None, sync_device: torch.device | None = None):
+        self.inner = inner
+        self.sync_device = sync_device
+        self.t_start = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.steps = 0
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+        else:
+            if self.t_first is None:
+                if self.sync_device is not None and self.sync_device.type == "cuda":
+                    torch.cuda.synchronize(self.sync_device)
+                self.t_first = time.perf_counter()
+            self.steps += 1
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self):
+        self.t_end = time.perf_counter()
+        if self.inner is not None:
+            self.inner.end()
+
+
+@dataclass
+class GenerationStats:
+    """What one timed ``generate`` call did. Times in seconds, memory in bytes (None off-GPU)."""
+
+    new_tokens: int  # generated tokens summed over the batch (padding after EOS not counted)
+    steps: int  # decode steps (max new tokens over the batch)
+    seconds: float  # wall time of the whole generate call
+    ttft_s: float | None  # time to first generated token
+    tokens_per_s: float  # new_tokens / seconds
+    peak_memory_bytes: int | None  # torch.cuda.max_memory_allocated during the call (CUDA only)
+    sequences: torch.Tensor = field(repr=False, default=None)  # [batch, prompt + new] token ids
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("sequences")
+        return d
+
+
+def _count_new_tokens(sequences: torch.Tensor, prompt_len: int, eos_ids) -> int:
+    new = sequences[:, prompt_len:]
+    if new.numel() == 0:
+        return 0
+    eos = torch.tensor(sorted(eos_ids), device=new.device) if eos_ids else None
+    total = 0
+    for row in new:
+        n = row.numel()
+        if eos is not None:
+            hits = torch.isin(row, eos).nonzero()
+            if hits.numel():
+                n = int(hits[0, 0]) + 1
+        total += n
+    return total
+
+
+def measure_generate(model, inputs: dict, streamer: BaseStreamer | None = None, **generate_kwargs) -> GenerationStats:
+    """Run ``model.generate(**inputs, **generate_kwargs)`` once and time it.
+
+    Args:
+        model: any transformers generation model (accelerated or not).
+        inputs: tokenizer output with ``input_ids`` [batch, prompt_len] int64 and optionally
+            ``attention_mask`` [batch, prompt_len].
+        streamer: optional streamer (e.g. ``TextStreamer``) that also receives the tokens.
+
+    Returns:
+        :class:`GenerationStats`; tokens after the first EOS of a row are not counted.
+    """
+    device = inputs["input_ids"].device
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    timer = TimingStreamer(streamer, sync_device=device)
+    t0 = time.perf_counter()
+    timer.t_start = t0
+    sequences = model.generate(**inputs, streamer=timer, **generate_kwargs)
+    if on_cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    gen_config = getattr(model, "generation_config", None)
+    eos = generate_kwargs.get("eos_token_id", getattr(gen_config, "eos_token_id", None))
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    prompt_len = inputs["input_ids"].shape[1]
+    new_tokens = _count_new_tokens(sequences, prompt_len, eos_ids)
+    return GenerationStats(
+        new_tokens=new_tokens,
+        steps=sequences.shape[1] - prompt_len,
+        seconds=seconds,
+        ttft_s=None if timer.t_first is None else timer.t_first - t0,
+        tokens_per_s=new_tokens / seconds if seconds > 0 else float("nan"),
+        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if on_cuda else None,
+        sequences=sequences,
+    )

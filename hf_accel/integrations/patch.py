@@ -1,0 +1,128 @@
+"""``accelerate_model`` / ``revert_model``: the one-line patch of a transformers model instance.
+
+Only the given instance is changed (its config's attention implementation; peft LoRA weights merged
+in place); no module-level class is patched, so later models are unaffected.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from hf_accel._logging import logger
+from hf_accel.integrations.attention import register
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_STATE_ATTR = "_hf_accel_state"
+
+
+def _unwrap_peft(model):
+    """Return (hf_model, peft_model_or_None)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is a dependency, but keep the core usable without it
+        return model, None
+    if isinstance(model, PeftModel):
+        return model.get_base_model(), model
+    return model, None
+
+
+def _merge_lora(peft_model) -> None:
+    from peft import PeftType
+
+    kinds = {cfg.peft_type for cfg in peft_model.peft_config.values()}
+    if kinds - {PeftType.LORA}:
+        names = ", ".join(sorted(str(k.value if hasattr(k, "value") else k) for k in kinds))
+        raise NotImplementedError(
+            f"hf-accel supports peft models with LoRA adapters only (found: {names}); "
+            "merge the adapter with peft (merge_and_unload) and pass the plain model"
+        )
+    peft_model.merge_adapter()
+
+
+def accelerate_model(model, *, merge_lora: bool = True):
+    """Make ``model.generate()`` (and the model's forward) run on hf-accel's attention kernels.
+
+    The model is patched in place and returned, so ``model = accelerate_model(model)`` is the one line
+    a script needs. Calling it twice is harmless; :func:`revert_model` undoes it exactly.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` of type llama, mistral, qwen2 or qwen3, or a peft
+            ``PeftModel`` wrapping one.
+        merge_lora: for a ``PeftModel``: merge its LoRA adapters into the base weights in place
+            (peft's ``merge_adapter``; undone by :func:`revert_model`). With ``False`` a PeftModel is
+            refused, since unmerged LoRA layers are not accelerated.
+
+    Returns:
+        The same object, patched.
+
+    Raises:
+        TypeError: ``model`` is not a transformers/peft model, or an unknown option is given.
+        ValueError: the model type is not supported (the message lists the supported ones), or a
+            PeftModel is given with ``merge_lora=False``.
+        NotImplementedError: a PeftModel with non-LoRA adapters.
+
+    Attention falls back to SDPA per call (logged once with the reason) where the kernel does not
+    apply: training, autograd, ``output_attentions``, sliding-window/softcap/sink kwargs, dtypes other
+    than fp16/bf16/fp32, head_dim > 256, or masks other than causal + padding.
+    """
+    hf_model, peft_model = _unwrap_peft(model)
+    if not isinstance(hf_model, PreTrainedModel):
+        raise TypeError(
+            f"accelerate_model expects a transformers PreTrainedModel (or a peft PeftModel); "
+            f"got {type(model).__module__}.{type(model).__qualname__}"
+        )
+    model_type = getattr(hf_model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"hf-accel does not support model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(hf_model, _STATE_ATTR, None) is not None:
+        logger.info("hf-accel: model already accelerated; nothing to do")
+        return model
+    if peft_model is not None and not merge_lora:
+        raise ValueError("a PeftModel needs merge_lora=True (unmerged LoRA layers are not accelerated)")
+
+    name = register()
+    state = {"attn_implementation": hf_model.config._attn_implementation, "lora_merged": False}
+    if peft_model is not None:
+        _merge_lora(peft_model)
+        state["lora_merged"] = True
+    hf_model.set_attn_implementation(name)
+    setattr(hf_model, _STATE_ATTR, state)
+    path = "Triton kernel" if hf_model.device.type == "cuda" else "PyTorch reference (no GPU for this model)"
+    logger.info(
+        "hf-accel: %s (%s, %d layers) now uses attention %r: %s%s",
+        type(hf_model).__name__, model_type, hf_model.config.num_hidden_layers, name, path,
+        "; LoRA adapters merged" if state["lora_merged"] else "",
+    )
+    return model
+
+
+def revert_model(model):
+    """Undo :func:`accelerate_model` on this instance: attention implementation restored, LoRA unmerged.
+
+    Raises:
+        TypeError: ``model`` is not a transformers/peft model.
+        ValueError: the model was not accelerated.
+    """
+    hf_model, peft_model = _unwrap_peft(model)
+    if not isinstance(hf_model, PreTrainedModel):
+        raise TypeError(f"revert_model expects a transformers PreTrainedModel; got {type(model).__qualname__}")
+    state = getattr(hf_model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError("this model was not accelerated by hf_accel.accelerate_model")
+    hf_model.set_attn_implementation(state["attn_implementation"])
+    if state["lora_merged"] and peft_model is not None:
+        peft_model.unmerge_adapter()
+    setattr(hf_model, _STATE_ATTR, None)
+    logger.info("hf-accel: reverted %s to attention %r", type(hf_model).__name__, state["attn_implementation"])
+    return model
+
+
+def is_accelerated(model) -> bool:
+    """True if :func:`accelerate_model` is in effect on this model."""
+    hf_model, _ = _unwrap_peft(model)
+    return getattr(hf_model, _STATE_ATTR, None) is not None
+
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "accelerate_model", "revert_model", "is_accelerated"]

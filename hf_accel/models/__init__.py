@@ -1,0 +1,19 @@
+"""Model loading: the embedded SmolLM2-135M-Instruct GGUF, or any local transformers model directory."""
+
+from hf_accel.models.loading import (
+    DEFAULT_GGUF_ENV,
+    INSTALL_HINT,
+    ModelNotFoundError,
+    find_default_gguf,
+    load_default_model,
+    load_model,
+)
+
+__all__ = [
+    "DEFAULT_GGUF_ENV",
+    "INSTALL_HINT",
+    "ModelNotFoundError",
+    "find_default_gguf",
+    "load_default_model",
+    "load_model",
+]

