@@ -1,0 +1,56 @@
+"""Shared helpers of the benchmark scripts: result metadata and the JSON file layout.
+
+Every run writes one file ``<bench>-<YYYYMMDD>.json`` = {"meta": {...}, "rows": [...]}, to ``$OUT`` when
+that variable is set, else to ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("HF_ACCEL_GIT_SHA", "unknown")
+
+
+def meta() -> dict:
+    import torch
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "transformers": transformers.__version__,
+        "git_sha": git_sha(),
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+
+
+def write_results(bench: str, rows: list[dict], extra_meta: dict | None = None) -> Path:
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{bench}-{datetime.date.today():%Y%m%d}.json"
+    m = meta()
+    if extra_meta:
+        m.update(extra_meta)
+    path.write_text(json.dumps({"meta": m, "rows": rows}, indent=1))
+    print(f"wrote {path}")
+    return path

@@ -1,0 +1,31 @@
+"""The one-line patch: an ordinary transformers script, plus `model = accelerate_model(model)`.
+
+    python examples/one_line_patch.py                  # embedded SmolLM2-135M-Instruct
+    python examples/one_line_patch.py --model DIR      # any local llama/mistral/qwen2/qwen3 directory
+"""
+
+import argparse
+import logging
+
+import torch
+from transformers import TextStreamer
+
+from hf_accel import accelerate_model
+from hf_accel.models import load_model
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default=None, help="local HF model directory or .gguf (default: embedded SmolLM2)")
+parser.add_argument("--prompt", default="Give me three tips for writing clear Python code.")
+args = parser.parse_args()
+logging.basicConfig(level=logging.INFO, format="%(message)s")  # shows what hf-accel patched
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+model, tokenizer = load_model(args.model, dtype=dtype, device=device)  # or AutoModelForCausalLM.from_pretrained(...)
+
+model = accelerate_model(model)  # <- the one line
+
+messages = [{"role": "user", "content": args.prompt}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+inputs = inputs.to(device)
+model.generate(**inputs, max_new_tokens=96, do_sample=False, streamer=TextStreamer(tokenizer, skip_prompt=True))

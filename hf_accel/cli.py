@@ -1,0 +1,144 @@
+"""``hf-accel`` command line: ``generate`` (the main job), ``convert-gqa``, ``demo``.
+
+``hf-accel generate --prompt TEXT`` loads a model (default: the embedded SmolLM2-135M-Instruct), runs
+stock transformers ``generate`` and then the same model after ``accelerate_model`` on the same prompt
+(greedy), streams the accelerated answer, and prints a side-by-side table: tokens/s, time to first
+token, peak memory, and whether the greedy tokens are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def _fmt_bytes(n):
+    return "n/a (CPU)" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _fmt_s(s):
+    return "n/a" if s is None else f"{s * 1000:.1f} ms"
+
+
+def _add_generate(sub):
+    p = sub.add_parser("generate", help="stream an answer and compare stock HF generate vs hf-accel")
+    p.add_argument("--prompt", required=True, help="the user prompt (chat template applied if the tokenizer has one)")
+    p.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the results to this JSON file")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> int:
+    import torch
+
+    from hf_accel import accelerate_model, measure_generate
+    from hf_accel.models import ModelNotFoundError, load_model
+
+    prompt = args.prompt.strip()
+    if not prompt:
+        raise CLIError("--prompt is empty; give some text to answer")
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {device} requested but no CUDA GPU is available")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    try:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    except ModelNotFoundError as e:
+        raise CLIError(str(e)) from None
+    except (OSError, ValueError, KeyError) as e:
+        raise CLIError(f"could not load model {args.model or '(default)'}: {type(e).__name__}: {e}") from None
+    from transformers import TextStreamer
+
+    if not args.no_chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = prompt
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+
+    # Warm-up (one short call each) so neither side pays one-time start costs in its numbers.
+    model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    stock = measure_generate(model, inputs, **gen)
+    accelerate_model(model)
+    model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    print(f"\n[{device}, {dtype}] hf-accel answer:\n", flush=True)
+    ours = measure_generate(model, inputs, streamer=TextStreamer(tokenizer, skip_prompt=True,
+                                                                 skip_special_tokens=True), **gen)
+    identical = torch.equal(stock.sequences, ours.sequences)
+    rows = [
+        ("tokens/s", f"{stock.tokens_per_s:.1f}", f"{ours.tokens_per_s:.1f}"),
+        ("time to first token", _fmt_s(stock.ttft_s), _fmt_s(ours.ttft_s)),
+        ("new tokens", str(stock.new_tokens), str(ours.new_tokens)),
+        ("total time", _fmt_s(stock.seconds), _fmt_s(ours.seconds)),
+        ("peak memory", _fmt_bytes(stock.peak_memory_bytes), _fmt_bytes(ours.peak_memory_bytes)),
+    ]
+    path = "Triton kernels" if device.startswith("cuda") else "PyTorch reference attention (no GPU)"
+    print(f"\n{'':22}{'stock HF':>14}{'hf-accel':>14}")
+    for name, a, b in rows:
+        print(f"{name:22}{a:>14}{b:>14}")
+    print(f"greedy tokens identical: {'yes' if identical else 'NO'}   (hf-accel path: {path})")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"device": device, "dtype": dtype, "prompt": prompt, "identical": identical,
+                       "stock": stock.as_dict(), "hf_accel": ours.as_dict(),
+                       "answer": tokenizer.decode(ours.sequences[0, inputs["input_ids"].shape[1]:],
+                                                  skip_special_tokens=True)}, f, indent=2)
+    return 0
+
+
+def _add_optional(sub, name, module, help_text):
+    """Subcommands whose implementation lives in its own module (imported when used)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return
+    p = sub.add_parser(name, help=help_text)
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-accel", description="Fast LLM inference for Hugging Face transformers.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what hf-accel patches and which path runs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_optional(sub, "convert-gqa", "hf_accel.conversion.cli", "convert an MHA/GQA checkpoint to fewer KV heads")
+    _add_optional(sub, "demo", "hf_accel.demo_launch", "start the Gradio demo (stock HF vs hf-accel side by side)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if args.verbose:
+        logging.getLogger("hf_accel").setLevel(logging.INFO)
+    try:
+        return args.func(args)
+    except CLIError as e:
+        print(f"hf-accel: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
