@@ -1,8 +1,2 @@
-"""Triton kernels of hf-accel, each with a launcher and a pure-PyTorch reference.
-
-Nothing in this package imports transformers.
-"""
-
-from hf_accel.kernels.attention import attention, attention_ref
-
-__all__ = ["attention", "attention_ref"]
+"""Triton kernels of hf-accel, one op per module, each with a launcher and a pure-PyTorch reference
+(e.g. :mod:`hf_accel.kernels.attention`). Nothing in this package imports transformers."""
