@@ -24,7 +24,9 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from hf_accel._logging import log_once, logger
+from hf_accel.cache.paged_cache import active_step
 from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, attention, attention_ref
+from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 
 ATTN_NAME = "hf_accel"
 
@@ -74,12 +76,12 @@ def hf_accel_mask(
     )
 
 
-def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str | None:
+def _fallback_reason(module, query, kv_len, attention_mask, dropout, kwargs) -> str | None:
     if kwargs.get("output_attentions"):
         return "output_attentions=True (the kernel does not materialise attention weights)"
     if module.training or dropout:
         return "training mode / attention dropout"
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+    if torch.is_grad_enabled() and query.requires_grad:
         return "autograd is recording (the kernel has no backward pass)"
     for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
         if kwargs.get(name) is not None:
@@ -91,9 +93,25 @@ def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
             return "a non-causal or custom mask (4-D mask: static cache, sliding window, packed sequences, ...)"
-        if tuple(attention_mask.shape) != (query.shape[0], key.shape[2]):
+        if tuple(attention_mask.shape) != (query.shape[0], kv_len):
             return f"key mask shape {tuple(attention_mask.shape)} != [batch, kv_len]"
     return None
+
+
+def _dense_bool_mask(query, kv_len, attention_mask, causal) -> torch.Tensor:
+    """[batch, 1, q_len, kv_len] bool mask (True = attend) equivalent to what the kernel applies."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        if attention_mask.dtype == torch.bool:
+            return attention_mask
+        return attention_mask == 0  # additive float mask: 0 = attend
+    batch, _, q_len, _ = query.shape
+    i = torch.arange(q_len, device=query.device)[:, None]
+    j = torch.arange(kv_len, device=query.device)[None, :]
+    mask = (j <= i + (kv_len - q_len)) if causal else torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
+    mask = mask.expand(batch, 1, q_len, kv_len)
+    if attention_mask is not None:
+        mask = mask & attention_mask.to(torch.bool)[:, None, None, :]
+    return mask
 
 
 def hf_accel_attention_forward(
@@ -111,7 +129,8 @@ def hf_accel_attention_forward(
 
     Args:
         query: [batch, num_heads, q_len, head_dim]; key/value: [batch, num_kv_heads, kv_len, head_dim]
-            (as returned by the cache), fp16/bf16/fp32.
+            as returned by a contiguous cache, or the block pools of a :class:`~hf_accel.cache.PagedCache`
+            step (then the paged kernel reads them through the step's block table); fp16/bf16/fp32.
         attention_mask: ``None``, a bool key mask [batch, kv_len] from :func:`hf_accel_mask`, or a
             4-D mask (-> SDPA fallback).
 
@@ -119,16 +138,31 @@ def hf_accel_attention_forward(
         (attn_output [batch, q_len, num_heads, head_dim], None). On CUDA tensors the Triton kernel
         :func:`hf_accel.kernels.attention.attention` runs; on other devices its PyTorch reference.
     """
-    reason = _fallback_reason(module, query, key, attention_mask, dropout, kwargs)
+    step = active_step(key)
+    kv_len = step.max_seq_len if step is not None else key.shape[2]
+    reason = _fallback_reason(module, query, kv_len, attention_mask, dropout, kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if reason is not None:
+        if step is not None:
+            key, value = step.gather()  # the fallbacks need contiguous K/V
+        mask = _dense_bool_mask(query, key.shape[2], attention_mask, causal)
         if kwargs.get("output_attentions"):
             log_once(f"fallback:{reason}", f"hf-accel: eager attention fallback: {reason}")
-            return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+            additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+            additive.masked_fill_(~mask, torch.finfo(query.dtype).min)
+            return eager_attention_forward(module, query, key, value, additive, scaling=scaling,
                                            dropout=dropout, **kwargs)
         log_once(f"fallback:{reason}", f"hf-accel: SDPA fallback: {reason}")
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        # A query row with no visible key would give NaN in SDPA (and poison later layers through V);
+        # let it attend everywhere instead: its output is padding and never seen by real tokens.
+        mask = mask | ~mask.any(-1, keepdim=True)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+                                      scaling=scaling, is_causal=False, **kwargs)
+    if step is not None:
+        fn = paged_attention if query.is_cuda else paged_attention_ref
+        out = fn(query, step.key_cache, step.value_cache, step.block_table, step.seq_lens, step.max_seq_len,
+                 attention_mask, causal=causal, sm_scale=scaling)
+        return out, None
     if query.is_cuda:
         log_once("path:triton", "hf-accel: attention runs the Triton kernel")
         out = attention(query, key, value, attention_mask, causal=causal, sm_scale=scaling)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from hf_accel._logging import logger
+from hf_accel.integrations import generate as paged_generate
 from hf_accel.integrations.attention import register
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -39,7 +40,7 @@ def _merge_lora(peft_model) -> None:
     peft_model.merge_adapter()
 
 
-def accelerate_model(model, *, merge_lora: bool = True):
+def accelerate_model(model, *, paged_cache: bool = True, block_size: int = 16, merge_lora: bool = True):
     """Make ``model.generate()`` (and the model's forward) run on hf-accel's attention kernels.
 
     The model is patched in place and returned, so ``model = accelerate_model(model)`` is the one line
@@ -48,6 +49,10 @@ def accelerate_model(model, *, merge_lora: bool = True):
     Args:
         model: a transformers ``PreTrainedModel`` of type llama, mistral, qwen2 or qwen3, or a peft
             ``PeftModel`` wrapping one.
+        paged_cache: ``generate`` uses a :class:`~hf_accel.cache.PagedCache` sized for each call (freed
+            when it returns) unless the caller passes a cache or ``cache_implementation``; beam search
+            and assisted generation keep transformers' cache (logged).
+        block_size: tokens per KV block of that cache (>= 1).
         merge_lora: for a ``PeftModel``: merge its LoRA adapters into the base weights in place
             (peft's ``merge_adapter``; undone by :func:`revert_model`). With ``False`` a PeftModel is
             refused, since unmerged LoRA layers are not accelerated.
@@ -81,18 +86,24 @@ def accelerate_model(model, *, merge_lora: bool = True):
         return model
     if peft_model is not None and not merge_lora:
         raise ValueError("a PeftModel needs merge_lora=True (unmerged LoRA layers are not accelerated)")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
     name = register()
-    state = {"attn_implementation": hf_model.config._attn_implementation, "lora_merged": False}
+    state = {"attn_implementation": hf_model.config._attn_implementation, "lora_merged": False,
+             "paged_cache": bool(paged_cache)}
     if peft_model is not None:
         _merge_lora(peft_model)
         state["lora_merged"] = True
     hf_model.set_attn_implementation(name)
+    if paged_cache:
+        paged_generate.install(hf_model, block_size)
     setattr(hf_model, _STATE_ATTR, state)
     path = "Triton kernel" if hf_model.device.type == "cuda" else "PyTorch reference (no GPU for this model)"
     logger.info(
-        "hf-accel: %s (%s, %d layers) now uses attention %r: %s%s",
+        "hf-accel: %s (%s, %d layers) now uses attention %r: %s%s%s",
         type(hf_model).__name__, model_type, hf_model.config.num_hidden_layers, name, path,
+        f"; generate uses PagedCache (block_size {block_size})" if paged_cache else "",
         "; LoRA adapters merged" if state["lora_merged"] else "",
     )
     return model
@@ -112,6 +123,7 @@ def revert_model(model):
     if state is None:
         raise ValueError("this model was not accelerated by hf_accel.accelerate_model")
     hf_model.set_attn_implementation(state["attn_implementation"])
+    paged_generate.uninstall(hf_model)
     if state["lora_merged"] and peft_model is not None:
         peft_model.unmerge_adapter()
     setattr(hf_model, _STATE_ATTR, None)

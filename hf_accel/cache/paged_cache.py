@@ -1,0 +1,293 @@
+"""``PagedCache``: a transformers ``Cache`` whose K/V live in fixed-size blocks (PagedAttention).
+
+Per layer, K and V pools [num_blocks, block_size, num_kv_heads, head_dim]; one block table per
+sequence (batch row), shared by all layers and managed by :class:`~hf_accel.cache.block_manager.BlockManager`
+(Kwon et al. 2023, §4.2). New tokens are written through a slot mapping
+(:func:`~hf_accel.kernels.reshape_and_cache.reshape_and_cache`); attention reads the pools through the
+block table (:func:`~hf_accel.kernels.paged_attention.paged_attention`), so nothing is ever copied to
+grow the cache.
+
+``update`` returns the new K/V themselves on a sequence's first forward (the prefill then runs the
+contiguous kernel), and the pools afterwards; hf-accel's attention function recognises the pools and
+takes the step's block table from :func:`active_step`. Fallback paths (e.g. ``output_attentions``) get a
+contiguous copy from :meth:`PagedStep.gather`.
+
+Beam search works by forking block tables (copy-on-write), ``crop`` rolls back (speculative decoding).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hf_accel.cache.block_manager import BlockManager, OutOfBlocksError
+from hf_accel.kernels.paged_attention import gather_kv
+from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+
+_active = threading.local()
+
+
+@dataclass
+class PagedStep:
+    """Metadata of one forward step, shared by all layers (device tensors built once per step).
+
+    block_table: [batch, max_blocks_per_seq], int32; seq_lens: [batch], int32 (new tokens included);
+    slot_mapping: [batch * q_len], int32; max_seq_len: host int; start: tokens cached before the step.
+    """
+
+    start: int
+    q_len: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_seq_len: int
+    key_cache: torch.Tensor | None = None
+    value_cache: torch.Tensor | None = None
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous (keys, values) [batch, num_kv_heads, max_seq_len, head_dim] of this step's layer."""
+        rows = range(self.block_table.shape[0])
+        keys = torch.stack([gather_kv(self.key_cache, self.block_table, self.max_seq_len, b) for b in rows])
+        values = torch.stack([gather_kv(self.value_cache, self.block_table, self.max_seq_len, b) for b in rows])
+        return keys, values
+
+
+def active_step(key: torch.Tensor) -> PagedStep | None:
+    """The paged step whose key pool is ``key`` (the tensor a PagedCache layer just returned), else None."""
+    step = getattr(_active, "step", None)
+    if step is not None and step.key_cache is key:
+        return step
+    return None
+
+
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer's K/V pools of a :class:`PagedCache`."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache: "PagedCache", layer_idx: int):
+        super().__init__()
+        self._cache = cache
+        self.layer_idx = layer_idx
+        self.length = 0
+        self.keys = self.values = None  # pools, named as transformers' layers name their tensors
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        c = self._cache
+        num_kv_heads, head_dim = key_states.shape[1], key_states.shape[3]
+        c._ensure_manager(key_states)
+        shape = (c.manager.num_blocks, c.block_size, num_kv_heads, head_dim)
+        self.keys = torch.empty(shape, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.empty(shape, dtype=value_states.dtype, device=value_states.device)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, num_kv_heads, q_len, head_dim = key_states.shape
+        step = self._cache._prepare_step(self.length, q_len, batch, key_states.device)
+        k = key_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
+        v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
+        write = reshape_and_cache if key_states.is_cuda else reshape_and_cache_ref
+        write(k, v, self.keys, self.values, step.slot_mapping)
+        fresh = self.length == 0
+        self.length += q_len
+        if fresh:
+            _active.step = None
+            return key_states, value_states
+        step.key_cache, step.value_cache = self.keys, self.values
+        _active.step = step
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, new_length: int) -> None:
+        self.length = new_length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        pass  # block tables are reordered once, by PagedCache.reorder_cache
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        pass
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        pass
+
+
+class PagedCache(Cache):
+    """A paged KV cache for ``model.generate(past_key_values=PagedCache(model.config, ...))``.
+
+    Args:
+        config: the model's config (``num_hidden_layers`` is read).
+        num_blocks: blocks per layer pool. Give this or ``memory_fraction``.
+        block_size: token slots per block (default 16).
+        memory_fraction: size the pools to this fraction of the GPU's free memory at the first update.
+
+    Raises:
+        ValueError: neither or both of ``num_blocks`` and ``memory_fraction``; bad values.
+        OutOfBlocksError: (from ``update``) the pool cannot hold the new tokens; the cache is unchanged
+            and the message says how many blocks were needed and free.
+    """
+
+    def __init__(self, config, *, num_blocks: int | None = None, block_size: int = 16,
+                 memory_fraction: float | None = None):
+        if (num_blocks is None) == (memory_fraction is None):
+            raise ValueError("give exactly one of num_blocks and memory_fraction")
+        if num_blocks is not None and num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if memory_fraction is not None and not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        num_layers = config.get_text_config().num_hidden_layers
+        self.block_size = block_size
+        self._num_blocks = num_blocks
+        self._memory_fraction = memory_fraction
+        self.manager: BlockManager | None = None
+        self.seq_ids: list[int] = []
+        self._step: PagedStep | None = None
+        super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
+
+    # -- sizing -----------------------------------------------------------------------------------
+    def _ensure_manager(self, key_states: torch.Tensor) -> None:
+        if self.manager is not None:
+            return
+        num_blocks = self._num_blocks
+        if num_blocks is None:
+            if not key_states.is_cuda:
+                raise ValueError("memory_fraction needs a CUDA device; give num_blocks instead")
+            free, _ = torch.cuda.mem_get_info(key_states.device)
+            per_block = 2 * self.block_size * key_states.shape[1] * key_states.shape[3] * key_states.element_size()
+            num_blocks = int(free * self._memory_fraction) // (per_block * len(self.layers))
+            if num_blocks < 1:
+                raise OutOfBlocksError(1, 0, 0, self.block_size)
+        self.manager = BlockManager(num_blocks, self.block_size)
+
+    # -- per-step metadata ------------------------------------------------------------------------
+    def _prepare_step(self, start: int, q_len: int, batch: int, device) -> PagedStep:
+        step = self._step
+        if step is not None and step.start == start and step.q_len == q_len:
+            return step  # another layer of the same forward
+        m = self.manager
+        if not self.seq_ids:
+            self.seq_ids = [m.allocate(0) for _ in range(batch)]
+        if len(self.seq_ids) != batch:
+            raise ValueError(f"PagedCache holds {len(self.seq_ids)} sequences but the batch has {batch} rows")
+        if any(m.length(s) != start for s in self.seq_ids):
+            raise RuntimeError(f"PagedCache out of sync: a layer starts at {start}, the block tables hold "
+                               f"{[m.length(s) for s in self.seq_ids]} tokens")
+        needed = sum(m.blocks_needed(s, q_len) for s in self.seq_ids)
+        if needed > m.num_free_blocks:
+            raise OutOfBlocksError(needed, m.num_free_blocks, m.num_blocks, self.block_size)
+        copies = []
+        for s in self.seq_ids:
+            copies += m.append(s, q_len)
+        for src, dst in copies:  # copy-on-write of shared partly filled blocks
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.keys[dst].copy_(layer.keys[src])
+                    layer.values[dst].copy_(layer.values[src])
+        tables = [m.block_table(s) for s in self.seq_ids]
+        width = max(len(t) for t in tables)
+        table = torch.zeros(batch, width, dtype=torch.int32)
+        for b, t in enumerate(tables):
+            table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        pos = torch.arange(start, start + q_len)
+        slots = table[:, pos // self.block_size] * self.block_size + (pos % self.block_size)
+        seq_lens = torch.full((batch,), start + q_len, dtype=torch.int32)
+        self._step = PagedStep(start, q_len, table.to(device, non_blocking=True),
+                               seq_lens.to(device, non_blocking=True),
+                               slots.reshape(-1).to(torch.int32).to(device, non_blocking=True), start + q_len)
+        return self._step
+
+    # -- transformers Cache API -------------------------------------------------------------------
+    def crop(self, max_length) -> None:
+        """Roll back: a negative count removes that many tokens, 0 does nothing, a positive value is the
+        absolute length to keep (older transformers); a 0-d tensor is accepted."""
+        n = int(max_length.item()) if isinstance(max_length, torch.Tensor) else int(max_length)
+        length = self.get_seq_length()
+        new_length = length + n if n < 0 else (length if n == 0 else min(n, length))
+        if new_length < 0:
+            raise ValueError(f"cannot remove {-n} tokens from a cache holding {length}")
+        if new_length == length:
+            return
+        for s in self.seq_ids:
+            self.manager.truncate(s, new_length)
+        for layer in self.layers:
+            layer.crop(new_length)
+        self._step = None
+
+    def _reindex(self, rows: list[int]) -> None:
+        m = self.manager
+        new_ids = [m.fork(self.seq_ids[r]) for r in rows]
+        for s in self.seq_ids:
+            m.free(s)
+        self.seq_ids = new_ids
+        self._step = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row r continues beam ``beam_idx[r]`` (block tables forked, copy-on-write)."""
+        if self.seq_ids:
+            self._reindex([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.seq_ids:
+            self._reindex([int(i) for i in indices.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.seq_ids:
+            self._reindex([r for r in range(len(self.seq_ids)) for _ in range(repeats)])
+
+    def reset(self) -> None:
+        self.release()
+
+    # -- hf-accel API -----------------------------------------------------------------------------
+    def release(self) -> None:
+        """Free every block (the pools stay allocated); the cache is empty afterwards."""
+        if self.manager is not None:
+            self.manager.free_all()
+        self.seq_ids = []
+        self._step = None
+        for layer in self.layers:
+            layer.length = 0
+        if getattr(_active, "step", None) is not None:
+            _active.step = None
+
+    def memory_stats(self) -> dict:
+        """Blocks and bytes: ``blocks_allocated``, ``num_blocks``, ``tokens_stored``, ``slots_allocated``,
+        ``waste_pct`` (allocated slots not holding a token, in %), ``bytes_allocated`` (K+V of allocated
+        blocks over all layers) and ``bytes_reserved`` (the pools)."""
+        m = self.manager
+        if m is None:
+            return {"blocks_allocated": 0, "num_blocks": self._num_blocks or 0, "tokens_stored": 0,
+                    "slots_allocated": 0, "waste_pct": 0.0, "bytes_allocated": 0, "bytes_reserved": 0}
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        per_block = sum(2 * layer.keys[0].numel() * layer.keys.element_size() for layer in layers)
+        slots = m.num_allocated_blocks * self.block_size
+        tokens = m.tokens_stored()
+        return {
+            "blocks_allocated": m.num_allocated_blocks,
+            "num_blocks": m.num_blocks,
+            "tokens_stored": tokens,
+            "slots_allocated": slots,
+            "waste_pct": 100.0 * (slots - tokens) / slots if slots else 0.0,
+            "bytes_allocated": m.num_allocated_blocks * per_block,
+            "bytes_reserved": m.num_blocks * per_block,
+        }

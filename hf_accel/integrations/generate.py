@@ -1,0 +1,83 @@
+"""``model.generate`` with a :class:`~hf_accel.cache.PagedCache` by default (instance-level wrapper).
+
+``accelerate_model`` sets an instance attribute ``generate`` that sizes a PagedCache for the call
+(exactly the blocks its rows can reach), passes it to transformers' own ``generate`` and frees every
+block when the call returns (also on error). The caller's own cache (``past_key_values``/``cache``) or
+``cache_implementation``, ``use_cache=False``, beam search and assisted generation keep transformers'
+behaviour, with a log line saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from transformers.generation import utils as _gen_utils
+
+from hf_accel._logging import log_once
+from hf_accel.cache.paged_cache import PagedCache
+
+# transformers >= 5.2x names the generate/forward cache argument "cache" (past_key_values deprecated).
+CACHE_KWARG = "cache" if "cache" in getattr(_gen_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+
+
+def _skip_reason(model, args, kwargs) -> str | None:
+    gen_config = kwargs.get("generation_config") or model.generation_config
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        return "the caller passed its own cache"
+    if kwargs.get("cache_implementation") or getattr(gen_config, "cache_implementation", None):
+        return "a cache_implementation was requested"
+    if kwargs.get("use_cache", getattr(gen_config, "use_cache", True)) is False:
+        return "use_cache=False"
+    if (kwargs.get("num_beams") or getattr(gen_config, "num_beams", 1) or 1) > 1:
+        return "beam search"
+    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") or getattr(
+        gen_config, "prompt_lookup_num_tokens", None
+    ):
+        return "assisted generation"
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if input_ids is None or input_ids.dim() != 2:
+        return "no 2-D input_ids (inputs_embeds only)"
+    return None
+
+
+def _blocks_needed(model, args, kwargs, block_size: int) -> int:
+    gen_config = kwargs.get("generation_config") or model.generation_config
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    batch, prompt_len = input_ids.shape
+    max_new = kwargs.get("max_new_tokens", getattr(gen_config, "max_new_tokens", None))
+    if max_new is None:
+        max_new = max(kwargs.get("max_length", getattr(gen_config, "max_length", 20) or 20) - prompt_len, 1)
+    rows = batch * (kwargs.get("num_return_sequences") or getattr(gen_config, "num_return_sequences", 1) or 1)
+    return rows * -(-(prompt_len + max_new + 1) // block_size)
+
+
+def paged_generate(model, original_generate, block_size: int, *args, **kwargs):
+    """Call ``original_generate`` with a fresh PagedCache unless :func:`_skip_reason` applies."""
+    reason = _skip_reason(model, args, kwargs)
+    if reason is not None:
+        log_once(f"generate-skip:{reason}", f"hf-accel: generate keeps transformers' cache: {reason}")
+        return original_generate(*args, **kwargs)
+    cache = PagedCache(model.config, num_blocks=_blocks_needed(model, args, kwargs, block_size),
+                       block_size=block_size)
+    log_once("generate-paged", f"hf-accel: generate uses PagedCache (block_size {block_size})")
+    try:
+        return original_generate(*args, **{CACHE_KWARG: cache}, **kwargs)
+    finally:
+        model._hf_accel_last_cache_stats = cache.memory_stats()
+        cache.release()
+
+
+def install(model, block_size: int) -> None:
+    """Shadow ``model.generate`` on this instance only."""
+    original = model.generate
+    model.generate = functools.partial(paged_generate, model, original, block_size)
+    functools.update_wrapper(model.generate, original)
+
+
+def uninstall(model) -> None:
+    model.__dict__.pop("generate", None)
+
+
+def last_cache_stats(model) -> dict | None:
+    """``PagedCache.memory_stats()`` of the model's last paged ``generate`` call (taken before the release)."""
+    return getattr(model, "_hf_accel_last_cache_stats", None)

@@ -1,0 +1,309 @@
+"""Attention over a paged KV cache with split-KV (FlashDecoding) and GQA packing: kernel, launcher, reference.
+
+Decode reads the whole KV cache for one query token, so it is bandwidth-bound and one program per
+(sequence, head) leaves most of the GPU idle at small batch. FlashDecoding (Dao, Haziza, Massa,
+Sizov 2023, "Flash-Decoding for long-context inference") splits the KV length into partitions processed
+in parallel, each producing a partial output and its log-sum-exp, then merges them exactly:
+``out = sum_s exp(lse_s - lse) * out_s`` with ``lse = log sum_s exp(lse_s)``.
+
+K/V live in block pools [num_blocks, block_size, num_kv_heads, head_dim] addressed through a block
+table (PagedAttention, Kwon et al. 2023, §4.1); a ``BLOCK_N`` tile may span several blocks (each key row
+is gathered through its block's id), so the tile size does not depend on ``block_size``.
+
+GQA packing: one program owns one KV head and the ``q_len * group`` query rows of its group (row
+``r`` -> query position ``r // group``, head ``kv_head * group + r % group``), so every K/V block is
+read once per group, not once per query head. The same kernel serves decode (``q_len == 1``) and
+chunked prefill / verification of several tokens (``q_len > 1``), causal bottom-right per sequence:
+query ``i`` of sequence ``b`` sees logical key ``j`` iff ``j <= i + seq_lens[b] - q_len``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_accel.kernels.attention import _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, attention_ref
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, KCache, VCache, BlockTable, SeqLens, KeyMask, Out, PartOut, PartLse,
+    sm_scale_log2,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_tb, stride_tn,
+    stride_mb, stride_mn,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_ps, stride_pb, stride_pm, stride_ph,
+    stride_ls, stride_lb, stride_lm,
+    q_len, head_dim, num_kv_heads, block_size, tokens_per_split,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // num_kv_heads
+    kv_head = pid_bh % num_kv_heads
+    b64 = b.to(tl.int64)
+    seq_len = tl.load(SeqLens + b)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_pos = rows // GROUP
+    q_head = kv_head * GROUP + rows % GROUP
+    row_valid = q_pos < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < head_dim
+    q = tl.load(Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
+                + q_pos[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+
+    causal_shift = seq_len - q_len
+    start = pid_s * tokens_per_split
+    end = tl.minimum(seq_len, start + tokens_per_split)
+    if IS_CAUSAL:
+        last_pos = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
+        end = tl.minimum(end, last_pos + causal_shift + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    kh_off = kv_head.to(tl.int64) * stride_kh
+    vh_off = kv_head.to(tl.int64) * stride_vh
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        phys = tl.load(BlockTable + b64 * stride_tb + (offs_n // block_size) * stride_tn, mask=n_valid, other=0)
+        phys = phys.to(tl.int64)
+        slot = offs_n % block_size
+        k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
+                    + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+        if IEEE_DOT:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * sm_scale_log2
+        allowed = n_valid[None, :] & row_valid[:, None]
+        if IS_CAUSAL:
+            allowed = allowed & (offs_n[None, :] <= (q_pos[:, None] + causal_shift))
+        if HAS_KEY_MASK:
+            km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
+            allowed = allowed & (km[None, :] != 0)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(VCache + phys[:, None] * stride_vb + slot[:, None] * stride_vs + vh_off
+                    + offs_d[None, :] * stride_vd, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        if IEEE_DOT:
+            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    io_mask = row_valid[:, None] & d_valid[None, :]
+    if SPLIT:
+        # Partial output (normalised within the split) and its log2-sum-exp2; -inf where nothing was seen.
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        p_ptrs = (PartOut + pid_s * stride_ps + b64 * stride_pb + q_pos[:, None].to(tl.int64) * stride_pm
+                  + q_head[:, None].to(tl.int64) * stride_ph + offs_d[None, :])
+        tl.store(p_ptrs, out, mask=io_mask)
+        tl.store(PartLse + pid_s * stride_ls + b64 * stride_lb + q_pos.to(tl.int64) * stride_lm + q_head,
+                 lse, mask=row_valid)
+    else:
+        o_ptrs = (Out + b64 * stride_ob + q_pos[:, None].to(tl.int64) * stride_om
+                  + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PartOut, PartLse, Out,
+    stride_ps, stride_pr,
+    stride_ls,
+    stride_or,
+    num_splits, head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)  # flat (b, m, h) row
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_valid = offs_s < num_splits
+    lse = tl.load(PartLse + offs_s * stride_ls + r, mask=s_valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    parts = tl.load(PartOut + offs_s[:, None] * stride_ps + r * stride_pr + offs_d[None, :],
+                    mask=s_valid[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + r * stride_or + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
+
+
+def _check(query, key_cache, value_cache, block_table, seq_lens, key_mask):
+    if query.dim() != 4:
+        raise ValueError(f"query must be [batch, num_heads, q_len, head_dim]; got {tuple(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"key_cache/value_cache must be [num_blocks, block_size, num_kv_heads, head_dim] and "
+                         f"equal; got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    batch, num_heads, q_len, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {key_cache.shape[3]} != query head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if not (query.dtype == key_cache.dtype == value_cache.dtype):
+        raise ValueError(f"dtypes differ: query {query.dtype}, cache {key_cache.dtype}/{value_cache.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be [batch={batch}, max_blocks_per_seq] int32; got "
+                         f"{tuple(block_table.shape)} {block_table.dtype}")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be [batch={batch}] int32; got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if key_mask is not None and (key_mask.dim() != 2 or key_mask.shape[0] != batch):
+        raise ValueError(f"key_mask must be [batch={batch}, >= max seq_len]; got {tuple(key_mask.shape)}")
+    return batch, num_heads, num_kv_heads, q_len, head_dim
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    key_mask: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
+
+    Args:
+        query: [batch, num_heads, q_len, head_dim], fp16/bf16/fp32, any strides. The queries are the
+            last ``q_len`` positions of each sequence (their K/V already written to the cache).
+        key_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
+        value_cache: same shape/dtype as ``key_cache``.
+        block_table: [batch, max_blocks_per_seq], int32 — physical block ids in logical order; entries
+            past a sequence's last block are never read.
+        seq_lens: [batch], int32 — tokens in each sequence's cache, the ``q_len`` new ones included.
+        max_seq_len: host int >= max(seq_lens), sizes the split-KV grid without a device sync.
+        key_mask: optional [batch, >= max_seq_len], bool/int — nonzero = logical key visible (padding).
+        causal: bottom-right causal mask per sequence (see module docstring).
+        sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+        num_splits: KV partitions (FlashDecoding); default chosen from the grid size and ``max_seq_len``.
+        out: optional [batch, q_len, num_heads, head_dim] output buffer.
+
+    Returns:
+        [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
+
+    Raises:
+        ValueError: shape/dtype mismatches, head_dim > 256.
+    """
+    batch, num_heads, num_kv_heads, q_len, head_dim = _check(query, key_cache, value_cache, block_table,
+                                                             seq_lens, key_mask)
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {query.dtype}; supported: {SUPPORTED_DTYPES}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty(batch, q_len, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if batch == 0 or q_len == 0:
+        return out
+    block_size = key_cache.shape[1]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    rows = q_len * group
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_n = 64 if block_d <= 128 else 32
+    m_blocks = triton.cdiv(rows, block_m)
+    if num_splits is None:
+        if query.is_cuda:
+            sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+            want = triton.cdiv(2 * sms, batch * num_kv_heads * m_blocks)
+        else:
+            want = 1
+        num_splits = max(1, min(want, triton.cdiv(max(max_seq_len, 1), 256)))
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(max_seq_len, 1), tokens_per_split)
+    split = num_splits > 1
+    if key_mask is not None and key_mask.dtype == torch.bool:
+        key_mask = key_mask.to(torch.uint8)
+    mask_arg = key_mask if key_mask is not None else seq_lens
+    stride_m = key_mask.stride() if key_mask is not None else (0, 0)
+    if split:
+        part_out = torch.empty(num_splits, batch, q_len, num_heads, head_dim, dtype=torch.float32,
+                               device=query.device)
+        part_lse = torch.empty(num_splits, batch, q_len, num_heads, dtype=torch.float32, device=query.device)
+        p_strides = part_out.stride()[:4]
+        l_strides = part_lse.stride()[:3]
+    else:
+        part_out, part_lse = out, seq_lens  # unused
+        p_strides, l_strides = (0, 0, 0, 0), (0, 0, 0)
+    grid = (m_blocks, batch * num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
+        sm_scale * _LOG2E,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
+        *out.stride(), *p_strides, *l_strides,
+        q_len, head_dim, num_kv_heads, block_size, tokens_per_split,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
+        IEEE_DOT=query.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    if split:
+        out_rows = out.view(batch * q_len * num_heads, head_dim) if out.is_contiguous() else None
+        target = out_rows if out_rows is not None else torch.empty(batch * q_len * num_heads, head_dim,
+                                                                   dtype=out.dtype, device=out.device)
+        _merge_splits_kernel[(batch * q_len * num_heads,)](
+            part_out, part_lse, target,
+            part_out.stride(0), head_dim, part_lse.stride(0), target.stride(0),
+            num_splits, head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        )
+        if out_rows is None:
+            out.copy_(target.view(batch, q_len, num_heads, head_dim))
+    return out
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, row: int) -> torch.Tensor:
+    """Contiguous [num_kv_heads, seq_len, head_dim] copy of one sequence's keys or values (reference/tests)."""
+    block_size = cache.shape[1]
+    pos = torch.arange(seq_len, device=cache.device)
+    blocks = block_table[row, pos // block_size].long()
+    return cache[blocks, pos % block_size].transpose(0, 1)
+
+
+def paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, max_seq_len=None, key_mask=None,
+                        *, causal=True, sm_scale=None, compute_dtype=None) -> torch.Tensor:
+    """PyTorch reference of :func:`paged_attention`: gathers each sequence's K/V and calls
+    :func:`hf_accel.kernels.attention.attention_ref` per sequence. Same arguments and output."""
+    batch, num_heads, _, q_len, head_dim = _check(query, key_cache, value_cache, block_table, seq_lens, key_mask)
+    outs = []
+    for b in range(batch):
+        n = int(seq_lens[b])
+        k = gather_kv(key_cache, block_table, n, b)[None]
+        v = gather_kv(value_cache, block_table, n, b)[None]
+        km = None if key_mask is None else key_mask[b : b + 1, :n]
+        outs.append(attention_ref(query[b : b + 1], k, v, km, causal=causal, sm_scale=sm_scale,
+                                  compute_dtype=compute_dtype))
+    return torch.cat(outs, 0)
