@@ -193,6 +193,9 @@ def paged_attention(
     sm_scale: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -210,6 +213,8 @@ def paged_attention(
         sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
         num_splits: KV partitions (FlashDecoding); default chosen from the grid size and ``max_seq_len``.
         out: optional [batch, q_len, num_heads, head_dim] output buffer.
+        block_n, num_warps, num_stages: kernel tiling overrides (benchmark sweeps); keys per tile
+            (power of 2 >= 16), default 64 (32 for head_dim > 128).
 
     Returns:
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
@@ -233,7 +238,8 @@ def paged_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     rows = q_len * group
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    block_n = 64 if block_d <= 128 else 32
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
     m_blocks = triton.cdiv(rows, block_m)
     if num_splits is None:
         if query.is_cuda:
@@ -268,7 +274,7 @@ def paged_attention(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
         IEEE_DOT=query.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         out_rows = out.view(batch * q_len * num_heads, head_dim) if out.is_contiguous() else None
