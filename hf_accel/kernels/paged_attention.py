@@ -195,7 +195,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -244,7 +244,10 @@ def paged_attention(
     if num_splits is None:
         if query.is_cuda:
             sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-            want = triton.cdiv(2 * sms, batch * num_kv_heads * m_blocks)
+            programs = batch * num_kv_heads * m_blocks
+            # H200 sweep (benchmarks/results/bench_decode-20261130.json): very small grids (B1, 8 KV heads)
+            # read fastest with ~4 programs per SM (2.56 vs 2.22 TB/s at S32k); mid-size grids with ~2.
+            want = triton.cdiv((4 if programs < 32 else 2) * sms, programs)
         else:
             want = 1
         num_splits = max(1, min(want, triton.cdiv(max(max_seq_len, 1), 256)))
