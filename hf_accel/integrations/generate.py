@@ -1,8 +1,10 @@
-"""``model.generate`` with a :class:`~hf_accel.cache.PagedCache` by default (instance-level wrapper).
+"""``model.generate`` on hf-accel's paths by default (instance-level wrapper).
 
-``accelerate_model`` sets an instance attribute ``generate`` that sizes a PagedCache for the call
-(exactly the blocks its rows can reach), passes it to transformers' own ``generate`` and frees every
-block when the call returns (also on error). The caller's own cache (``past_key_values``/``cache``) or
+``accelerate_model`` sets an instance attribute ``generate`` that first tries the fast decode path
+(:mod:`hf_accel.engine.fast_generate`: paged prefill + CUDA-graph decode steps); where that path does
+not apply (the reason is logged once) it sizes a PagedCache for the call (exactly the blocks its rows
+can reach), passes it to transformers' own ``generate`` and frees every block when the call returns
+(also on error). The caller's own cache (``past_key_values``/``cache``) or
 ``cache_implementation``, ``use_cache=False``, beam search and assisted generation keep transformers'
 behaviour, with a log line saying why.
 """
@@ -51,12 +53,43 @@ def _blocks_needed(model, args, kwargs, block_size: int) -> int:
     return rows * -(-(prompt_len + max_new + 1) // block_size)
 
 
-def paged_generate(model, original_generate, block_size: int, *args, **kwargs):
-    """Call ``original_generate`` with a fresh PagedCache unless :func:`_skip_reason` applies."""
+def _try_fast(model, engine, args, kwargs):
+    """Run the fast path; returns the sequences, or None (reason logged) when it does not apply."""
+    if len(args) > 1:
+        reason = "positional generate arguments beyond input_ids"
+    else:
+        call = dict(kwargs)
+        if args:
+            call["input_ids"] = args[0]
+        elif "inputs" in call:
+            call["input_ids"] = call.pop("inputs")
+        try:
+            gc, model_kwargs = model._prepare_generation_config(call.pop("generation_config", None), **call)
+        except Exception as e:  # transformers raises the same error again on its own path
+            reason = f"generation config not understood ({type(e).__name__})"
+        else:
+            reason = engine.check(gc, model_kwargs)
+            if reason is None:
+                log_once("generate-fast", "hf-accel: generate runs the fast decode path "
+                         f"({'CUDA graphs' if model.device.type == 'cuda' and engine.use_cuda_graphs else 'eager steps'})")
+                out = engine.generate(gc, model_kwargs)
+                model._hf_accel_last_cache_stats = engine.last_stats
+                return out
+    log_once(f"fast-skip:{reason}", f"hf-accel: fast decode path not used: {reason}; transformers' loop runs "
+             "on hf-accel's kernels")
+    return None
+
+
+def paged_generate(model, original_generate, block_size: int, engine, *args, **kwargs):
+    """Fast path, else ``original_generate`` with a fresh PagedCache, unless :func:`_skip_reason` applies."""
     reason = _skip_reason(model, args, kwargs)
     if reason is not None:
         log_once(f"generate-skip:{reason}", f"hf-accel: generate keeps transformers' cache: {reason}")
         return original_generate(*args, **kwargs)
+    if engine is not None:
+        out = _try_fast(model, engine, args, kwargs)
+        if out is not None:
+            return out
     cache = PagedCache(model.config, num_blocks=_blocks_needed(model, args, kwargs, block_size),
                        block_size=block_size)
     log_once("generate-paged", f"hf-accel: generate uses PagedCache (block_size {block_size})")
@@ -67,15 +100,22 @@ def paged_generate(model, original_generate, block_size: int, *args, **kwargs):
         cache.release()
 
 
-def install(model, block_size: int) -> None:
+def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool = True) -> None:
     """Shadow ``model.generate`` on this instance only."""
+    from hf_accel.engine.fast_generate import FastEngine
+
     original = model.generate
-    model.generate = functools.partial(paged_generate, model, original, block_size)
+    engine = FastEngine(model, block_size=block_size, use_cuda_graphs=cuda_graphs) if fast_decode else None
+    model._hf_accel_engine = engine
+    model.generate = functools.partial(paged_generate, model, original, block_size, engine)
     functools.update_wrapper(model.generate, original)
 
 
 def uninstall(model) -> None:
     model.__dict__.pop("generate", None)
+    engine = model.__dict__.pop("_hf_accel_engine", None)
+    if engine is not None:
+        engine.release()
 
 
 def last_cache_stats(model) -> dict | None:

@@ -40,7 +40,15 @@ def _merge_lora(peft_model) -> None:
     peft_model.merge_adapter()
 
 
-def accelerate_model(model, *, paged_cache: bool = True, block_size: int = 16, merge_lora: bool = True):
+def accelerate_model(
+    model,
+    *,
+    paged_cache: bool = True,
+    fast_decode: bool = True,
+    cuda_graphs: bool = True,
+    block_size: int = 16,
+    merge_lora: bool = True,
+):
     """Make ``model.generate()`` (and the model's forward) run on hf-accel's attention kernels.
 
     The model is patched in place and returned, so ``model = accelerate_model(model)`` is the one line
@@ -52,6 +60,11 @@ def accelerate_model(model, *, paged_cache: bool = True, block_size: int = 16, m
         paged_cache: ``generate`` uses a :class:`~hf_accel.cache.PagedCache` sized for each call (freed
             when it returns) unless the caller passes a cache or ``cache_implementation``; beam search
             and assisted generation keep transformers' cache (logged).
+        fast_decode: ``generate`` runs its decode loop on hf-accel's own step (model modules + paged
+            kernels) for the configurations it supports (greedy/sampling with temperature, top-k,
+            top-p, min/max lengths, EOS, streamers, left-padded batches); other calls log why and use
+            transformers' loop. Needs ``paged_cache``.
+        cuda_graphs: on CUDA, capture that step in CUDA graphs (one per batch-size bucket).
         block_size: tokens per KV block of that cache (>= 1).
         merge_lora: for a ``PeftModel``: merge its LoRA adapters into the base weights in place
             (peft's ``merge_adapter``; undone by :func:`revert_model`). With ``False`` a PeftModel is
@@ -97,7 +110,7 @@ def accelerate_model(model, *, paged_cache: bool = True, block_size: int = 16, m
         state["lora_merged"] = True
     hf_model.set_attn_implementation(name)
     if paged_cache:
-        paged_generate.install(hf_model, block_size)
+        paged_generate.install(hf_model, block_size, fast_decode=fast_decode, cuda_graphs=cuda_graphs)
     setattr(hf_model, _STATE_ATTR, state)
     path = "Triton kernel" if hf_model.device.type == "cuda" else "PyTorch reference (no GPU for this model)"
     logger.info(

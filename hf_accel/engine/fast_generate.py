@@ -1,0 +1,241 @@
+"""``generate`` on the fast decode path: paged prefill, then CUDA-graph decode steps.
+
+Serves the common configurations of ``model.generate()``: greedy and multinomial sampling with
+temperature / top-k / top-p, ``max_new_tokens`` / ``max_length``, ``min_new_tokens`` / ``min_length``,
+one or several EOS ids, a streamer, batches with left padding. Logits processing uses transformers' own
+processor classes in transformers' order, and the loop follows transformers' sampling loop (finished
+rows emit ``pad_token_id``; the call stops when every row has finished), so greedy output is
+token-for-token what transformers produces from the same logits. Everything else returns ``None`` with
+a reason and the caller falls back to transformers' loop (still on hf-accel's kernels and cache).
+
+Host syncs: none per token without a streamer (EOS is checked every ``sync_every`` steps; surplus
+steps only add padding that is trimmed), one per token with a streamer (it needs the token on the host).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from hf_accel.cache.paged_cache import PagedCache
+from hf_accel.engine.decode_step import DecodeStep
+
+# GenerationConfig fields the fast path implements (others must keep their default values).
+_HANDLED = {
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature", "top_k",
+    "top_p", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "transformers_version",
+    "_from_model_config", "output_attentions", "output_hidden_states", "num_beams", "num_return_sequences",
+    "cache_implementation", "decoder_start_token_id",
+}
+_MODEL_KWARGS = {"input_ids", "attention_mask", "streamer", "synced_gpus"}
+_ROPE_OK = {"default", "linear", "llama3", "yarn"}
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+    p = max(minimum, 1)
+    while p < n:
+        p *= 2
+    return p
+
+
+class FastEngine:
+    """Per-model state of the fast path: a persistent PagedCache (pools kept between calls) and the
+    captured decode steps, keyed by (batch bucket, block-table width bucket)."""
+
+    def __init__(self, model, block_size: int = 16, use_cuda_graphs: bool = True, sync_every: int = 16):
+        self.model = model
+        self.block_size = block_size
+        self.use_cuda_graphs = use_cuda_graphs
+        self.sync_every = sync_every
+        self.cache: PagedCache | None = None
+        self.steps: dict[tuple[int, int], DecodeStep] = {}
+        self.last_stats: dict = {}
+
+    # -- eligibility ------------------------------------------------------------------------------
+    def _model_reason(self) -> str | None:
+        m = self.model
+        cfg = m.config
+        if m.training:
+            return "the model is in training mode"
+        if len({p.device for p in m.parameters()}) > 1:
+            return "the model is spread over several devices"
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            return "sliding-window layers"
+        rope = getattr(m.model.rotary_emb, "rope_type", "default")
+        if rope not in _ROPE_OK:
+            return f"rope_type {rope!r} (its frequencies depend on the sequence length)"
+        return None
+
+    def check(self, gc, model_kwargs) -> str | None:
+        """Reason why this call can't take the fast path, or None."""
+        reason = self._model_reason()
+        if reason:
+            return reason
+        extra = set(model_kwargs) - _MODEL_KWARGS
+        extra = {k for k in extra if model_kwargs[k] is not None}
+        if extra:
+            return f"unsupported generate arguments: {', '.join(sorted(extra))}"
+        defaults = type(gc)._get_default_generation_params() if hasattr(type(gc), "_get_default_generation_params") else {}
+        for key, value in gc.to_dict().items():
+            if key in _HANDLED or key.startswith("_"):
+                continue
+            default = defaults.get(key, None)
+            if value not in (default, None) and value != {}:
+                return f"generation option {key}={value!r}"
+        if (gc.num_beams or 1) > 1:
+            return "beam search"
+        if (gc.num_return_sequences or 1) > 1:
+            return "num_return_sequences > 1"
+        if gc.cache_implementation is not None:
+            return f"cache_implementation={gc.cache_implementation!r}"
+        if gc.use_cache is False:
+            return "use_cache=False"
+        ids = model_kwargs.get("input_ids")
+        if ids is None or ids.dim() != 2 or ids.shape[1] == 0:
+            return "no non-empty 2-D input_ids"
+        sw = getattr(self.model.config, "sliding_window", None)
+        if sw is not None and ids.shape[1] + self._max_new(gc, ids.shape[1]) > sw:
+            return f"the sequence would exceed the sliding window ({sw})"
+        return None
+
+    @staticmethod
+    def _max_new(gc, prompt_len: int) -> int:
+        if gc.max_new_tokens is not None:
+            return gc.max_new_tokens
+        return max((gc.max_length or 20) - prompt_len, 0)
+
+    # -- cache / steps ----------------------------------------------------------------------------
+    def _ensure_cache(self, num_blocks: int) -> PagedCache:
+        if self.cache is None or self.cache.manager is None or self.cache.manager.num_blocks < num_blocks:
+            old = self.cache.manager.num_blocks if (self.cache and self.cache.manager) else 0
+            self.steps.clear()  # graphs point at the old pools
+            self.cache = None
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.cache = PagedCache(self.model.config, num_blocks=max(num_blocks, 2 * old), block_size=self.block_size)
+        return self.cache
+
+    def _step_for(self, batch: int, max_blocks: int) -> DecodeStep:
+        on_gpu = self.model.device.type == "cuda" and self.use_cuda_graphs
+        key = (_bucket(batch) if on_gpu else batch, _bucket(max_blocks, 8) if on_gpu else max_blocks)
+        step = self.steps.get(key)
+        if step is None:
+            step = DecodeStep(self.model, self.cache, key[0], key[1], use_graph=on_gpu)
+            self.steps[key] = step
+        return step
+
+    def release(self) -> None:
+        self.steps.clear()
+        self.cache = None
+
+    # -- generation -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, gc, model_kwargs) -> torch.Tensor:
+        from hf_accel.integrations.generate import CACHE_KWARG
+
+        model = self.model
+        input_ids = model_kwargs["input_ids"].to(model.device)
+        attention_mask = model_kwargs.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(model.device)
+        streamer = model_kwargs.get("streamer")
+        batch, prompt_len = input_ids.shape
+        max_new = self._max_new(gc, prompt_len)
+        if max_new <= 0:
+            return input_ids
+        eos = gc.eos_token_id
+        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
+        eos_t = torch.tensor(eos_list, dtype=torch.long, device=model.device)
+
+        processors = LogitsProcessorList()
+        if eos_list and (gc.min_length or 0) > 0:
+            processors.append(MinLengthLogitsProcessor(gc.min_length, eos_t, device=model.device))
+        if eos_list and (gc.min_new_tokens or 0) > 0:
+            processors.append(MinNewTokensLengthLogitsProcessor(prompt_len, gc.min_new_tokens, eos_t,
+                                                                device=model.device))
+        if gc.do_sample:
+            if gc.temperature is not None and gc.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(gc.temperature))
+            if gc.top_k is not None and gc.top_k != 0:
+                processors.append(TopKLogitsWarper(top_k=gc.top_k, min_tokens_to_keep=1))
+            if gc.top_p is not None and gc.top_p < 1.0:
+                processors.append(TopPLogitsWarper(top_p=gc.top_p, min_tokens_to_keep=1))
+
+        bs = self.block_size
+        blocks_per_row = -(-(prompt_len + max_new) // bs)
+        cache = self._ensure_cache(batch * blocks_per_row + 1)
+        try:
+            # Prefill through the model itself (hf-accel attention on the paged cache).
+            position_ids = attention_mask.long().cumsum(-1) - 1
+            position_ids.masked_fill_(attention_mask == 0, 1)
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+            logits = out.logits[:, -1, :].float()
+            m = cache.manager
+            for s in cache.seq_ids:
+                m.append(s, max_new)  # reserve the whole generation: the block table is static from here
+            scratch_seq = m.allocate(1)
+            scratch = m.block_table(scratch_seq)[0]
+            step = self._step_for(batch, blocks_per_row)
+            table = torch.full((step.batch, step.max_blocks), scratch, dtype=torch.int32)
+            for b, s in enumerate(cache.seq_ids):
+                t = m.block_table(s)
+                table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            step.block_table.copy_(table)
+            step.key_mask.zero_()
+            step.key_mask[:batch, :prompt_len] = attention_mask.to(torch.uint8)
+            step.key_mask[:batch, prompt_len:] = 1
+            step.cache_lens.zero_()
+            step.cache_lens[:batch] = prompt_len
+            step.position_ids.zero_()
+            step.position_ids[:batch] = attention_mask.long().sum(-1)
+            step.input_ids.fill_(pad)
+
+            tokens = torch.full((batch, prompt_len + max_new), pad, dtype=torch.long, device=model.device)
+            tokens[:, :prompt_len] = input_ids
+            unfinished = torch.ones(batch, dtype=torch.bool, device=model.device)
+            steps_run = torch.zeros((), dtype=torch.long, device=model.device)
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
+            cur = prompt_len
+            for i in range(max_new):
+                scores = processors(tokens[:, :cur], logits) if len(processors) else logits
+                if gc.do_sample:
+                    probs = torch.softmax(scores, dim=-1)
+                    next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+                else:
+                    next_tokens = scores.argmax(dim=-1)
+                steps_run += unfinished.any()
+                next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
+                tokens[:, cur] = next_tokens
+                cur += 1
+                if streamer is not None:
+                    streamer.put(next_tokens.cpu())
+                if eos_list:
+                    unfinished &= ~torch.isin(next_tokens, eos_t)
+                if i == max_new - 1:
+                    break
+                if (streamer is not None or (i + 1) % self.sync_every == 0) and eos_list and not bool(unfinished.any()):
+                    break
+                step.input_ids[:batch].copy_(next_tokens)
+                if i > 0:
+                    step.position_ids[:batch] += 1
+                    step.cache_lens[:batch] += 1
+                logits = step.run()[:batch]
+            if streamer is not None:
+                streamer.end()
+            n = int(steps_run)
+            self.last_stats = cache.memory_stats()
+            return tokens[:, : prompt_len + n]
+        finally:
+            cache.release()
