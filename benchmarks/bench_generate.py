@@ -1,0 +1,159 @@
+"""End-to-end ``model.generate`` throughput: stock transformers (eager, sdpa) vs hf-accel, side by side.
+
+Models: a Llama-3-8B-shaped model with random bf16 weights built on the GPU (hidden 4096, 32 layers,
+32 heads, 8 KV heads, intermediate 14336, vocab 128256), prompt 512, 128 new tokens, bs 1/8/32; the real
+SmolLM2-135M-Instruct (bf16, embedded GGUF) bs 1 and 16. Greedy, ``min_new_tokens`` = ``max_new_tokens``
+so every provider generates the same number of tokens. Metrics: decode tok/s (all new tokens of the
+batch / generate wall time), TTFT (a ``max_new_tokens=1`` call), % of the memory floor (weight bytes /
+4.27 TB/s per step, bs1), first-call overhead of ours (first call - warm call: graph capture and
+Triton compilation), greedy agreement with stock sdpa (bf16; not required to be identical).
+
+    python benchmarks/bench_generate.py [--skip-8b] [--skip-smollm2] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+import hf_accel  # noqa: E402
+
+COPY_TBS = 4.27
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_generate(model, ids, mask, new_tokens):
+    _sync()
+    t = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False)
+    _sync()
+    return out, time.perf_counter() - t
+
+
+def run_model(name, model, ids, mask, new_tokens, rows, table, weight_bytes, providers):
+    bs = ids.shape[0]
+    shape = {"model": name, "bs": bs, "prompt_len": ids.shape[1], "new_tokens": new_tokens, "dtype": "bfloat16"}
+    ref = None
+    for provider in providers:
+        try:
+            ref = _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, weight_bytes, shape, ref)
+        except Exception as e:  # record and go on: one broken provider must not hide the others
+            import traceback
+
+            traceback.print_exc()
+            rows.append({"bench": "generate", "provider": provider, "shape": shape, "metric": "error",
+                         "unit": "text", "value": f"{type(e).__name__}: {e}"[:300]})
+            if hf_accel.is_accelerated(model):
+                hf_accel.revert_model(model)
+
+
+def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, weight_bytes, shape, ref):
+    bs = ids.shape[0]
+    if provider == "ours":
+        hf_accel.accelerate_model(model)
+    else:
+        model.set_attn_implementation(provider.removeprefix("hf-"))
+    _, first = timed_generate(model, ids, mask, new_tokens)
+    out, warm = timed_generate(model, ids, mask, new_tokens)
+    _, ttft = timed_generate(model, ids, mask, 1)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        timed_generate(model, ids, mask, new_tokens)
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = None
+    tok_s = bs * new_tokens / warm
+    per_step = (warm - ttft) / max(new_tokens - 1, 1)
+    floor = weight_bytes / (COPY_TBS * 1e12)
+    rec = [("tokens_per_s", "tok/s", tok_s), ("ttft", "ms", ttft * 1e3),
+           ("decode_step", "ms", per_step * 1e3), ("pct_of_memory_floor", "%", 100 * floor / per_step),
+           ("first_call_overhead", "s", first - warm)]
+    if peak is not None:
+        rec.append(("peak_memory", "GiB", peak / 2**30))
+    if provider == "hf-sdpa":
+        ref = out
+    if provider == "ours" and ref is not None:
+        new_ref, new_out = ref[:, ids.shape[1]:], out[:, ids.shape[1]:]
+        rec.append(("greedy_match_vs_hf_sdpa", "fraction", (new_ref == new_out).float().mean().item()))
+    for metric, unit, value in rec:
+        rows.append({"bench": "generate", "provider": provider, "shape": shape, "metric": metric, "unit": unit,
+                     "value": value})
+    table.append((name, bs, provider, tok_s, ttft * 1e3, per_step * 1e3, 100 * floor / per_step, first - warm))
+    print(table[-1], flush=True)
+    if provider == "ours":
+        hf_accel.revert_model(model)
+    return ref
+
+
+def llama8b(tiny=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tiny:
+        cfg = LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=256, vocab_size=1000)
+    else:
+        cfg = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                          intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+                          rope_theta=500000.0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
+    ap.add_argument("--providers", default="hf-eager,hf-sdpa,ours")
+    args = ap.parse_args()
+    providers = args.providers.split(",")
+    rows, table = [], []
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if not args.skip_8b:
+        model = llama8b(args.tiny)
+        wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        prompt, new = (512, 128) if not args.tiny else (16, 8)
+        for bs in ((1, 8, 32) if not args.tiny else (1, 2)):
+            g = torch.Generator(device=dev).manual_seed(bs)
+            ids = torch.randint(0, model.config.vocab_size, (bs, prompt), device=dev, generator=g)
+            run_model("llama3-8b-shape" if not args.tiny else "tiny-llama", model, ids, torch.ones_like(ids), new,
+                      rows, table, wbytes, providers)
+        del model
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    if not args.skip_smollm2:
+        from hf_accel.models import load_default_model
+
+        model, tok = load_default_model(dtype="bfloat16" if dev == "cuda" else "float32", device=dev)
+        wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        passage = "Explain, step by step, how a hash table handles collisions, and compare open addressing " \
+                  "with separate chaining."
+        text = tok.apply_chat_template([{"role": "user", "content": passage}], tokenize=False,
+                                       add_generation_prompt=True)
+        for bs in ((1, 16) if not args.tiny else (1,)):
+            enc = tok([text] * bs, return_tensors="pt").to(dev)
+            run_model("smollm2-135m", model, enc["input_ids"], enc["attention_mask"], 128 if not args.tiny else 8,
+                      rows, table, wbytes, providers)
+    write_results("bench_generate", rows)
+    print(f"\n{'model':18}{'bs':>4}  {'provider':10}{'tok/s':>10}{'TTFT ms':>10}{'step ms':>9}{'% floor':>9}{'1st-call s':>11}")
+    for name, bs, prov, tok_s, ttft, step, pct, first in table:
+        print(f"{name:18}{bs:>4}  {prov:10}{tok_s:10.1f}{ttft:10.1f}{step:9.2f}{pct:9.1f}{first:11.2f}")
+
+
+if __name__ == "__main__":
+    main()
