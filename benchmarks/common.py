@@ -15,11 +15,14 @@ from pathlib import Path
 
 
 def git_sha() -> str:
+    """The commit benchmarked: $HF_ACCEL_GIT_SHA if set (copies of the tree without .git), else git's HEAD."""
+    if os.environ.get("HF_ACCEL_GIT_SHA"):
+        return os.environ["HF_ACCEL_GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
                               check=True, cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("HF_ACCEL_GIT_SHA", "unknown")
+        return "unknown"
 
 
 def meta() -> dict:
