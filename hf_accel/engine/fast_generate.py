@@ -49,11 +49,13 @@ class FastEngine:
     """Per-model state of the fast path: a persistent PagedCache (pools kept between calls) and the
     captured decode steps, keyed by (batch bucket, block-table width bucket)."""
 
-    def __init__(self, model, block_size: int = 16, use_cuda_graphs: bool = True, sync_every: int = 16):
+    def __init__(self, model, block_size: int = 16, use_cuda_graphs: bool = True, sync_every: int = 16,
+                 fused: bool | None = None):
         self.model = model
         self.block_size = block_size
         self.use_cuda_graphs = use_cuda_graphs
         self.sync_every = sync_every
+        self.fused = fused  # None: fused Triton step on CUDA; True forces it (CPU tests under TRITON_INTERPRET)
         self.cache: PagedCache | None = None
         self.steps: dict[tuple[int, int], DecodeStep] = {}
         self.last_stats: dict = {}
@@ -128,7 +130,7 @@ class FastEngine:
         key = (_bucket(batch) if on_gpu else batch, _bucket(max_blocks, 8) if on_gpu else max_blocks)
         step = self.steps.get(key)
         if step is None:
-            step = DecodeStep(self.model, self.cache, key[0], key[1], use_graph=on_gpu)
+            step = DecodeStep(self.model, self.cache, key[0], key[1], use_graph=on_gpu, fused=self.fused)
             self.steps[key] = step
         return step
 

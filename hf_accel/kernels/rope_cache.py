@@ -1,0 +1,132 @@
+"""Rotary embedding of Q and K fused with writing K/V into the paged cache (decode step).
+
+RoPE (Su et al. 2021, "RoFormer", §3.4.2) in transformers' "rotate_half" layout: for the first half of
+the head ``x*cos - x[d+D/2]*sin``, for the second ``x*cos + x[d-D/2]*sin``, rounded like
+``q * cos + rotate_half(q) * sin`` in the model dtype. An optional per-head RMSNorm of Q and K before the
+rotation (Qwen3's ``q_norm``/``k_norm``) is applied in the same kernel. K (rotated) and V go straight to
+slot ``slot_mapping[b]`` of the pools, so the step runs one kernel instead of ~20.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_cache_kernel(
+    Q, K, V, Cos, Sin, QNormW, KNormW, QOut, KCache, VCache, SlotMapping,
+    stride_qb, stride_kb, stride_vb, stride_cb, stride_ob,
+    stride_kcb, stride_kcs, stride_kch,
+    num_heads, head_dim, block_size, eps,
+    HAS_QK_NORM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = head_dim // 2
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < head_dim
+    partner = tl.where(offs < half, offs + half, offs - half)
+    sign = tl.where(offs < half, -1.0, 1.0)
+    cos = tl.load(Cos + b * stride_cb + offs, mask=m, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + b * stride_cb + offs, mask=m, other=0.0).to(tl.float32)
+    is_q = head < num_heads
+    if is_q:
+        base = Q + b * stride_qb + head * head_dim
+        norm_w = QNormW
+    else:
+        base = K + b * stride_kb + (head - num_heads) * head_dim
+        norm_w = KNormW
+    x = tl.load(base + offs, mask=m, other=0.0)
+    xp = tl.load(base + partner, mask=m, other=0.0)
+    dt = x.dtype
+    if HAS_QK_NORM:
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 0) / head_dim + eps)
+        w = tl.load(norm_w + offs, mask=m, other=0.0).to(tl.float32)
+        wp = tl.load(norm_w + partner, mask=m, other=0.0).to(tl.float32)
+        x = (w * (xf * rstd).to(dt).to(tl.float32)).to(dt)
+        xp = (wp * (xp.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+    t1 = (x.to(tl.float32) * cos).to(dt).to(tl.float32)
+    t2 = ((sign * xp.to(tl.float32)) * sin).to(dt).to(tl.float32)
+    out = (t1 + t2).to(dt)
+    if is_q:
+        tl.store(QOut + b * stride_ob + head * head_dim + offs, out, mask=m)
+    else:
+        slot = tl.load(SlotMapping + b).to(tl.int64)
+        if slot >= 0:
+            kv_head = head - num_heads
+            dst = (slot // block_size) * stride_kcb + (slot % block_size) * stride_kcs + kv_head * stride_kch
+            tl.store(KCache + dst + offs, out.to(KCache.dtype.element_ty), mask=m)
+            v = tl.load(V + b * stride_vb + kv_head * head_dim + offs, mask=m, other=0.0)
+            tl.store(VCache + dst + offs, v.to(VCache.dtype.element_ty), mask=m)
+
+
+def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_norm_weight=None,
+                   k_norm_weight=None, eps: float = 1e-6) -> torch.Tensor:
+    """Rotate Q/K of one decode token per row, write K/V to the cache; returns rotated Q.
+
+    Args:
+        q: [batch, num_heads * head_dim]; k, v: [batch, num_kv_heads * head_dim] (projection outputs,
+            rows contiguous), fp16/bf16/fp32.
+        cos, sin: [batch, head_dim], the rotary tables at each row's position (transformers' layout).
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous last dims.
+        slot_mapping: [batch] int32 — ``block * block_size + offset``; -1 = do not write.
+        q_norm_weight, k_norm_weight: optional [head_dim] per-head RMSNorm weights applied before RoPE.
+
+    Returns:
+        [batch, num_heads, head_dim] rotated queries.
+
+    Raises:
+        ValueError: shape mismatches.
+    """
+    batch = q.shape[0]
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    num_heads = q.shape[1] // head_dim
+    if (q.shape[1] % head_dim or k.shape != (batch, num_kv_heads * head_dim) or v.shape != k.shape
+            or cos.shape != (batch, head_dim) or sin.shape != cos.shape or slot_mapping.shape != (batch,)):
+        raise ValueError(f"rope_and_cache shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"cos {tuple(cos.shape)}, cache {tuple(key_cache.shape)}, slots {tuple(slot_mapping.shape)}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    for t in (q, k, v, cos, sin):
+        if t.stride(1) != 1:
+            raise ValueError("q, k, v, cos, sin need contiguous rows")
+    q_out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    has_norm = q_norm_weight is not None
+    _rope_cache_kernel[(batch, num_heads + num_kv_heads)](
+        q, k, v, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
+        q_out, key_cache, value_cache, slot_mapping,
+        q.stride(0), k.stride(0), v.stride(0), cos.stride(0), q_out.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        num_heads, head_dim, key_cache.shape[1], eps,
+        HAS_QK_NORM=has_norm, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1,
+    )
+    return q_out
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_and_cache_ref(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_norm_weight=None,
+                       k_norm_weight=None, eps: float = 1e-6) -> torch.Tensor:
+    """PyTorch reference of :func:`rope_and_cache` (transformers' ops), same arguments and result."""
+    from hf_accel.kernels.reshape_and_cache import reshape_and_cache_ref
+    from hf_accel.kernels.rms_norm import rms_norm_ref
+
+    batch = q.shape[0]
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    qh = q.view(batch, -1, head_dim)
+    kh = k.view(batch, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        qh = rms_norm_ref(qh.reshape(-1, head_dim), q_norm_weight, eps).view(qh.shape)
+        kh = rms_norm_ref(kh.reshape(-1, head_dim), k_norm_weight, eps).view(kh.shape)
+    c, s = cos[:, None, :], sin[:, None, :]
+    q_rot = qh * c + _rotate_half(qh) * s
+    k_rot = kh * c + _rotate_half(kh) * s
+    reshape_and_cache_ref(k_rot, v.view(batch, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping)
+    return q_rot
