@@ -87,6 +87,8 @@ class DecodeStep:
         self.key_mask = torch.zeros(batch, self.capacity, dtype=torch.uint8, device=dev)
         self.logits = None
         self.graph = None
+        self.graph_greedy = None
+        self.greedy = None
         self.use_graph = use_graph and dev.type == "cuda"
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
@@ -179,6 +181,54 @@ class DecodeStep:
         hidden = inner.norm(hidden)
         return model.lm_head(hidden).float()
 
+    # -- greedy decoding inside the graph ------------------------------------------------------------
+    def _greedy_tail(self, logits: torch.Tensor) -> None:
+        """Greedy pick + transformers' end-of-sequence bookkeeping, on the device (no host sync):
+        finished rows emit ``pad``; ``steps_run`` counts steps taken while a row was unfinished."""
+        g = self.greedy
+        nxt = logits.argmax(dim=-1)
+        g["steps_run"] += g["unfinished"].any()
+        nxt = torch.where(g["unfinished"], nxt, g["pad"])
+        g["tokens"].scatter_(1, g["cur"].expand(self.batch, 1), nxt[:, None])
+        g["unfinished"] &= ~torch.isin(nxt, g["eos"])
+        self.input_ids.copy_(nxt)
+        self.position_ids += 1
+        self.cache_lens += 1
+        g["cur"] += 1
+
+    def init_greedy(self, eos_ids: list[int]) -> dict:
+        """Static buffers of the in-graph greedy loop: tokens [batch, capacity] int64 (prompt + output),
+        unfinished [batch] bool, cur / steps_run int64 scalars, pad int64 scalar, eos [8] int64 (-1 padded)."""
+        if len(eos_ids) > 8:
+            raise ValueError("at most 8 EOS ids on the in-graph greedy path")
+        if getattr(self, "greedy", None) is None:
+            dev = self.input_ids.device
+            self.greedy = {
+                "tokens": torch.zeros(self.batch, self.capacity + 1, dtype=torch.long, device=dev),
+                "unfinished": torch.zeros(self.batch, dtype=torch.bool, device=dev),
+                "cur": torch.zeros(1, dtype=torch.long, device=dev),
+                "steps_run": torch.zeros((), dtype=torch.long, device=dev),
+                "pad": torch.zeros((), dtype=torch.long, device=dev),
+                "eos": torch.full((8,), -1, dtype=torch.long, device=dev),
+            }
+        self.greedy["eos"].fill_(-1)
+        if eos_ids:
+            self.greedy["eos"][: len(eos_ids)] = torch.tensor(eos_ids, dtype=torch.long)
+        return self.greedy
+
+    @torch.inference_mode()
+    def run_greedy(self) -> None:
+        """One greedy step with its bookkeeping (one graph replay on GPU)."""
+        if not self.use_graph:
+            self._greedy_tail(self._forward())
+            return
+        if self.graph_greedy is None:
+            self._warm_up()
+            self.graph_greedy = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph_greedy):
+                self._greedy_tail(self._forward())
+        self.graph_greedy.replay()
+
     @torch.inference_mode()
     def run(self) -> torch.Tensor:
         """Run one step (graph replay on GPU once captured); returns ``logits`` [batch, vocab] float32."""
@@ -186,20 +236,20 @@ class DecodeStep:
             self.logits = self._forward()
             return self.logits
         if self.graph is None:
-            self._capture()
+            self._warm_up()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()
         self.graph.replay()
         return self.logits
 
-    def _capture(self) -> None:
+    def _warm_up(self) -> None:
         # Warm-up outside the graph (Triton compiles, cuBLAS picks kernels), on a side stream as PyTorch
-        # recommends; the warm-up writes garbage into slot ``cache_lens`` of reserved blocks, which the
-        # real step overwrites before anything reads it.
+        # recommends. It only runs the forward: it writes this step's own K/V into slot ``cache_lens``
+        # (the values the real step writes again) and changes no other state.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self._forward()
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._forward()

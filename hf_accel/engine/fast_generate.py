@@ -139,6 +139,31 @@ class FastEngine:
         self.cache = None
 
     # -- generation -------------------------------------------------------------------------------
+    def _greedy_in_graph(self, step, logits, input_ids, batch, prompt_len, max_new, pad, eos_list):
+        """Greedy without processors or streamer: pick + bookkeeping captured with the step, so the host
+        only replays (and reads ``unfinished`` every ``sync_every`` steps)."""
+        g = step.init_greedy(eos_list)
+        g["tokens"].fill_(pad)
+        g["tokens"][:batch, :prompt_len] = input_ids
+        g["unfinished"].zero_()
+        g["unfinished"][:batch] = True
+        g["pad"].fill_(pad)
+        g["steps_run"].zero_()
+        # First token from the prefill logits, with the same bookkeeping as every later step.
+        first = logits.argmax(dim=-1)
+        g["steps_run"] += 1
+        g["tokens"][:batch, prompt_len] = first
+        if eos_list:
+            g["unfinished"][:batch] &= ~torch.isin(first, g["eos"])
+        step.input_ids[:batch].copy_(first)
+        g["cur"].fill_(prompt_len + 1)
+        for i in range(1, max_new):
+            step.run_greedy()
+            if eos_list and i % self.sync_every == 0 and not bool(g["unfinished"].any()):
+                break
+        n = int(g["steps_run"])
+        return n, g["tokens"][:batch].clone()
+
     @torch.inference_mode()
     def generate(self, gc, model_kwargs) -> torch.Tensor:
         from hf_accel.integrations.generate import CACHE_KWARG
@@ -203,6 +228,10 @@ class FastEngine:
             step.position_ids[:batch] = attention_mask.long().sum(-1)
             step.input_ids.fill_(pad)
 
+            if not gc.do_sample and not len(processors) and streamer is None:
+                n, tokens = self._greedy_in_graph(step, logits, input_ids, batch, prompt_len, max_new, pad, eos_list)
+                self.last_stats = cache.memory_stats()
+                return tokens[:, : prompt_len + n]
             tokens = torch.full((batch, prompt_len + max_new), pad, dtype=torch.long, device=model.device)
             tokens[:, :prompt_len] = input_ids
             unfinished = torch.ones(batch, dtype=torch.bool, device=model.device)
