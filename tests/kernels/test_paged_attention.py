@@ -1,0 +1,271 @@
+"""Paged attention kernel (split-KV, GQA packing) vs a float64 reference over scattered block tables.
+
+Triton's interpreter runs the kernel without a GPU. Pools are filled with NaN except the slots that
+hold a sequence's tokens, blocks are assigned through ``randperm``, and block-table entries past a
+sequence's last block point at a NaN block: any read outside a sequence's tokens shows up as NaN.
+
+Error rule (flash-attn's): max |kernel - ref64| <= 2 * max |torch_same_dtype - ref64| + 1e-5, where
+``torch_same_dtype`` is :func:`paged_attention_ref` computed entirely in the test dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import hf_accel.kernels.paged_attention as pa
+from hf_accel.kernels.paged_attention import gather_kv, paged_attention, paged_attention_ref
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Triton's interpreter runs tl.dot on bfloat16 operands over their raw uint16 bit patterns
+# (triton-lang/triton#11584; "not supported yet" upstream), so bf16 can only be checked on a GPU.
+BF16 = pytest.param(
+    torch.bfloat16, id="bf16",
+    marks=pytest.mark.xfail(INTERPRET, strict=True,
+                            reason="Triton interpreter does not support bfloat16 tl.dot (triton-lang/triton#11584)"),
+)
+FP16 = pytest.param(torch.float16, id="fp16")
+FP32 = pytest.param(torch.float32, id="fp32")
+
+HEADS = [(8, 8), (8, 2), (8, 1)]
+HEAD_IDS = ["mha8", "gqa8-2", "mqa8-1"]
+HEAD_DIM = 32
+
+
+class Case:
+    """Random queries and a scattered paged K/V pool for sequences of ``seq_lens`` tokens."""
+
+    def __init__(self, seq_lens, num_heads, num_kv_heads, q_len, block_size, dtype=torch.float32, *,
+                 head_dim=HEAD_DIM, seed=0, spare_blocks=3, hf_layout=False):
+        g = torch.Generator().manual_seed(seed)
+        batch = len(seq_lens)
+        per_seq = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(per_seq) + spare_blocks
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        poison = perm.pop()  # never assigned: table padding points here
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.value_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.block_table = torch.full((batch, max(per_seq) + 2), poison, dtype=torch.int32)
+        for b, n in enumerate(seq_lens):
+            ids = [perm.pop(0) for _ in range(per_seq[b])]
+            self.block_table[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            for pos in range(n):
+                blk, off = ids[pos // block_size], pos % block_size
+                self.key_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+                self.value_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+        if hf_layout:  # transformers' query: [b, q, h, d] storage seen as [b, h, q, d]
+            self.query = torch.randn(batch, q_len, num_heads, head_dim, generator=g).to(dtype).transpose(1, 2)
+        else:
+            self.query = torch.randn(batch, num_heads, q_len, head_dim, generator=g).to(dtype)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        self.max_seq_len = max(seq_lens)
+        for name in ("key_cache", "value_cache", "block_table", "query", "seq_lens"):
+            setattr(self, name, getattr(self, name).to(DEVICE))
+
+    def args(self):
+        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens, self.max_seq_len)
+
+    def check(self, key_mask=None, *, causal=True, sm_scale=None, **kw):
+        """Kernel output, checked against float64 with the 2x-PyTorch rule; returns (out, ref64)."""
+        q, kc, vc, table, lens, max_len = self.args()
+        out = paged_attention(q, kc, vc, table, lens, max_len, key_mask, causal=causal, sm_scale=sm_scale, **kw)
+        batch, num_heads, q_len, head_dim = q.shape
+        assert out.shape == (batch, q_len, num_heads, head_dim) and out.dtype == q.dtype
+        assert torch.isfinite(out).all(), "kernel read a slot outside the sequences (NaN poison)"
+        ref = paged_attention_ref(q.double(), kc.double(), vc.double(), table, lens, max_len, key_mask,
+                                  causal=causal, sm_scale=sm_scale)
+        same = paged_attention_ref(q, kc, vc, table, lens, max_len, key_mask, causal=causal, sm_scale=sm_scale,
+                                   compute_dtype=q.dtype)
+        err = (out.double() - ref).abs().max().item()
+        torch_err = (same.double() - ref).abs().max().item()
+        assert err <= 2 * torch_err + 1e-5, (
+            f"kernel error {err:.3g} > 2 * PyTorch {q.dtype} error {torch_err:.3g} + 1e-5"
+        )
+        return out, ref
+
+
+class SplitSpy:
+    """Counts launches of the split-merge kernel (so a forced split really split)."""
+
+    def __init__(self, monkeypatch):
+        self.grids = []
+        kernel = pa._merge_splits_kernel
+        spy = self
+
+        class Wrapped:
+            def __getitem__(self, grid):
+                spy.grids.append(grid)
+                return kernel[grid]
+
+        monkeypatch.setattr(pa, "_merge_splits_kernel", Wrapped())
+
+
+def _left_pad_mask(seq_lens, pads, width=None):
+    width = width or max(seq_lens)
+    mask = torch.zeros(len(seq_lens), width, dtype=torch.bool)
+    for b, (n, p) in enumerate(zip(seq_lens, pads)):
+        mask[b, p:n] = True
+    return mask.to(DEVICE)
+
+
+def test_interpreter_is_active_without_gpu():
+    if not HAS_CUDA:
+        assert INTERPRET
+
+
+# --- fp32 sweep: block sizes, GQA ratios, decode and multi-token queries ------------------------------
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_matches_reference_scattered_tables(block_size, heads, q_len):
+    num_heads, num_kv_heads = heads
+    # per-row lengths, none a multiple of the block size; q_len <= every length
+    seq_lens = [max(1, q_len), 17, 45] if q_len == 1 else [5, 17, 45]
+    case = Case(seq_lens, num_heads, num_kv_heads, q_len, block_size, seed=block_size + q_len + num_kv_heads)
+    out, ref = case.check()
+    # a seq_len-1 row with one query sees only its own key: the output is that key's value
+    if seq_lens[0] == 1:
+        v0 = gather_kv(case.value_cache, case.block_table, 1, 0)[:, 0]  # [kv_heads, d]
+        group = num_heads // num_kv_heads
+        torch.testing.assert_close(out[0, 0], v0.repeat_interleave(group, 0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "heads,q_len,block_size,num_splits",
+    [((8, 2), 1, 16, 3), ((8, 1), 3, 32, 2), ((8, 8), 5, 16, 4), ((8, 2), 4, 32, 3)],
+    ids=["gqa-decode-b16-s3", "mqa-q3-b32-s2", "mha-q5-b16-s4", "gqa-q4-b32-s3"],
+)
+def test_forced_splits_match_reference(heads, q_len, block_size, num_splits, monkeypatch):
+    num_heads, num_kv_heads = heads
+    seq_lens = [q_len + 12, 45, 33]
+    case = Case(seq_lens, num_heads, num_kv_heads, q_len, block_size, seed=num_splits)
+    spy = SplitSpy(monkeypatch)
+    out_split, _ = case.check(num_splits=num_splits, block_n=16)
+    assert len(spy.grids) == 1, "num_splits > 1 did not run the split-KV path"
+    out_one, _ = case.check(num_splits=1, block_n=16)
+    assert len(spy.grids) == 1
+    torch.testing.assert_close(out_split, out_one, rtol=1e-5, atol=1e-5)
+
+
+def test_default_splits_on_long_sequence(monkeypatch):
+    """num_splits=None on CPU picks 1; forcing splits with the default tile size still matches."""
+    case = Case([300, 129], 8, 2, 1, 16, seed=11)
+    spy = SplitSpy(monkeypatch)
+    case.check()
+    assert spy.grids == []
+    case.check(num_splits=3)
+    assert len(spy.grids) == 1
+
+
+@pytest.mark.parametrize(
+    "heads,q_len,block_size,head_dim",
+    [((8, 1), 5, 16, 32), ((16, 1), 5, 16, 32), ((4, 2), 2, 12, 24), ((2, 1), 1, 1, 80)],
+    ids=["rows40-one-m-block", "rows80-two-m-blocks", "block12-d24", "block1-d80"],
+)
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+def test_row_tiles_odd_block_sizes_and_head_dims(heads, q_len, block_size, head_dim, num_splits):
+    """Query-row tiling over several programs (q_len * group > 64), block sizes that are not powers
+    of 2 (a tile spans several blocks) and head dims that are not powers of 2."""
+    case = Case([q_len + 2, 37, 20], *heads, q_len, block_size, head_dim=head_dim, seed=head_dim)
+    mask = _left_pad_mask([q_len + 2, 37, 20], [0, 9, 2])
+    case.check(mask, num_splits=num_splits, block_n=16)
+
+
+# --- key mask (left padding), fully masked rows -------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_left_padding_key_mask(q_len, num_splits, monkeypatch):
+    seq_lens = [45, 45, 30]
+    pads = [0, 20, 7]  # row 1: the whole first split (16 keys) is padding
+    case = Case(seq_lens, 8, 2, q_len, 16, seed=q_len)
+    mask = _left_pad_mask(seq_lens, pads, width=48)  # wider than max_seq_len is allowed
+    spy = SplitSpy(monkeypatch)
+    case.check(mask, num_splits=num_splits, block_n=16)
+    assert len(spy.grids) == (1 if num_splits > 1 else 0)
+    # int mask = bool mask
+    out_bool = paged_attention(*case.args(), mask, num_splits=num_splits, block_n=16)
+    out_int = paged_attention(*case.args(), mask.to(torch.int32), num_splits=num_splits, block_n=16)
+    assert torch.equal(out_bool, out_int)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+@pytest.mark.parametrize("dtype", [FP32, FP16])
+def test_fully_masked_row_is_zero(dtype, num_splits):
+    seq_lens = [45, 17]
+    case = Case(seq_lens, 8, 2, 2, 16, dtype, seed=5)
+    mask = _left_pad_mask(seq_lens, [0, 17])  # row 1 sees nothing
+    out, ref = case.check(mask, num_splits=num_splits, block_n=16)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert (out[0].abs().sum(-1) > 0).all()
+
+
+def test_non_causal_and_scale():
+    case = Case([17, 33], 8, 2, 3, 16, seed=6)
+    case.check(causal=False)
+    case.check(causal=False, sm_scale=0.3, num_splits=2, block_n=16)
+
+
+# --- dtypes -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("dtype", [FP32, FP16, BF16])
+def test_dtypes_error_rule(dtype, q_len, num_splits):
+    seq_lens = [q_len + 4, 45, 38]
+    case = Case(seq_lens, 8, 2, q_len, 16, dtype, seed=7 + q_len)
+    mask = _left_pad_mask(seq_lens, [0, 3, 10])
+    case.check(mask, num_splits=num_splits, block_n=16)
+
+
+# --- layouts, out buffer, errors --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 2], ids=["one-split", "two-splits"])
+def test_transformers_query_layout_and_out_buffer(num_splits):
+    case = Case([20, 37], 8, 2, 2, 16, hf_layout=True, seed=8)
+    assert not case.query.is_contiguous()
+    out, _ = case.check(num_splits=num_splits, block_n=16)
+    # a non-contiguous out buffer ([b, h, q, d] storage seen as [b, q, h, d]) is filled in place
+    buf = torch.full((2, 8, 2, HEAD_DIM), float("nan"), device=DEVICE).transpose(1, 2)
+    got = paged_attention(*case.args(), num_splits=num_splits, block_n=16, out=buf)
+    assert got is buf
+    assert torch.equal(buf, out)
+
+
+def test_empty_batch_or_query():
+    case = Case([5], 4, 2, 1, 16)
+    q, kc, vc, table, lens, max_len = case.args()
+    out = paged_attention(q[:, :, :0], kc, vc, table, lens, max_len)
+    assert out.shape == (1, 0, 4, HEAD_DIM)
+
+
+@pytest.mark.parametrize("bad", ["heads", "dtype", "table_dtype", "lens_shape", "mask_rows", "head_dim"])
+def test_argument_errors(bad):
+    case = Case([5, 9], 4, 2, 1, 16)
+    q, kc, vc, table, lens, max_len = case.args()
+    mask = None
+    if bad == "heads":
+        q = q[:, :3]
+    elif bad == "dtype":
+        q = q.half()
+    elif bad == "table_dtype":
+        table = table.long()
+    elif bad == "lens_shape":
+        lens = lens[:1]
+    elif bad == "mask_rows":
+        mask = torch.ones(1, 9, dtype=torch.bool, device=DEVICE)
+    else:
+        kc, vc = kc[..., :16], vc[..., :16]
+    with pytest.raises(ValueError):
+        paged_attention(q, kc, vc, table, lens, max_len, mask)
