@@ -59,6 +59,7 @@ def active_step(key: torch.Tensor) -> PagedStep | None:
     """The paged step whose key pool is ``key`` (the tensor a PagedCache layer just returned), else None."""
     step = getattr(_active, "step", None)
     if step is not None and step.key_cache is key:
+        _active.step = None  # consumed: the thread-local must not keep a layer's pools alive
         return step
     return None
 
@@ -186,7 +187,8 @@ class PagedCache(Cache):
         if step is not None and step.start == start and step.q_len == q_len:
             return step  # another layer of the same forward
         m = self.manager
-        if not self.seq_ids:
+        fresh = not self.seq_ids
+        if fresh:
             self.seq_ids = [m.allocate(0) for _ in range(batch)]
         if len(self.seq_ids) != batch:
             raise ValueError(f"PagedCache holds {len(self.seq_ids)} sequences but the batch has {batch} rows")
@@ -195,6 +197,10 @@ class PagedCache(Cache):
                                f"{[m.length(s) for s in self.seq_ids]} tokens")
         needed = sum(m.blocks_needed(s, q_len) for s in self.seq_ids)
         if needed > m.num_free_blocks:
+            if fresh:  # leave the cache as it was: empty, not tied to this batch size
+                for s in self.seq_ids:
+                    m.free(s)
+                self.seq_ids = []
             raise OutOfBlocksError(needed, m.num_free_blocks, m.num_blocks, self.block_size)
         copies = []
         for s in self.seq_ids:
@@ -272,7 +278,7 @@ class PagedCache(Cache):
 
     def memory_stats(self) -> dict:
         """Blocks and bytes: ``blocks_allocated``, ``num_blocks``, ``tokens_stored``, ``slots_allocated``,
-        ``waste_pct`` (allocated slots not holding a token, in %), ``bytes_allocated`` (K+V of allocated
+        ``waste_pct`` (allocated slots holding no token, in %; shared blocks counted once), ``bytes_allocated`` (K+V of allocated
         blocks over all layers) and ``bytes_reserved`` (the pools)."""
         m = self.manager
         if m is None:
@@ -281,13 +287,19 @@ class PagedCache(Cache):
         layers = [layer for layer in self.layers if layer.is_initialized]
         per_block = sum(2 * layer.keys[0].numel() * layer.keys.element_size() for layer in layers)
         slots = m.num_allocated_blocks * self.block_size
-        tokens = m.tokens_stored()
+        tokens = m.tokens_stored()  # per sequence (a shared prefix counts once per sequence)
+        fill: dict[int, int] = {}  # physical fill of each block, for the waste figure
+        for s in self.seq_ids:
+            n = m.length(s)
+            for i, b in enumerate(m.block_table(s)):
+                fill[b] = max(fill.get(b, 0), min(self.block_size, n - i * self.block_size))
+        used = sum(fill.values())
         return {
             "blocks_allocated": m.num_allocated_blocks,
             "num_blocks": m.num_blocks,
             "tokens_stored": tokens,
             "slots_allocated": slots,
-            "waste_pct": 100.0 * (slots - tokens) / slots if slots else 0.0,
+            "waste_pct": 100.0 * (slots - used) / slots if slots else 0.0,
             "bytes_allocated": m.num_allocated_blocks * per_block,
             "bytes_reserved": m.num_blocks * per_block,
         }

@@ -368,8 +368,6 @@ def test_chunked_prefill_matches_one_shot(model_type, tiny):
 # --- cache lifetime --------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="the thread-local active step keeps the last layer's K/V pools alive "
-                   "after the PagedCache is dropped (manual forward use, no release())")
 def test_dropping_cache_frees_its_pools(tiny):
     model = accelerate(tiny.model("llama"))
     ids, mask = tiny.batch(seed=1)
@@ -383,8 +381,6 @@ def test_dropping_cache_frees_its_pools(tiny):
     assert all(p() is None for p in pools), "K/V pools still referenced after the cache was dropped"
 
 
-@pytest.mark.xfail(strict=True, reason="an OutOfBlocksError on a cache's first forward leaves it holding "
-                   "empty sequences for that batch size, so a smaller batch is refused afterwards")
 def test_out_of_blocks_on_first_forward_leaves_cache_reusable(tiny):
     model = accelerate(tiny.model("llama"))
     ids, mask = tiny.batch(seed=1)  # 3 rows of 11 tokens: 9 blocks of 4
@@ -540,8 +536,6 @@ def test_memory_stats_fields(tiny):
     assert cache.get_seq_length() == 0
 
 
-@pytest.mark.xfail(strict=True, reason="memory_stats counts shared (forked) tokens once per sequence but "
-                   "slots once per block: waste_pct < 0 after beam forks")
 def test_memory_stats_with_shared_blocks(tiny):
     model = accelerate(tiny.model("llama"))
     cache = PagedCache(model.config, num_blocks=30, block_size=4)
