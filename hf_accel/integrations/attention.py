@@ -27,6 +27,7 @@ from hf_accel._logging import log_once, logger
 from hf_accel.cache.paged_cache import active_step
 from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, attention, attention_ref
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
+from hf_accel.kernels.prefill import prefill_attention
 
 ATTN_NAME = "hf_accel"
 
@@ -163,7 +164,10 @@ def hf_accel_attention_forward(
         out = fn(query, step.key_cache, step.value_cache, step.block_table, step.seq_lens, step.max_seq_len,
                  attention_mask, causal=causal, sm_scale=scaling)
         return out, None
-    if query.is_cuda:
+    if query.is_cuda and query.shape[2] > 1:
+        log_once("path:prefill", "hf-accel: prefill attention runs the Triton FlashAttention-2 kernel")
+        out = prefill_attention(query, key, value, attention_mask, causal=causal, sm_scale=scaling)
+    elif query.is_cuda:
         log_once("path:triton", "hf-accel: attention runs the Triton kernel")
         out = attention(query, key, value, attention_mask, causal=causal, sm_scale=scaling)
     else:
