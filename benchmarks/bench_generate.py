@@ -87,7 +87,7 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
         rec.append(("peak_memory", "GiB", peak / 2**30))
     if provider == "hf-sdpa":
         ref = out
-    if provider == "ours" and ref is not None:
+    if provider != "hf-sdpa" and ref is not None:
         new_ref, new_out = ref[:, ids.shape[1]:], out[:, ids.shape[1]:]
         rec.append(("greedy_match_vs_hf_sdpa", "fraction", (new_ref == new_out).float().mean().item()))
     for metric, unit, value in rec:
