@@ -12,8 +12,8 @@ Two variants of the same step:
 
 - *fused* (CUDA, standard llama-family blocks): one Triton kernel for residual add + RMSNorm, one for
   RoPE (+ Qwen3's per-head q/k norm) + writing K/V into the cache, one for the SwiGLU gate, the paged
-  decode kernel, and the model's own linear layers (cuBLAS): about 13 kernels per layer instead of
-  ~35, each rounding where transformers rounds;
+  decode kernel, and cuBLAS matmuls with Q/K/V and gate/up merged (:mod:`.merged_weights`): about 10
+  kernels per layer instead of ~35, each rounding where transformers rounds;
 - *modules* (CPU, or anything non-standard): the model's own modules (RMSNorm, rotary embedding,
   projections, MLP) with hf-accel's ``reshape_and_cache`` + ``paged_attention``.
 
@@ -72,7 +72,8 @@ class DecodeStep:
         logits: [batch, vocab] float32 — output.
     """
 
-    def __init__(self, model, cache, batch: int, max_blocks: int, use_graph: bool, fused: bool | None = None):
+    def __init__(self, model, cache, batch: int, max_blocks: int, use_graph: bool, fused: bool | None = None,
+                 merged=None):
         self.model = model
         self.cache = cache
         self.batch = batch
@@ -98,6 +99,7 @@ class DecodeStep:
         self.scaling = attn0.scaling
         # fused=None: on CUDA when supported. fused=True on CPU runs the Triton kernels (interpreter; tests).
         self.fused = (dev.type == "cuda" if fused is None else fused) and fused_supported(model) is None
+        self.merged = merged  # list of MergedLayer (fused step only) or None
         if dev.type == "cuda":
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
             programs = batch * self.num_kv_heads
@@ -126,7 +128,11 @@ class DecodeStep:
                 x = rms_norm(residual, ln.weight, ln.variance_epsilon)
             else:
                 x, residual = rms_norm(delta, ln.weight, ln.variance_epsilon, residual)
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            mw = self.merged[layer_idx] if self.merged is not None else None
+            if mw is not None:
+                q, k, v = torch.nn.functional.linear(x, mw.qkv_weight, mw.qkv_bias).split(mw.qkv_split, dim=1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
             pools = self.cache.layers[layer_idx]
             q_norm = getattr(attn, "q_norm", None)
             q = rope_and_cache(q, k, v, cos, sin, pools.keys, pools.values, slot_mapping,
@@ -139,7 +145,11 @@ class DecodeStep:
             delta = attn.o_proj(o.view(b, h * d))
             ln = layer.post_attention_layernorm
             x, residual = rms_norm(delta, ln.weight, ln.variance_epsilon, residual)
-            delta = mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
+            if mw is not None:
+                gate_up = torch.nn.functional.linear(x, mw.gate_up_weight)
+                delta = mlp.down_proj(swiglu(gate_up[:, : mw.intermediate], gate_up[:, mw.intermediate :]))
+            else:
+                delta = mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
         hidden, _ = rms_norm(delta, inner.norm.weight, inner.norm.variance_epsilon, residual)
         return model.lm_head(hidden).float()
 

@@ -26,6 +26,7 @@ from transformers.generation.logits_process import (
 
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.decode_step import DecodeStep
+from hf_accel.engine.merged_weights import merge_projections, unmerge_projections
 
 # GenerationConfig fields the fast path implements (others must keep their default values).
 _HANDLED = {
@@ -59,6 +60,7 @@ class FastEngine:
         self.cache: PagedCache | None = None
         self.steps: dict[tuple[int, int], DecodeStep] = {}
         self.last_stats: dict = {}
+        self.merged = None  # MergedLayer list once the fused step merged the projections
 
     # -- eligibility ------------------------------------------------------------------------------
     def _model_reason(self) -> str | None:
@@ -131,12 +133,19 @@ class FastEngine:
         step = self.steps.get(key)
         if step is None:
             step = DecodeStep(self.model, self.cache, key[0], key[1], use_graph=on_gpu, fused=self.fused)
+            if step.fused and self.merged is None:
+                self.merged = merge_projections(self.model) or []
+            step.merged = self.merged or None
             self.steps[key] = step
         return step
 
     def release(self) -> None:
+        """Drop graphs and pools, and give merged projections their own storage back."""
         self.steps.clear()
         self.cache = None
+        if self.merged:
+            unmerge_projections(self.model)
+        self.merged = None
 
     # -- generation -------------------------------------------------------------------------------
     def _greedy_in_graph(self, step, logits, input_ids, batch, prompt_len, max_new, pad, eos_list):

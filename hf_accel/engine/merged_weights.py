@@ -1,0 +1,80 @@
+"""Merged projections for the fused decode step: Q/K/V as one matrix, gate/up as one matrix.
+
+One matmul per group instead of three (two) halves the launches of a bs1 decode layer, whose small
+matmuls are latency-bound. No weight is copied twice: the merged matrix is built once per layer and the
+modules' own parameters become row slices (views) of it, so memory stays the same and the modules'
+forward is unchanged. transformers' ``save_pretrained`` clones disjoint shared slices before saving, so a
+checkpoint saved meanwhile is ordinary; :func:`unmerge_projections` gives every module its own storage back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MergedLayer:
+    """qkv_weight: [(num_heads + 2 * num_kv_heads) * head_dim, hidden]; qkv_bias: same rows or None;
+    qkv_split: row counts (q, k, v); gate_up_weight: [2 * intermediate, hidden]; intermediate: int."""
+
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qkv_split: tuple[int, int, int]
+    gate_up_weight: torch.Tensor
+    intermediate: int
+
+
+def _mergeable(linears) -> bool:
+    ws = [m.weight for m in linears]
+    if any(w.device.type == "meta" for w in ws) or len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1:
+        return False
+    return len({m.bias is None for m in linears}) == 1
+
+
+def _merge(linears):
+    weight = torch.cat([m.weight.detach() for m in linears], 0)
+    bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears], 0)
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+@torch.no_grad()
+def merge_projections(model) -> list[MergedLayer] | None:
+    """Merge each decoder layer's q/k/v and gate/up projections in place (see module docstring).
+
+    Returns one :class:`MergedLayer` per layer, or None (nothing changed) if any layer's projections
+    differ in device/dtype/bias presence or are offloaded.
+    """
+    layers = model.model.layers
+    for ly in layers:
+        a, mlp = ly.self_attn, ly.mlp
+        if not (_mergeable([a.q_proj, a.k_proj, a.v_proj]) and _mergeable([mlp.gate_proj, mlp.up_proj])
+                and mlp.gate_proj.bias is None):
+            return None
+    merged = []
+    for ly in layers:
+        a, mlp = ly.self_attn, ly.mlp
+        split = (a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0])
+        qkv_w, qkv_b = _merge([a.q_proj, a.k_proj, a.v_proj])
+        gu_w, _ = _merge([mlp.gate_proj, mlp.up_proj])
+        merged.append(MergedLayer(qkv_w, qkv_b, split, gu_w, mlp.gate_proj.weight.shape[0]))
+    return merged
+
+
+@torch.no_grad()
+def unmerge_projections(model) -> None:
+    """Give every projection its own storage again (values unchanged)."""
+    for ly in model.model.layers:
+        a, mlp = ly.self_attn, ly.mlp
+        for m in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
+            m.weight = torch.nn.Parameter(m.weight.detach().clone(), requires_grad=False)
+            if m.bias is not None:
+                m.bias = torch.nn.Parameter(m.bias.detach().clone(), requires_grad=False)
