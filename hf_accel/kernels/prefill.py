@@ -27,10 +27,10 @@ transposed view of a [batch, q_len, heads, head_dim] buffer) and ``key``/``value
 flash-attn) ``query`` [total_q, heads, head_dim], ``key``/``value`` [total_k, kv_heads, head_dim] with
 ``cu_seqlens_q/k`` [batch + 1] int32 prefix sums.
 
-On sm_90 the tiles are moved by the tensor-memory accelerator (TMA) through 2-D tensor descriptors
-over each tensor's storage (row = the token axis, column offset = the head), and the loop over K/V
-blocks is software-pipelined ``num_stages`` deep. See :func:`prefill_attention` for the tuning
-choices and what each bought on an H200.
+On sm_90 the K/V tiles (optionally Q/O too) are moved by the tensor-memory accelerator (TMA) through
+2-D tensor descriptors over each tensor's storage (row = the token axis, column offset = the head),
+and the loop over K/V blocks is software-pipelined ``num_stages`` deep. See :func:`prefill_attention`
+for the tuning choices and what each bought on an H200.
 """
 
 from __future__ import annotations
@@ -392,9 +392,9 @@ def _prefill_fwd_kernel(
 class PrefillConfig:
     """One launch configuration of the prefill kernel (see :func:`prefill_attention` for the choices)."""
 
-    block_m: int = 128
+    block_m: int = 64
     block_n: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3
     use_tma: bool = True  # K/V tiles through TMA descriptors (sm_90+)
     tma_qo: bool = False  # also Q/O through descriptors (more host work per launch)
@@ -651,10 +651,29 @@ def prefill_attention(
     Algorithm: FlashAttention-2 forward (Dao 2023, Algorithm 1; causal block skipping and
     diagonal-only masking, section 3.1.1), see the module docstring.
 
-    Tuning (H200, bf16, B4 H32 L4096 D128 causal unless said; numbers from
-    ``benchmarks/bench_prefill.py``, results in ``benchmarks/results/``, discussion in
-    ``docs/prefill.md``): the choices and what each bought are listed in ``docs/prefill.md`` and
-    summarised in :data:`TUNING_NOTES`.
+    Tuning (H200, Triton 3.6, bf16, B4 H32 L4096 D128 causal unless said; TFLOP/s from the sweep of
+    ``benchmarks/bench_prefill.py``, ``benchmarks/results/bench_prefill-20261130.json``; more in
+    ``docs/prefill.md``):
+
+    * ``BLOCK_M=64, BLOCK_N=64``, 4 warps (one warpgroup), 3 stages: two CTAs fit on an SM, so one
+      CTA's softmax runs while the other's wgmma does (a stand-in for FA3's ping-pong, which Triton
+      3.6 does not generate on sm_90): 492 vs 453 TFLOP/s for 128x128 with 8 warps (+9%); D64: 394 vs
+      313 (+26%); 128x64/8 warps 428, 64x32 448.
+    * ``num_stages=3``: 2 stages 398 (-19%); 4 stages did not pay in an earlier run (350, -29%).
+    * K/V through TMA descriptors: 492 vs 460 with pointer loads (+7%); 502 vs 470 at B1 H32 KV8
+      L16k. Q/O through descriptors as well bought nothing (492.5) and costs host time per launch
+      (101 vs 87 us on that host), so Q is loaded and O stored through pointers.
+    * Longest row tile first within each head (``reverse_m``): 492 vs 472 (+4%). Heads of a group are
+      adjacent in the grid so each K/V is read from HBM about once.
+    * Persistent grid (2 programs per SM, same tile order): 434 at this shape (-12%), 518 vs 502 at
+      B1 H32 KV8 L16k (+3%); not among the tuner's candidates.
+    * ``tl.range(warp_specialize=True)``: Triton 3.6 either compiled it to the same speed (459 vs 457
+      in an earlier run, Q/K/V/O through TMA) or failed to compile it (K/V-only TMA); left off.
+    * The tuner times each candidate as back-to-back calls (wall time), so where the host bounds a
+      launch the cheaper launch wins; the candidates are the two or four configs that won some shape
+      in the sweep (64x64/4w with and without TMA, 128x128/8w for the longest D128 sequences).
+    * Masking only the diagonal/tail blocks: removing the masks entirely saves 0.6% (1.246 vs
+      1.238 ms), so the three-loop split leaves nothing to gain there.
     """
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(f"expected 4-D query/key/value; got {tuple(query.shape)}, {tuple(key.shape)}, "
@@ -851,8 +870,6 @@ def prefill_attention_varlen_ref(query, key, value, cu_seqlens_q, cu_seqlens_k, 
     out = torch.cat(outs, 0)
     return (out, torch.cat(lses, 1)) if return_lse else out
 
-
-TUNING_NOTES = "see docs/prefill.md (filled from the H200 benchmark)"
 
 __all__ = [
     "PrefillConfig",
