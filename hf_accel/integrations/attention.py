@@ -99,6 +99,19 @@ def _fallback_reason(module, query, kv_len, attention_mask, dropout, kwargs) -> 
     return None
 
 
+# Below this much attention work per call the tuned prefill kernel's extra host launch cost (87 vs 59 us
+# measured on the H200 host, docs/prefill.md) outweighs its faster GPU time, and TTFT of small models got
+# worse with it (SmolLM2, 4k prompt: 26.3 vs 22.6 ms); ~40 GFLOP is ~100 us of GPU time at the kernel's
+# measured 400-500 TFLOP/s. The threshold itself is a reasoned choice, not yet measured end to end.
+PREFILL_KERNEL_MIN_FLOPS = 40e9
+
+
+def _prefill_flops(query, key, causal) -> float:
+    batch, heads, q_len, head_dim = query.shape
+    flops = 4.0 * batch * heads * q_len * key.shape[2] * head_dim
+    return flops * 0.5 if causal else flops
+
+
 def _dense_bool_mask(query, kv_len, attention_mask, causal) -> torch.Tensor:
     """[batch, 1, q_len, kv_len] bool mask (True = attend) equivalent to what the kernel applies."""
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -164,7 +177,7 @@ def hf_accel_attention_forward(
         out = fn(query, step.key_cache, step.value_cache, step.block_table, step.seq_lens, step.max_seq_len,
                  attention_mask, causal=causal, sm_scale=scaling)
         return out, None
-    if query.is_cuda and query.shape[2] > 1:
+    if query.is_cuda and query.shape[2] > 1 and _prefill_flops(query, key, causal) >= PREFILL_KERNEL_MIN_FLOPS:
         log_once("path:prefill", "hf-accel: prefill attention runs the Triton FlashAttention-2 kernel")
         out = prefill_attention(query, key, value, attention_mask, causal=causal, sm_scale=scaling)
     elif query.is_cuda:
