@@ -1,0 +1,325 @@
+"""hf_accel's mask function, and the per-call fallbacks of its attention function.
+
+Where the kernel does not apply (output_attentions, training, autograd, a static cache's 4-D mask,
+sliding window, an unsupported dtype or head_dim) the call falls back to SDPA / eager attention, logs
+the reason once (logger "hf_accel"), and must still compute what stock transformers computes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers.masking_utils import (
+    bidirectional_mask_function,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
+
+from hf_accel import accelerate_model
+from hf_accel.integrations.attention import hf_accel_mask
+
+
+def _messages(caplog, *needles):
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("hf_accel") and all(n in r.getMessage() for n in needles)]
+
+
+@pytest.fixture
+def hf_log(caplog):
+    caplog.set_level(logging.INFO, logger="hf_accel")
+    return caplog
+
+
+# --- the mask function ----------------------------------------------------------------------------
+
+
+def test_mask_none_when_causal_and_unpadded():
+    assert hf_accel_mask(batch_size=2, q_length=5, kv_length=5) is None
+    ones = torch.ones(2, 5, dtype=torch.long)
+    assert hf_accel_mask(batch_size=2, q_length=5, kv_length=5, attention_mask=ones) is None
+    # decode step: 1 query over 9 keys, queries are the last keys
+    assert hf_accel_mask(batch_size=2, q_length=1, kv_length=9, q_offset=8,
+                         attention_mask=torch.ones(2, 9, dtype=torch.long)) is None
+
+
+def test_mask_is_2d_key_mask_with_padding():
+    am = torch.ones(3, 9, dtype=torch.long)
+    am[1, :2] = 0
+    am[2, :6] = 0
+    out = hf_accel_mask(batch_size=3, q_length=1, kv_length=9, q_offset=8, attention_mask=am)
+    assert out.dtype == torch.bool and out.shape == (3, 9)
+    assert torch.equal(out, am.bool())
+    prefill = hf_accel_mask(batch_size=3, q_length=9, kv_length=9, attention_mask=am)
+    assert torch.equal(prefill, am.bool())
+
+
+@pytest.mark.parametrize(
+    "case", ["sliding", "bidirectional", "not_last_queries"],
+)
+def test_mask_is_sdpa_4d_mask_otherwise(case):
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[1, :3] = 0
+    kwargs = dict(batch_size=2, q_length=8, kv_length=8, attention_mask=am)
+    if case == "sliding":
+        kwargs["mask_function"] = sliding_window_causal_mask_function(3)
+    elif case == "bidirectional":
+        kwargs["mask_function"] = bidirectional_mask_function
+    else:  # static-cache-like: 4 queries at positions 0..3 over 8 cache slots
+        kwargs.update(q_length=4, q_offset=0)
+    ours = hf_accel_mask(**kwargs)
+    assert ours is not None and ours.dim() == 4
+    stock = sdpa_mask(**kwargs, allow_is_causal_skip=False)
+    assert torch.equal(ours, stock)
+    if case == "not_last_queries":
+        assert not ours[0, 0, 0, 1]  # query 0 must not see key 1 (top-left aligned here)
+
+
+# --- output_attentions ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_output_attentions_returns_real_weights_and_logs_once(padded, tiny, hf_log, attention_spy):
+    model = tiny.model("llama", seed=31)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    ids, mask = tiny.batch(seed=32, lengths=(9, 5, 2) if padded else (9, 9, 9))
+    with torch.no_grad():
+        expect = eager(input_ids=ids, attention_mask=mask, output_attentions=True)
+    spy = attention_spy()
+    accelerate_model(model)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert got.attentions is not None and len(got.attentions) == model.config.num_hidden_layers
+    valid = mask.bool()
+    for ours, ref in zip(got.attentions, expect.attentions):
+        assert ours.shape == (3, 4, 9, 9)
+        # real weights: rows of real tokens are causal probability distributions equal to eager's
+        ours_v, ref_v = ours.permute(0, 2, 1, 3)[valid], ref.permute(0, 2, 1, 3)[valid]
+        torch.testing.assert_close(ours_v, ref_v, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours_v.sum(-1), torch.ones_like(ours_v.sum(-1)), atol=1e-5, rtol=0)
+        assert torch.all(ours[0, :, 0, 1:] == 0)  # the first (real) query of row 0 sees no later key
+    torch.testing.assert_close(got.logits[valid], expect.logits[valid], atol=2e-5, rtol=1e-5)
+    assert spy.kernel_calls == 0 and set(spy.fallbacks) == {"eager_attention_forward"}
+    logged = _messages(hf_log, "fallback", "output_attentions")
+    assert len(logged) == 1, logged  # 2 forwards x 2 layers, logged once
+
+
+def test_generate_with_output_attentions(tiny, attention_spy):
+    model = tiny.model("qwen2", seed=33)
+    ids, mask = tiny.batch(seed=34)
+    stock = tiny.greedy(model, ids, mask, 6)
+    spy = attention_spy()
+    accelerate_model(model)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False, pad_token_id=tiny.PAD, output_attentions=True,
+                             return_dict_in_generate=True)
+    assert torch.equal(out.sequences, stock)
+    assert len(out.attentions) == 6 and out.attentions[-1][0].shape[-1] == ids.shape[1] + 5
+    assert spy.fallbacks and spy.kernel_calls == 0
+
+
+# --- training / autograd --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_training_mode_falls_back_and_trains(padded, tiny, hf_log, attention_spy):
+    model = tiny.model("mistral", seed=41)
+    stock = copy.deepcopy(model).train()
+    ids, mask = tiny.batch(seed=42, lengths=(8, 5, 3) if padded else (8, 8, 8))
+    expect = stock(input_ids=ids, attention_mask=mask).logits
+    spy = attention_spy()
+    accelerate_model(model)
+    model.train()
+    out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    assert spy.kernel_calls == 0 and set(spy.fallbacks) == {"sdpa_attention_forward"}
+    assert torch.isfinite(out.logits).all()  # padding rows included: no NaN leaks from masked rows
+    valid = mask.bool()
+    torch.testing.assert_close(out.logits[valid], expect[valid], atol=2e-5, rtol=1e-5)
+    out.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+    assert len(_messages(hf_log, "fallback", "training")) == 1
+
+
+def test_autograd_in_eval_falls_back(tiny, hf_log, attention_spy):
+    model = tiny.model("llama", seed=43)
+    ids, mask = tiny.batch(seed=44)
+    expect = tiny.logits(model, ids, mask)
+    spy = attention_spy()
+    accelerate_model(model)
+    out = model(input_ids=ids, attention_mask=mask).logits  # no torch.no_grad(): autograd records
+    assert out.requires_grad
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], expect[valid], atol=2e-5, rtol=1e-5)
+    assert spy.kernel_calls == 0 and spy.fallbacks
+    assert len(_messages(hf_log, "fallback", "autograd")) == 1
+    # with no_grad the kernel path is back
+    tiny.logits(model, ids, mask)
+    assert spy.kernel_calls == model.config.num_hidden_layers
+
+
+def test_autograd_chunk_over_a_cache_is_bottom_right_causal(tiny, attention_spy):
+    """A multi-token step over a filled cache in a fallback must not use SDPA's top-left is_causal."""
+    from transformers import DynamicCache
+
+    model = tiny.model("llama", seed=45)
+    ids, _ = tiny.batch(seed=46, lengths=(10,))
+    expect = tiny.logits(model, ids)
+    accelerate_model(model)
+    cache = DynamicCache(config=model.config)
+    kw = {tiny.cache_kwarg(model): cache, "use_cache": True}
+    with torch.no_grad():
+        model(input_ids=ids[:, :6], **kw)
+    spy = attention_spy()
+    out = model(input_ids=ids[:, 6:], **kw).logits  # grad mode -> fallback
+    assert spy.fallbacks
+    torch.testing.assert_close(out, expect[:, 6:], atol=2e-5, rtol=1e-5)
+
+
+# --- 4-D masks: static cache, sliding window --------------------------------------------------------
+
+
+def test_static_cache_gives_identical_tokens(tiny, hf_log, attention_spy):
+    model = tiny.model("llama", seed=51)
+    ids, mask = tiny.batch(seed=52)
+    stock = tiny.greedy(model, ids, mask, 10)
+    stock_static = tiny.greedy(model, ids, mask, 10, cache_implementation="static")
+    assert torch.equal(stock_static, stock)
+    spy = attention_spy()
+    accelerate_model(model)
+    ours = tiny.greedy(model, ids, mask, 10, cache_implementation="static")
+    assert torch.equal(ours, stock)
+    assert spy.kernel_calls == 0 and set(spy.fallbacks) == {"sdpa_attention_forward"}
+    assert len(_messages(hf_log, "fallback", "4-D mask")) == 1
+
+
+def _sliding_qwen2(tiny, seed, window=4):
+    return tiny.model("qwen2", seed=seed, use_sliding_window=True, sliding_window=window, max_window_layers=0)
+
+
+def test_qwen2_sliding_window_falls_back_and_stays_correct(tiny, hf_log, attention_spy):
+    model = _sliding_qwen2(tiny, seed=61)
+    assert set(model.config.layer_types) == {"sliding_attention"}
+    ids, mask = tiny.batch(seed=62, lengths=(11, 7, 3))
+    stock_logits = tiny.logits(model, ids, mask)
+    # the window really matters at this length
+    full = tiny.model("qwen2", seed=61)
+    full.load_state_dict(model.state_dict())
+    valid = mask.bool()
+    assert (tiny.logits(full, ids, mask)[valid] - stock_logits[valid]).abs().max() > 1e-3
+    stock = tiny.greedy(model, ids, mask, 10)
+
+    spy = attention_spy()
+    accelerate_model(model)
+    torch.testing.assert_close(tiny.logits(model, ids, mask)[valid], stock_logits[valid], atol=2e-5, rtol=1e-5)
+    assert torch.equal(tiny.greedy(model, ids, mask, 10), stock)
+    assert spy.kernel_calls == 0 and spy.fallbacks
+    assert len(_messages(hf_log, "fallback", "sliding_window")) == 1
+
+
+def test_qwen2_sliding_window_only_on_upper_layers(tiny, attention_spy):
+    """max_window_layers=1: layer 0 is full attention (kernel), layer 1 sliding (fallback)."""
+    model = tiny.model("qwen2", seed=63, use_sliding_window=True, sliding_window=3, max_window_layers=1)
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    ids, mask = tiny.batch(seed=64, lengths=(10, 6, 4))
+    stock = tiny.greedy(model, ids, mask, 8)
+    spy = attention_spy()
+    accelerate_model(model)
+    assert torch.equal(tiny.greedy(model, ids, mask, 8), stock)
+    assert spy.kernel_calls == 8 and len(spy.fallbacks) == 8
+
+
+def test_mistral_default_sliding_window_is_correct(tiny):
+    model = tiny.model("mistral", seed=65, sliding_window=4096)
+    ids, mask = tiny.batch(seed=66)
+    stock = tiny.greedy(model, ids, mask, 8)
+    accelerate_model(model)
+    assert torch.equal(tiny.greedy(model, ids, mask, 8), stock)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="any non-None sliding_window (Mistral's default 4096) sends the attention calls of the model's "
+    "forward (prefill, transformers' loop) to SDPA, even when the sequence is shorter than the window "
+    "and the window changes nothing",
+)
+def test_mistral_window_longer_than_sequence_uses_kernel(tiny, attention_spy):
+    model = tiny.model("mistral", seed=67, sliding_window=4096)
+    ids, mask = tiny.batch(seed=68)
+    accelerate_model(model)
+    spy = attention_spy()
+    tiny.greedy(model, ids, mask, 4)
+    assert spy.fallbacks == [] and spy.kernel_calls == 4 * model.config.num_hidden_layers
+
+
+# --- dtype / head_dim the kernel does not take ------------------------------------------------------
+
+
+def test_float64_model_falls_back(tiny, hf_log, attention_spy):
+    model = tiny.model("llama", seed=71).double()
+    ids, mask = tiny.batch(seed=72)
+    expect = tiny.logits(model, ids, mask)
+    stock = tiny.greedy(model, ids, mask, 6)
+    spy = attention_spy()
+    accelerate_model(model)
+    valid = mask.bool()
+    torch.testing.assert_close(tiny.logits(model, ids, mask)[valid], expect[valid], atol=1e-10, rtol=1e-10)
+    assert spy.kernel_calls == 0 and spy.fallbacks
+    assert torch.equal(tiny.greedy(model, ids, mask, 6), stock)
+    assert len(_messages(hf_log, "fallback", "float64")) == 1
+
+
+def test_head_dim_over_256_falls_back(tiny, hf_log, attention_spy):
+    model = tiny.model("qwen3", seed=73, head_dim=288)
+    ids, mask = tiny.batch(seed=74, lengths=(7, 4, 2))
+    expect = tiny.logits(model, ids, mask)
+    stock = tiny.greedy(model, ids, mask, 6)
+    spy = attention_spy()
+    accelerate_model(model)
+    valid = mask.bool()
+    torch.testing.assert_close(tiny.logits(model, ids, mask)[valid], expect[valid], atol=2e-5, rtol=1e-5)
+    assert spy.kernel_calls == 0 and spy.fallbacks
+    assert torch.equal(tiny.greedy(model, ids, mask, 6), stock)
+    assert len(_messages(hf_log, "fallback", "head_dim 288")) == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="generate's fast decode path (hf_accel.engine) does not check dtype / head_dim: it runs the "
+    "paged kernel for float64 and head_dim > 256 models (the CPU reference copes; on CUDA paged_attention "
+    "raises ValueError)",
+)
+@pytest.mark.parametrize("case", ["float64", "head_dim_288"])
+def test_generate_decode_honours_kernel_limits(case, tiny, attention_spy):
+    if case == "float64":
+        model = tiny.model("llama", seed=77).double()
+    else:
+        model = tiny.model("qwen3", seed=78, head_dim=288)
+    ids, mask = tiny.batch(seed=79)
+    accelerate_model(model)
+    spy = attention_spy()
+    tiny.greedy(model, ids, mask, 4)
+    assert spy.kernel_calls == 0 and spy.fallbacks
+
+
+def test_each_reason_logged_once_per_process(tiny, hf_log):
+    model = tiny.model("llama", seed=75)
+    ids, mask = tiny.batch(seed=76)
+    accelerate_model(model)
+    model.train()
+    for _ in range(3):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    model.eval()
+    for _ in range(3):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert len(_messages(hf_log, "fallback", "training")) == 1
+    assert len(_messages(hf_log, "fallback", "output_attentions")) == 1
+    assert not _messages(hf_log, "fallback", "autograd")

