@@ -27,6 +27,7 @@ from transformers.generation.logits_process import (
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.decode_step import DecodeStep
 from hf_accel.engine.merged_weights import merge_projections, unmerge_projections
+from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 # GenerationConfig fields the fast path implements (others must keep their default values).
 _HANDLED = {
@@ -73,6 +74,12 @@ class FastEngine:
         layer_types = getattr(cfg, "layer_types", None)
         if layer_types and any(t != "full_attention" for t in layer_types):
             return "sliding-window layers"
+        dtype = next(m.parameters()).dtype
+        if dtype not in SUPPORTED_DTYPES:
+            return f"dtype {dtype} (the kernels take {', '.join(str(d) for d in SUPPORTED_DTYPES)})"
+        head_dim = m.model.layers[0].self_attn.head_dim
+        if head_dim > MAX_HEAD_DIM:
+            return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
         rope = getattr(m.model.rotary_emb, "rope_type", "default")
         if rope not in _ROPE_OK:
             return f"rope_type {rope!r} (its frequencies depend on the sequence length)"

@@ -6,6 +6,7 @@ in place); no module-level class is patched, so later models are unaffected.
 
 from __future__ import annotations
 
+import torch
 from transformers import PreTrainedModel
 
 from hf_accel._logging import logger
@@ -25,6 +26,18 @@ def _unwrap_peft(model):
     if isinstance(model, PeftModel):
         return model.get_base_model(), model
     return model, None
+
+
+def _lora_base_weights(peft_model) -> dict:
+    """Copies of the base weights LoRA merging will change (restored exactly by revert_model)."""
+    from peft.tuners.lora import LoraLayer
+
+    saved = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            saved[name] = {k: v.detach().clone() for k, v in base.named_parameters(recurse=False)}
+    return saved
 
 
 def _merge_lora(peft_model) -> None:
@@ -67,7 +80,8 @@ def accelerate_model(
         cuda_graphs: on CUDA, capture that step in CUDA graphs (one per batch-size bucket).
         block_size: tokens per KV block of that cache (>= 1).
         merge_lora: for a ``PeftModel``: merge its LoRA adapters into the base weights in place
-            (peft's ``merge_adapter``; undone by :func:`revert_model`). With ``False`` a PeftModel is
+            (peft's ``merge_adapter``; undone exactly by :func:`revert_model`, which keeps a copy of the
+            affected base weights meanwhile). With ``False`` a PeftModel is
             refused, since unmerged LoRA layers are not accelerated.
 
     Returns:
@@ -106,6 +120,8 @@ def accelerate_model(
     state = {"attn_implementation": hf_model.config._attn_implementation, "lora_merged": False,
              "paged_cache": bool(paged_cache)}
     if peft_model is not None:
+        # Merge/unmerge in floating point is not exact: keep the base weights to restore them bit for bit.
+        state["lora_base_weights"] = _lora_base_weights(peft_model)
         _merge_lora(peft_model)
         state["lora_merged"] = True
     hf_model.set_attn_implementation(name)
@@ -139,6 +155,12 @@ def revert_model(model):
     paged_generate.uninstall(hf_model)
     if state["lora_merged"] and peft_model is not None:
         peft_model.unmerge_adapter()
+        modules = dict(peft_model.named_modules())
+        with torch.no_grad():
+            for name, params in state.get("lora_base_weights", {}).items():
+                base = modules[name].get_base_layer()
+                for k, v in params.items():
+                    getattr(base, k).copy_(v)
     setattr(hf_model, _STATE_ATTR, None)
     logger.info("hf-accel: reverted %s to attention %r", type(hf_model).__name__, state["attn_implementation"])
     return model

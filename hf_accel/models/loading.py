@@ -50,6 +50,8 @@ def find_default_gguf() -> Path:
 
 def _resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"unsupported dtype {dtype}; choose torch.float32, torch.float16 or torch.bfloat16")
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

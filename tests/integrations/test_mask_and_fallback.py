@@ -289,12 +289,6 @@ def test_head_dim_over_256_falls_back(tiny, hf_log, attention_spy):
     assert len(_messages(hf_log, "fallback", "head_dim 288")) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="generate's fast decode path (hf_accel.engine) does not check dtype / head_dim: it runs the "
-    "paged kernel for float64 and head_dim > 256 models (the CPU reference copes; on CUDA paged_attention "
-    "raises ValueError)",
-)
 @pytest.mark.parametrize("case", ["float64", "head_dim_288"])
 def test_generate_decode_honours_kernel_limits(case, tiny, attention_spy):
     if case == "float64":

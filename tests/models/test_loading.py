@@ -92,8 +92,7 @@ def test_installed_package_is_found(no_env):
 @pytest.mark.parametrize(
     "dtype",
     ["float8", "fp64", "int8", None, 32,
-     pytest.param(torch.int8, marks=pytest.mark.xfail(
-         strict=True, reason="_resolve_dtype returns any torch.dtype unchecked (torch.int8 is accepted)"))],
+     torch.int8],
 )
 def test_bad_dtype(dtype, tmp_path):
     with pytest.raises(ValueError, match="dtype"):

@@ -1,0 +1,196 @@
+"""``hf-accel convert-gqa``: convert a checkpoint to fewer K/V heads and report what changed.
+
+    hf-accel convert-gqa --model DIR|FILE.gguf|default --num-kv-heads N --method M --out DIR
+
+Loads the model (``default`` or no ``--model``: the embedded SmolLM2-135M-Instruct), measures it,
+pools its K/V heads (:func:`hf_accel.conversion.convert_to_gqa`), optionally runs a short LoRA
+recovery fine-tune, measures again and writes a safetensors checkpoint that stock transformers loads
+(``AutoModelForCausalLM.from_pretrained(DIR)``). The before/after table has the KV-cache bytes per
+token, perplexity on the fixed pydoc topics text (:mod:`hf_accel.evaluation`) and, when CUDA is
+present, decode tokens/s through ``hf_accel.accelerate_model`` + ``generate``.
+
+Errors print one line to stderr and return 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROG = "hf-accel convert-gqa"
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``convert-gqa`` options to ``parser``."""
+    from hf_accel.conversion.gqa import GROUPINGS, METHODS
+
+    parser.add_argument("--model", default=None,
+                        help="local model directory or .gguf file; 'default' or omitted: embedded SmolLM2")
+    parser.add_argument("--num-kv-heads", type=int, required=True,
+                        help="new number of K/V heads (a divisor of the current number; 1 = MQA)")
+    parser.add_argument("--method", choices=METHODS, default="mean",
+                        help="pooling: mean (GQA paper), norm, activation or pca (calibrated, refits Q/O)")
+    parser.add_argument("--grouping", choices=GROUPINGS, default="adjacent",
+                        help="which heads share a group: adjacent (paper) or similarity (calibrated)")
+    parser.add_argument("--out", required=True, help="output directory for the converted checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="allow a non-empty --out directory")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16; auto: bf16 on CUDA, else fp32")
+    parser.add_argument("--device", default="auto", help="cpu or cuda; auto: cuda when present")
+    parser.add_argument("--calibration-file", default=None,
+                        help="UTF-8 text for the calibrated methods and the recovery fine-tune "
+                             "(default: the last pydoc topics, disjoint from the evaluation text)")
+    parser.add_argument("--calibration-tokens", type=int, default=4096, help="calibration tokens used (default 4096)")
+    parser.add_argument("--eval-tokens", type=int, default=4096,
+                        help="perplexity tokens from the pydoc topics text; 0 skips perplexity (default 4096)")
+    parser.add_argument("--context-length", type=int, default=512, help="perplexity / calibration window (512)")
+    parser.add_argument("--recovery-steps", type=int, default=0,
+                        help="LoRA recovery fine-tune steps on the calibration text (default 0: none)")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="tokens generated for decode tok/s (CUDA)")
+
+
+def _pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise CliError(f"--device must be cpu, cuda or auto; got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError("--device cuda given but no CUDA device is available")
+    return name
+
+
+def _measure(model, tokenizer, eval_ids, args, device: str) -> dict:
+    from hf_accel import accelerate_model, revert_model
+    from hf_accel.conversion.gqa import kv_cache_bytes_per_token
+    from hf_accel.evaluation import perplexity
+    from hf_accel.integrations.measure import measure_generate
+
+    row = {
+        "num_kv_heads": model.config.num_key_value_heads,
+        "kv_bytes_per_token": kv_cache_bytes_per_token(model.config, model.dtype),
+        "perplexity": None,
+        "decode_tokens_per_s": None,
+    }
+    if eval_ids is not None:
+        row["perplexity"] = perplexity(model, eval_ids, context_length=args.context_length, progress=True).perplexity
+    if device.startswith("cuda") and args.decode_tokens > 1:
+        prompt = (eval_ids if eval_ids is not None else
+                  tokenizer(["def main():"] * 1, return_tensors="pt").input_ids)[:, :512].to(device)
+        inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+        gen = dict(do_sample=False, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens,
+                   pad_token_id=tokenizer.pad_token_id)
+        accelerate_model(model)
+        try:
+            with torch.inference_mode():
+                model.generate(**inputs, **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})
+            stats = measure_generate(model, inputs, **gen)
+        finally:
+            revert_model(model)
+        if stats.ttft_s is not None and stats.steps > 1:
+            row["decode_tokens_per_s"] = (stats.steps - 1) / (stats.seconds - stats.ttft_s)
+    return row
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def format_table(before: dict, after: dict, ppl_label: str, no_gpu: bool) -> str:
+    """The before/after table as text."""
+    lines = [f"{'':<34}{'before':>14}{'after':>14}"]
+    lines.append(f"{'KV heads':<34}{before['num_kv_heads']:>14}{after['num_kv_heads']:>14}")
+    lines.append(f"{'KV cache bytes / token':<34}{before['kv_bytes_per_token']:>14,}{after['kv_bytes_per_token']:>14,}")
+    lines.append(f"{ppl_label:<34}{_fmt(before['perplexity'], '.3f'):>14}{_fmt(after['perplexity'], '.3f'):>14}")
+    tok = "decode tok/s" + (" (needs CUDA)" if no_gpu else "")
+    lines.append(f"{tok:<34}{_fmt(before['decode_tokens_per_s'], '.1f'):>14}"
+                 f"{_fmt(after['decode_tokens_per_s'], '.1f'):>14}")
+    return "\n".join(lines)
+
+
+def _run(args) -> int:
+    from hf_accel.conversion.gqa import convert_to_gqa, kv_head_choices
+    from hf_accel.conversion.recovery import recover_with_lora
+    from hf_accel.evaluation import calibration_text, evaluation_ids
+    from hf_accel.models.loading import load_model
+
+    for name in ("calibration_tokens", "context_length", "decode_tokens"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.eval_tokens < 0 or args.recovery_steps < 0:
+        raise CliError("--eval-tokens and --recovery-steps must be >= 0")
+    if 0 < args.eval_tokens < 2:
+        raise CliError("--eval-tokens must be 0 (skip) or >= 2")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.overwrite)):
+        raise CliError(f"--out {str(out)!r} exists and is not an empty directory (pass --overwrite to reuse it)")
+    device = _pick_device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    calibration = None
+    if args.calibration_file is not None:
+        path = Path(args.calibration_file)
+        if not path.is_file():
+            raise CliError(f"--calibration-file {str(path)!r} is not a file")
+        calibration = path.read_text(encoding="utf-8")
+
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(None if args.model in (None, "default") else args.model, dtype=dtype, device=device)
+    print(f"loaded {type(model).__name__} ({model.config.model_type}, {model.config.num_attention_heads} heads, "
+          f"{model.config.num_key_value_heads} KV heads, {dtype}, {device}) in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    if args.num_kv_heads not in kv_head_choices(model):
+        convert_to_gqa(model, args.num_kv_heads)  # raises the ValueError that names the valid choices
+    eval_ids = evaluation_ids(tokenizer, args.eval_tokens) if args.eval_tokens else None
+    needs_text = args.method in ("activation", "pca") or args.grouping == "similarity" or args.recovery_steps
+    if needs_text and calibration is None:
+        calibration = calibration_text(40_000 if not args.recovery_steps else 120_000,
+                                       avoid_tokens=max(args.eval_tokens, 1), tokenizer=tokenizer)
+    cal_ids = None
+    if needs_text:
+        cal_ids = tokenizer(calibration, return_tensors="pt", add_special_tokens=False).input_ids
+
+    before = _measure(model, tokenizer, eval_ids, args, device)
+    convert_to_gqa(model, args.num_kv_heads, method=args.method, grouping=args.grouping, calibration_text=cal_ids,
+                   calibration_tokens=args.calibration_tokens, context_length=args.context_length, progress=True)
+    if args.recovery_steps:
+        model, stats = recover_with_lora(model, cal_ids, steps=args.recovery_steps, progress=True)
+        print(f"LoRA recovery: {stats.steps} steps in {stats.seconds:.0f} s, loss {stats.first_loss:.3f} -> "
+              f"{stats.last_loss:.3f}", file=sys.stderr)
+    after = _measure(model, tokenizer, eval_ids, args, device)
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    label = (f"perplexity (pydoc, {eval_ids.shape[1]} tok)" if eval_ids is not None else "perplexity (skipped)")
+    print(format_table(before, after, label, not device.startswith("cuda")))
+    print(f"wrote {out} (method={args.method}, grouping={args.grouping}"
+          f"{f', LoRA {args.recovery_steps} steps' if args.recovery_steps else ''})")
+    return 0
+
+
+def run(args) -> int:
+    """Run ``convert-gqa`` with parsed ``args``; returns the exit status (0 ok, 2 user error)."""
+    from hf_accel.models.loading import ModelNotFoundError
+
+    try:
+        return _run(args)
+    except (CliError, ValueError, TypeError, ModelNotFoundError, OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

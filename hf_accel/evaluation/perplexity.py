@@ -1,0 +1,106 @@
+"""Perplexity of a causal LM over a fixed token sequence with fixed windows.
+
+Windows of ``context_length`` tokens start every ``stride`` tokens (the method of the transformers
+"Perplexity of fixed-length models" guide); each token is scored once, by the first window whose
+context covers it, and the first token of the sequence is never scored. With ``stride ==
+context_length`` the windows do not overlap and each scores ``context_length - 1`` tokens.
+``perplexity = exp(sum of token negative log-likelihoods / tokens scored)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class PerplexityResult:
+    """Perplexity and what it was computed over."""
+
+    perplexity: float  # exp(nll_per_token)
+    nll_per_token: float  # mean negative log-likelihood, nats / token
+    tokens_scored: int
+    windows: int
+    context_length: int
+    stride: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _windows(n: int, context_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored target) per window."""
+    out, prev_end, begin = [], 0, 0
+    while prev_end < n:
+        end = min(begin + context_length, n)
+        first = max(prev_end, begin + 1)
+        if first < end:
+            out.append((begin, end, first))
+        prev_end = end
+        begin += stride
+    return out
+
+
+@torch.inference_mode()
+def perplexity(
+    model,
+    input_ids: torch.Tensor,
+    context_length: int = 512,
+    stride: int | None = None,
+    batch_size: int = 4,
+    progress: bool = False,
+) -> PerplexityResult:
+    """Perplexity of ``model`` on ``input_ids`` with fixed windows (see the module docstring).
+
+    Args:
+        model: a transformers causal LM (its eval-mode forward is used; training mode is restored).
+        input_ids: [n] or [1, n], int64, token ids, n >= 2.
+        context_length: tokens per window.
+        stride: start-to-start distance of windows, 1 <= stride <= context_length (default:
+            context_length, i.e. non-overlapping windows).
+        batch_size: windows of equal length per forward pass.
+        progress: show a tqdm bar.
+
+    Returns:
+        :class:`PerplexityResult`.
+
+    Raises:
+        ValueError: fewer than 2 tokens, a batch dimension other than 1, or a bad length/stride.
+    """
+    from tqdm.auto import tqdm
+
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must be [n] or [1, n]; got shape {tuple(input_ids.shape)}")
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1 or input_ids.numel() < 2:
+        raise ValueError(f"need at least 2 token ids in a [n] or [1, n] tensor; got shape {tuple(input_ids.shape)}")
+    stride = context_length if stride is None else stride
+    if context_length < 2 or not 1 <= stride <= context_length:
+        raise ValueError(f"need context_length >= 2 and 1 <= stride <= context_length; got {context_length}, {stride}")
+    device = next(model.parameters()).device
+    windows = _windows(input_ids.numel(), context_length, stride)
+    batches: list[list[tuple[int, int, int]]] = []
+    for w in windows:
+        if batches and len(batches[-1]) < batch_size and batches[-1][0][1] - batches[-1][0][0] == w[1] - w[0]:
+            batches[-1].append(w)
+        else:
+            batches.append([w])
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for batch in tqdm(batches, desc="perplexity", disable=not progress, leave=False):
+            ids = torch.stack([input_ids[b:e] for b, e, _ in batch]).to(device)
+            logits = model(input_ids=ids, use_cache=False).logits
+            for row, (b, e, first) in enumerate(batch):
+                lp = torch.log_softmax(logits[row, first - b - 1 : e - b - 1].float(), dim=-1)
+                target = ids[row, first - b : e - b]
+                total -= float(lp.gather(1, target[:, None]).sum())
+                count += e - first
+    finally:
+        model.train(was_training)
+    nll = total / count
+    return PerplexityResult(math.exp(nll), nll, count, len(windows), context_length, stride)
