@@ -1,9 +1,10 @@
 """Perplexity of a causal LM over a fixed token sequence with fixed windows.
 
 Windows of ``context_length`` tokens start every ``stride`` tokens (the method of the transformers
-"Perplexity of fixed-length models" guide); each token is scored once, by the first window whose
-context covers it, and the first token of the sequence is never scored. With ``stride ==
-context_length`` the windows do not overlap and each scores ``context_length - 1`` tokens.
+"Perplexity of fixed-length models" guide). A token is scored at most once, in the first window where
+it is not the window's first token (so it has context), and only if no earlier window scored it.
+With ``stride < context_length`` that is every token but the sequence's first; with ``stride ==
+context_length`` the windows do not overlap and each scores its last ``context_length - 1`` tokens.
 ``perplexity = exp(sum of token negative log-likelihoods / tokens scored)``.
 """
 
@@ -95,8 +96,9 @@ def perplexity(
         for batch in tqdm(batches, desc="perplexity", disable=not progress, leave=False):
             ids = torch.stack([input_ids[b:e] for b, e, _ in batch]).to(device)
             logits = model(input_ids=ids, use_cache=False).logits
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             for row, (b, e, first) in enumerate(batch):
-                lp = torch.log_softmax(logits[row, first - b - 1 : e - b - 1].float(), dim=-1)
+                lp = torch.log_softmax(logits[row, first - b - 1 : e - b - 1], dim=-1)
                 target = ids[row, first - b : e - b]
                 total -= float(lp.gather(1, target[:, None]).sum())
                 count += e - first

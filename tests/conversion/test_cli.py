@@ -1,0 +1,75 @@
+"""``hf-accel convert-gqa`` (hf_accel.conversion.cli) on a tiny local model with a tiny tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from hf_accel.conversion.cli import main
+from hf_accel.evaluation import pydoc_topics_text
+
+from gqa_tiny_models import build
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=96, special_tokens=["<unk>", "<eos>"], limit_alphabet=60)
+    tk.train_from_iterator([pydoc_topics_text()[:20_000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-mha")
+    model = build("llama", num_heads=4, num_kv_heads=4, head_dim=8, layers=2, dtype=torch.float32)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+ARGS = ["--eval-tokens", "300", "--context-length", "64", "--calibration-tokens", "256", "--device", "cpu"]
+
+
+def test_convert_writes_a_stock_loadable_checkpoint_and_a_table(model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["--model", str(model_dir), "--num-kv-heads", "2", "--method", "activation", "--out", str(out), *ARGS])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    table = captured.out
+    # 2 (K,V) * 2 layers * heads * 8 dims * 4 bytes
+    assert "KV cache bytes / token" in table and "512" in table and "256" in table
+    ppl_line = next(line for line in table.splitlines() if line.startswith("perplexity"))
+    before, after = (float(x) for x in ppl_line.split()[-2:])
+    assert before > 1 and after > 1 and before != after
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.num_key_value_heads == 2
+    assert loaded.model.layers[0].self_attn.k_proj.weight.shape == (16, 32)
+    assert (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-kv-heads", "3"], "valid choices"),
+    (["--num-kv-heads", "0"], "valid choices"),
+    (["--num-kv-heads", "2", "--calibration-file", "/nonexistent/file.txt"], "is not a file"),
+    (["--num-kv-heads", "2", "--eval-tokens", "-1"], "must be >= 0"),
+])
+def test_user_errors_are_one_line_and_exit_2(model_dir, tmp_path, capsys, argv, message):
+    rc = main(["--model", str(model_dir), "--out", str(tmp_path / "o"), *ARGS, *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err[-1].startswith("hf-accel convert-gqa: error:") and message in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_missing_model_and_busy_out_dir(model_dir, tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    assert main(["--model", str(model_dir), "--num-kv-heads", "1", "--out", str(busy), *ARGS]) == 2
+    assert "--overwrite" in capsys.readouterr().err

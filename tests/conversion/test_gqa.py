@@ -1,0 +1,226 @@
+"""convert_to_gqa / expand_kv_heads / permute_kv_heads on tiny random models of every family."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from hf_accel.conversion import (
+    convert_to_gqa,
+    expand_kv_heads,
+    kv_cache_bytes_per_token,
+    kv_head_choices,
+    permute_kv_heads,
+)
+from hf_accel.conversion.heads import attention_modules
+
+from gqa_tiny_models import build, logits, tokens
+
+TIGHT = dict(rtol=1e-9, atol=1e-9)
+
+
+def _make_groups_identical(model, new_kv: int) -> None:
+    """Copy the first head of every group of K/V heads (weights and biases) over the others."""
+    n = model.config.num_key_value_heads
+    r = n // new_kv
+    with torch.no_grad():
+        for m in attention_modules(model):
+            for proj in (m.k_proj, m.v_proj):
+                w = proj.weight.view(n, -1, proj.in_features)
+                b = None if proj.bias is None else proj.bias.view(n, -1)
+                for g in range(new_kv):
+                    w[g * r + 1 : (g + 1) * r] = w[g * r]
+                    if b is not None:
+                        b[g * r + 1 : (g + 1) * r] = b[g * r]
+
+
+def _methods(model_type):
+    return ["mean", "norm", "activation"] + ([] if model_type == "qwen3" else ["pca"])
+
+
+@pytest.mark.parametrize("new_kv", [1, 2, 4])
+def test_identical_heads_within_groups_convert_losslessly(model_type, new_kv):
+    base = build(model_type, num_heads=8, num_kv_heads=8)
+    _make_groups_identical(base, new_kv)
+    ids, cal = tokens(), torch.randint(0, 97, (256,))
+    ref = logits(base, ids)
+    for method in _methods(model_type):
+        model = convert_to_gqa(copy.deepcopy(base), new_kv, method=method, calibration_text=cal, context_length=64)
+        torch.testing.assert_close(logits(model, ids), ref, rtol=1e-7, atol=1e-7, msg=f"method={method}")
+    # and a random (not identical) MHA model really changes under pooling: the check above can fail
+    other = build(model_type, num_heads=8, num_kv_heads=8)
+    diff = (logits(convert_to_gqa(copy.deepcopy(other), new_kv), ids) - logits(other, ids)).abs().max()
+    assert diff > 1e-3
+
+
+def test_mean_pooling_shapes_biases_config(model_type):
+    model = build(model_type, num_heads=8, num_kv_heads=4, head_dim=8, attention_bias=True) \
+        if model_type == "llama" else build(model_type, num_heads=8, num_kv_heads=4, head_dim=8)
+    before = copy.deepcopy(model)
+    convert_to_gqa(model, 2)
+    assert model.config.num_key_value_heads == 2
+    for old, new in zip(attention_modules(before), attention_modules(model)):
+        assert new.num_key_value_groups == 4
+        for name in ("k_proj", "v_proj"):
+            o, p = getattr(old, name), getattr(new, name)
+            assert p.weight.shape == (2 * 8, 64) and p.out_features == 16
+            want = o.weight.view(2, 2, 8, 64).mean(1).reshape(16, 64)
+            torch.testing.assert_close(p.weight, want, **TIGHT)
+            assert (o.bias is None) == (p.bias is None)
+            if o.bias is not None:
+                assert p.bias.shape == (16,)
+                torch.testing.assert_close(p.bias, o.bias.view(2, 2, 8).mean(1).reshape(16), **TIGHT)
+        for name in ("q_proj", "o_proj"):  # untouched
+            assert torch.equal(getattr(old, name).weight, getattr(new, name).weight)
+    if model_type in ("qwen2",) or model_type == "llama":
+        assert attention_modules(model)[0].k_proj.bias is not None
+    out = model.generate(tokens(1, 8), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 12)
+
+
+def test_kv_cache_bytes_match_the_real_cache():
+    model = build("llama", num_heads=8, num_kv_heads=8, dtype=torch.float32)
+    convert_to_gqa(model, 2)
+    with torch.no_grad():
+        out = model(input_ids=tokens(1, 10), use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    per_token = sum((layer.keys.numel() + layer.values.numel()) * 4 for layer in cache.layers) / 10
+    assert kv_cache_bytes_per_token(model.config, torch.float32) == per_token
+    assert cache.layers[0].keys.shape[1] == 2
+    assert kv_cache_bytes_per_token(model.config, torch.bfloat16) == per_token / 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(-4, 20))
+def test_bad_counts_raise_with_valid_choices(n):
+    model = build("llama", num_heads=12, num_kv_heads=6, layers=1)
+    if n in (1, 2, 3, 6):
+        return
+    with pytest.raises(ValueError, match=r"valid choices .*\[1, 2, 3, 6\]"):
+        convert_to_gqa(model, n)
+    assert model.config.num_key_value_heads == 6  # nothing changed
+
+
+@pytest.mark.parametrize("bad", [2.0, "2", None, True])
+def test_non_int_counts_raise(bad):
+    with pytest.raises(ValueError, match="valid choices"):
+        convert_to_gqa(build("llama", layers=1), bad)
+
+
+def test_bad_arguments_raise():
+    model = build("llama", layers=1)
+    with pytest.raises(ValueError, match="unknown method"):
+        convert_to_gqa(model, 2, method="median")
+    with pytest.raises(ValueError, match="unknown grouping"):
+        convert_to_gqa(model, 2, grouping="random")
+    with pytest.raises(ValueError, match="needs calibration_text"):
+        convert_to_gqa(model, 2, method="activation")
+    with pytest.raises(ValueError, match="needs calibration_text"):
+        convert_to_gqa(model, 2, grouping="similarity")
+    with pytest.raises(ValueError, match="tokenizer"):
+        convert_to_gqa(model, 2, method="activation", calibration_text="some text")
+    with pytest.raises(ValueError, match="at least context_length"):
+        convert_to_gqa(model, 2, method="activation", calibration_text=torch.arange(10), context_length=64)
+    with pytest.raises(ValueError, match="qwen3"):
+        convert_to_gqa(build("qwen3", layers=1), 2, method="pca", calibration_text=torch.arange(90))
+    assert kv_head_choices(model) == [1, 2, 4, 8]
+
+
+def test_unsupported_models_raise():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=50))
+    for fn in (lambda: convert_to_gqa(gpt2, 1), lambda: expand_kv_heads(gpt2)):
+        with pytest.raises(ValueError, match="model_type 'gpt2'.*llama"):
+            fn()
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        convert_to_gqa(torch.nn.Linear(2, 2), 1)
+
+
+def test_expand_then_pool_back_is_exact(model_type):
+    base = build(model_type, num_heads=8, num_kv_heads=2)
+    ids = tokens()
+    ref = logits(base, ids)
+    model = expand_kv_heads(copy.deepcopy(base))
+    assert model.config.num_key_value_heads == 8
+    assert attention_modules(model)[0].num_key_value_groups == 1
+    torch.testing.assert_close(logits(model, ids), ref, **TIGHT)
+    convert_to_gqa(model, 2)
+    for a, b in zip(attention_modules(base), attention_modules(model)):
+        for name in ("k_proj", "v_proj"):
+            torch.testing.assert_close(getattr(b, name).weight, getattr(a, name).weight, **TIGHT)
+    torch.testing.assert_close(logits(model, ids), ref, **TIGHT)
+    with pytest.raises(ValueError, match=r"valid choices: \[2, 4, 8\]"):
+        expand_kv_heads(model, 3)
+
+
+def _shuffle(n: int, layers: int, size: int) -> list[torch.Tensor]:
+    """Random per-layer orders that do not keep the adjacent groups of ``size`` heads (1 < size < n)."""
+    orders = []
+    for _ in range(layers):
+        while True:
+            order = torch.randperm(n)
+            groups = {frozenset(order[i : i + size].tolist()) for i in range(0, n, size)}
+            if groups != {frozenset(range(i, i + size)) for i in range(0, n, size)}:
+                break
+        orders.append(order)
+    return orders
+
+
+def test_permutation_alone_is_exact(model_type):
+    model = build(model_type, num_heads=8, num_kv_heads=4)
+    ids = tokens()
+    ref = logits(model, ids)
+    q_before = attention_modules(model)[0].q_proj.weight.clone()
+    orders = _shuffle(4, 2, size=2)
+    permute_kv_heads(model, orders)
+    q_after = attention_modules(model)[0].q_proj.weight
+    assert not torch.equal(q_before, q_after)  # query heads really moved with their KV head
+    torch.testing.assert_close(q_after.view(4, 2, 8, -1), q_before.view(4, 2, 8, -1)[orders[0]])
+    torch.testing.assert_close(logits(model, ids), ref, **TIGHT)
+    with pytest.raises(ValueError, match="permutation"):
+        permute_kv_heads(model, [torch.tensor([0, 0, 1, 2])] * 2)
+
+
+@pytest.mark.parametrize("method", ["mean", "activation"])
+def test_similarity_grouping_finds_shuffled_groups(method):
+    base = build("qwen2", num_heads=8, num_kv_heads=2)
+    ids, cal = tokens(), torch.randint(0, 97, (512,))
+    ref = logits(base, ids)
+    shuffled = permute_kv_heads(expand_kv_heads(copy.deepcopy(base)), _shuffle(8, 2, size=4))
+    torch.testing.assert_close(logits(shuffled, ids), ref, **TIGHT)
+    found = convert_to_gqa(copy.deepcopy(shuffled), 2, method=method, grouping="similarity",
+                           calibration_text=cal, context_length=64)
+    torch.testing.assert_close(logits(found, ids), ref, rtol=1e-7, atol=1e-7)
+    adjacent = convert_to_gqa(copy.deepcopy(shuffled), 2, method=method, calibration_text=cal, context_length=64)
+    assert (logits(adjacent, ids) - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_save_pretrained_roundtrip_with_stock_transformers(tmp_path, model_type):
+    model = build(model_type, num_heads=8, num_kv_heads=4, dtype=torch.float32)
+    convert_to_gqa(model, 1)
+    ids = tokens()
+    ref = logits(model, ids)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert loaded.config.num_key_value_heads == 1
+    assert attention_modules(loaded)[0].k_proj.weight.shape == (8, 64)
+    torch.testing.assert_close(logits(loaded, ids), ref, rtol=0, atol=0)
+
+
+def test_accelerated_model_must_be_reverted_first():
+    from hf_accel import accelerate_model, revert_model
+
+    model = accelerate_model(build("llama", layers=1, dtype=torch.float32))
+    with pytest.raises(ValueError, match="revert_model"):
+        convert_to_gqa(model, 2)
+    revert_model(model)
+    convert_to_gqa(model, 2)
+    accelerate_model(model)
+    out = model.generate(tokens(1, 8), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 11)
