@@ -1,0 +1,400 @@
+"""generate's fast decode path on CPU: token-identical to stock transformers in float32, falls back (with
+the reason logged) where it does not apply, keeps streamers and pipelines working, and revert_model
+gives the stock ``generate`` back.
+
+Tiny random llama / qwen2 / mistral / qwen3 models get a left-padded batch of three prompts and EOS ids
+taken from stock's own greedy output, so rows finish at different steps (finished rows are padded) and,
+with several EOS ids, the whole call stops before ``max_new_tokens``. The decode step runs as the model's
+modules (the CPU default) and as the fused Triton step (``engine.fused = True``, Triton interpreter);
+the real SmolLM2 checks a chat batch, ``TextStreamer`` and ``pipeline``. See test_sampling.py for the
+sampling distribution.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, TextStreamer, pipeline
+from transformers.generation.streamers import BaseStreamer
+
+import hf_accel._logging
+from hf_accel import accelerate_model, revert_model
+from hf_accel.engine.decode_step import DecodeStep
+
+FAST_MSG = "generate runs the fast decode path"
+MODEL_TYPES = ["llama", "qwen2", "mistral", "qwen3"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The CPU decode step runs one small softmax per row and layer; with several intra-op threads on a
+    busy shared machine each of those waits for a time slice. One thread keeps this file fast."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def hf_log(caplog):
+    hf_accel._logging._seen.clear()  # log_once dedups per process
+    caplog.set_level(logging.INFO, logger="hf_accel")
+    return caplog
+
+
+@pytest.fixture
+def decode_steps(monkeypatch):
+    """Records every decode step of the fast path: the ``fused`` flag of the DecodeStep that ran."""
+    calls: list[bool] = []
+    original = DecodeStep._forward
+
+    def counting(self):
+        calls.append(self.fused)
+        return original(self)
+
+    monkeypatch.setattr(DecodeStep, "_forward", counting)
+    return calls
+
+
+def _messages(caplog, needle):
+    return [r.getMessage() for r in caplog.records if r.name == "hf_accel" and needle in r.getMessage()]
+
+
+def _generate(model, ids, mask, pad, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, pad_token_id=pad, **kwargs)
+
+
+def _accelerated(model, fused=False):
+    ours = accelerate_model(copy.deepcopy(model))
+    if fused:
+        ours._hf_accel_engine.fused = True
+    return ours
+
+
+def finish_steps(generated: torch.Tensor, eos: list[int]) -> list[int | None]:
+    """Per row: the step at which greedy decoding emits one of ``eos`` first (None: never)."""
+    steps = []
+    for row in generated.tolist():
+        hits = [t for t, token in enumerate(row) if token in eos]
+        steps.append(hits[0] if hits else None)
+    return steps
+
+
+def pick_eos(generated: torch.Tensor, at: dict[int, int]) -> list[int]:
+    """EOS ids, taken from stock's own output ``generated`` (no EOS, [batch, steps]), that end row ``r``
+    at step ``at[r]`` (or the nearest later step where no earlier-chosen id interferes)."""
+    eos: list[int] = []
+    wanted: dict[int, int] = {}
+    for row, first in at.items():
+        for t in range(first, generated.shape[1]):
+            candidate = eos + [int(generated[row, t])]
+            steps = finish_steps(generated, candidate)
+            if steps[row] == t and all(steps[r] == s for r, s in wanted.items()):
+                eos, wanted[row] = candidate, t
+                break
+        else:
+            raise AssertionError(f"no EOS id ends row {row}")
+    return eos
+
+
+# --- greedy: token-identical to stock -----------------------------------------------------------------
+
+# name -> (EOS rows/steps, generate options; WIDTH is replaced by the padded prompt width)
+CASES = {
+    # row 0 ends at step 2, the other rows run to the end: finished rows are padded
+    "max_new_tokens": ({0: 2}, dict(max_new_tokens=12)),
+    # every row ends, at steps 2 / 5 / 8 or so: the call stops before max_new_tokens (surplus steps trimmed)
+    "all_rows_finish": ({0: 2, 1: 5, 2: 8}, dict(max_new_tokens=20)),
+    "max_length": ({0: 2}, dict(max_length="WIDTH+9")),
+    # the EOS id of step 2 is suppressed until 6 new tokens: transformers' processor on the host
+    "min_new_tokens": ({0: 2}, dict(max_new_tokens=12, min_new_tokens=6)),
+    "min_length": ({0: 2}, dict(max_new_tokens=12, min_length="WIDTH+6")),
+}
+
+
+def _case(tiny, model_type, case):
+    """(model, ids, mask, generate kwargs with eos_token_id, stock output)."""
+    model = tiny.model(model_type)
+    ids, mask = tiny.batch(seed=1)
+    width = ids.shape[1]
+    eos_at, options = CASES[case]
+    kwargs = {k: (width + int(v.split("+")[1]) if isinstance(v, str) else v) for k, v in options.items()}
+    free = tiny.greedy(model, ids, mask, 20)[:, width:]  # stock, EOS suppressed: what each row would say
+    eos = pick_eos(free, eos_at)
+    kwargs["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    stock = _generate(model, ids, mask, tiny.PAD, **kwargs)
+    # The EOS really is in the middle: rows finish at different steps (None: not within the limit).
+    steps = finish_steps(stock[:, width:], eos)
+    if case.startswith("min_"):  # row 0's EOS at step 2 was suppressed
+        assert steps[0] is None or steps[0] >= 6, steps
+    else:
+        assert steps[0] == 2 and len(set(steps)) > 1, steps
+    if case == "all_rows_finish":
+        assert None not in steps and len(set(steps)) == 3 and stock.shape[1] == width + max(steps) + 1 < width + 16
+    return model, ids, mask, kwargs, stock
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_greedy_identical_to_stock_module_step(model_type, case, tiny, decode_steps, hf_log):
+    model, ids, mask, kwargs, stock = _case(tiny, model_type, case)
+    ours = _accelerated(model)
+    out = _generate(ours, ids, mask, tiny.PAD, **kwargs)
+    assert torch.equal(out, stock), f"{model_type} {case}\nstock:\n{stock}\nours:\n{out}"
+    assert _messages(hf_log, FAST_MSG) and not _messages(hf_log, "not used")
+    assert len(decode_steps) >= stock.shape[1] - ids.shape[1] - 1 and not any(decode_steps)
+    # A second call on the same engine (cache and step reused) gives the same tokens again.
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), stock)
+
+
+FUSED = [(t, "max_new_tokens") for t in MODEL_TYPES] + [("qwen3", "min_new_tokens")]
+
+
+@pytest.mark.parametrize(("model_type", "case"), FUSED)
+def test_greedy_identical_to_stock_fused_step(model_type, case, tiny, decode_steps):
+    """The fused Triton step (interpreter): in-graph greedy, and the host loop with a processor."""
+    model, ids, mask, kwargs, stock = _case(tiny, model_type, case)
+    kwargs["max_new_tokens"] = 7  # the interpreter is slow
+    stock = _generate(model, ids, mask, tiny.PAD, **kwargs)
+    ours = _accelerated(model, fused=True)
+    out = _generate(ours, ids, mask, tiny.PAD, **kwargs)
+    assert torch.equal(out, stock), f"{model_type} {case}\nstock:\n{stock}\nours:\n{out}"
+    assert len(decode_steps) == 6 and all(decode_steps)
+    assert all(step.fused for step in ours._hf_accel_engine.steps.values())
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="fast path: without a length option it stops at max_length=20 in total; transformers "
+                   "generates 20 new tokens (its has_default_max_length rule)")
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")
+def test_default_length_identical_to_stock(tiny):
+    """No length option: transformers generates 20 new tokens (capped by max_position_embeddings)."""
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    stock = _generate(model, ids, mask, tiny.PAD, eos_token_id=None)
+    assert stock.shape[1] == ids.shape[1] + 20
+    assert torch.equal(_generate(_accelerated(model), ids, mask, tiny.PAD, eos_token_id=None), stock)
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="fast path: the in-graph greedy step refuses more than 8 EOS ids (ValueError) instead "
+                   "of leaving them to the host loop")
+def test_many_eos_ids_identical_to_stock(tiny):
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    free = tiny.greedy(model, ids, mask, 12)[:, ids.shape[1]:]
+    eos = [int(free[0, 2])] + [t for t in range(3, 40) if t not in free.flatten().tolist()][:9]
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=eos)
+    assert finish_steps(stock[:, ids.shape[1]:], eos)[0] == 2
+    assert torch.equal(_generate(_accelerated(model), ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=eos),
+                       stock)
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
+                   reason="fast path: a prompt not shorter than max_length returns the prompt where transformers "
+                   "raises ValueError")
+def test_prompt_longer_than_max_length_raises_like_stock(tiny):
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    with pytest.raises(ValueError, match="max_length"):
+        _generate(model, ids, mask, tiny.PAD, max_length=ids.shape[1])
+    with pytest.raises(ValueError, match="max_length"):
+        _generate(_accelerated(model), ids, mask, tiny.PAD, max_length=ids.shape[1])
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="fast path: without attention_mask it attends to every position; transformers infers "
+                   "the mask from pad_token_id when the pad id is in the prompt and is not an EOS id")
+def test_left_padded_prompt_without_attention_mask(tiny):
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    assert (ids == tiny.PAD).any()
+    kwargs = dict(max_new_tokens=8, eos_token_id=None)
+    stock = _generate(model, ids, None, tiny.PAD, **kwargs)
+    assert torch.equal(stock, _generate(model, ids, mask, tiny.PAD, **kwargs))  # the mask stock infers
+    assert torch.equal(_generate(_accelerated(model), ids, None, tiny.PAD, **kwargs), stock)
+
+
+# --- fallbacks: stock tokens, reason logged ---------------------------------------------------------------
+
+
+class _BanToken(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return scores.masked_fill(torch.arange(scores.shape[-1]) == 5, float("-inf"))
+
+
+FALLBACKS = {
+    # name -> (generate options, logged reason)
+    "beams": (dict(num_beams=2), "generate keeps transformers' cache: beam search"),
+    "repetition_penalty": (dict(repetition_penalty=1.3), "not used: generation option repetition_penalty=1.3"),
+    "no_repeat_ngram": (dict(no_repeat_ngram_size=2), "not used: generation option no_repeat_ngram_size=2"),
+    "logits_processor": (dict(logits_processor=LogitsProcessorList([_BanToken()])),
+                         "not used: unsupported generate arguments: logits_processor"),
+    "output_scores": (dict(output_scores=True, return_dict_in_generate=True), "not used: generation option"),
+    "num_return_sequences": (dict(num_return_sequences=2, do_sample=True), "not used: num_return_sequences > 1"),
+    "use_cache_false": (dict(use_cache=False), "generate keeps transformers' cache: use_cache=False"),
+    "own_cache": ({}, "generate keeps transformers' cache: the caller passed its own cache"),
+}
+
+
+@pytest.mark.parametrize("name", list(FALLBACKS))
+def test_fallback_gives_stock_tokens_and_logs_why(name, tiny, hf_log, decode_steps):
+    model = tiny.model("qwen3")
+    ids, mask = tiny.batch(seed=2)
+    options, reason = FALLBACKS[name]
+    kwargs = dict(max_new_tokens=8, eos_token_id=None, **options)
+
+    def run(m):
+        call = dict(kwargs)
+        if name == "own_cache":
+            call[tiny.cache_kwarg(m)] = DynamicCache(config=m.config)
+        torch.manual_seed(0)
+        return _generate(m, ids, mask, tiny.PAD, **call)
+
+    stock = run(model)
+    ours = _accelerated(model)
+    out = run(ours)
+    if name == "num_return_sequences":  # sampling: the same shape, rows repeated per prompt
+        assert out.shape == stock.shape == (6, ids.shape[1] + 8)
+        assert torch.equal(out[:, : ids.shape[1]], ids.repeat_interleave(2, 0))
+    elif name == "output_scores":
+        assert torch.equal(out.sequences, stock.sequences)
+        assert len(out.scores) == len(stock.scores) == 8
+        for a, b in zip(out.scores, stock.scores):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    else:
+        assert torch.equal(out, stock), f"{name}\nstock:\n{stock}\nours:\n{out}"
+    assert _messages(hf_log, reason), [r.getMessage() for r in hf_log.records]
+    assert not _messages(hf_log, FAST_MSG) and decode_steps == []
+
+
+# --- streamers ---------------------------------------------------------------------------------------------
+
+
+class _Recorder(BaseStreamer):
+    def __init__(self):
+        self.puts: list[torch.Tensor] = []
+        self.ends = 0
+
+    def put(self, value):
+        assert self.ends == 0, "put after end"
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ends += 1
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_streamer_gets_prompt_then_each_token_then_end(do_sample, tiny, decode_steps, hf_log):
+    model, ids, mask, kwargs, stock = _case(tiny, "llama", "all_rows_finish")
+    if do_sample:
+        kwargs.update(do_sample=True, top_k=5)
+    streams = []
+    for m in (model, _accelerated(model)):
+        streamer = _Recorder()
+        torch.manual_seed(0)
+        out = _generate(m, ids, mask, tiny.PAD, streamer=streamer, **kwargs)
+        assert streamer.ends == 1
+        assert torch.equal(streamer.puts[0], ids)
+        streamed = torch.stack(streamer.puts[1:], 1)
+        assert torch.equal(streamed, out[:, ids.shape[1]:])  # one put per generated token, as returned
+        streams.append(streamed)
+    assert _messages(hf_log, FAST_MSG) and decode_steps
+    if do_sample:
+        assert streams[1].shape[0] == streams[0].shape[0] == 3
+    else:
+        assert torch.equal(streams[0], stock[:, ids.shape[1]:]) and torch.equal(streams[1], streams[0])
+
+
+# --- revert -------------------------------------------------------------------------------------------------
+
+
+def test_revert_after_fast_path_restores_stock_generate(tiny, decode_steps, hf_log):
+    model = tiny.model("mistral")
+    ids, mask = tiny.batch(seed=3)
+    kwargs = dict(max_new_tokens=6, eos_token_id=None)
+    stock = _generate(model, ids, mask, tiny.PAD, **kwargs)
+    attn = model.config._attn_implementation
+    accelerate_model(model)
+    engine = model._hf_accel_engine
+    assert torch.equal(_generate(model, ids, mask, tiny.PAD, **kwargs), stock)
+    assert engine.steps and engine.cache is not None and len(decode_steps) == 5
+
+    revert_model(model)
+    assert "generate" not in vars(model) and model.generate.__func__ is type(model).generate
+    assert not hasattr(model, "_hf_accel_engine")
+    assert engine.steps == {} and engine.cache is None  # step buffers and KV pools released
+    assert model.config._attn_implementation == attn
+    hf_log.clear()
+    assert torch.equal(_generate(model, ids, mask, tiny.PAD, **kwargs), stock)
+    assert len(decode_steps) == 5 and not _messages(hf_log, "")
+
+
+# --- the real SmolLM2 -------------------------------------------------------------------------------------
+
+
+def _chat(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+@pytest.mark.slow
+def test_smollm2_left_padded_chat_batch_identical(smollm2, decode_steps, hf_log, monkeypatch):
+    model, tokenizer = smollm2
+    monkeypatch.setattr(tokenizer, "padding_side", "left")
+    prompts = [_chat(tokenizer, "What is the capital of France?"),
+               _chat(tokenizer, "Write two sentences about a cat who likes to sleep in the sun all afternoon.")]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert (enc["attention_mask"][:, 0] == 0).any()
+    kwargs = dict(max_new_tokens=28, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        stock = model.generate(**enc, **kwargs)
+    n = enc["input_ids"].shape[1]
+    steps = finish_steps(stock[:, n:], [tokenizer.eos_token_id])
+    assert steps[0] is not None and steps[0] < 27 and steps[1] is None  # EOS in the middle of the batch
+    accelerate_model(model)
+    try:
+        with torch.no_grad():
+            ours = model.generate(**enc, **kwargs)
+    finally:
+        revert_model(model)
+    assert _messages(hf_log, FAST_MSG) and len(decode_steps) == 27
+    assert torch.equal(ours, stock), "\n".join(tokenizer.batch_decode(torch.cat([stock, ours])[:, n:]))
+
+
+@pytest.mark.slow
+def test_smollm2_text_streamer_and_pipeline(smollm2, decode_steps, hf_log, capsys):
+    model, tokenizer = smollm2
+    question = "Name three colors of the rainbow."
+    enc = tokenizer(_chat(tokenizer, question), return_tensors="pt")
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    messages = [{"role": "user", "content": question}]
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(**enc, **kwargs, streamer=TextStreamer(tokenizer, skip_prompt=True,
+                                                                        skip_special_tokens=True))
+        printed = capsys.readouterr().out
+        steps_before = len(decode_steps)
+        chat = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        reply = chat(messages, **kwargs)[0]["generated_text"][-1]["content"]
+        return out, printed, reply, len(decode_steps) - steps_before
+
+    stock, stock_printed, stock_reply, _ = run()
+    assert not decode_steps
+    accelerate_model(model)
+    try:
+        ours, printed, reply, pipeline_steps = run()
+    finally:
+        revert_model(model)
+    # Both the streamed generate and the pipeline's generate ran the fast path's decode steps.
+    assert _messages(hf_log, FAST_MSG) and pipeline_steps > 0 and len(decode_steps) > pipeline_steps
+    assert torch.equal(ours, stock)
+    text = tokenizer.decode(ours[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert printed == stock_printed and printed.strip() == text.strip() and text.strip()
+    assert reply == stock_reply and reply.strip()
