@@ -112,6 +112,8 @@ class FastEngine:
         ids = model_kwargs.get("input_ids")
         if ids is None or ids.dim() != 2 or ids.shape[1] == 0:
             return "no non-empty 2-D input_ids"
+        if self._max_new(gc, ids.shape[1]) <= 0:
+            return "the prompt is not shorter than max_length"  # transformers raises its own error
         sw = getattr(self.model.config, "sliding_window", None)
         if sw is not None and ids.shape[1] + self._max_new(gc, ids.shape[1]) > sw:
             return f"the sequence would exceed the sliding window ({sw})"
@@ -186,10 +188,6 @@ class FastEngine:
 
         model = self.model
         input_ids = model_kwargs["input_ids"].to(model.device)
-        attention_mask = model_kwargs.get("attention_mask")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        attention_mask = attention_mask.to(model.device)
         streamer = model_kwargs.get("streamer")
         batch, prompt_len = input_ids.shape
         max_new = self._max_new(gc, prompt_len)
@@ -198,6 +196,13 @@ class FastEngine:
         eos = gc.eos_token_id
         eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
+        attention_mask = model_kwargs.get("attention_mask")
+        if attention_mask is None:
+            # transformers' rule: infer the mask from padding when the pad id is in the prompt and is no EOS id
+            infer = gc.pad_token_id is not None and gc.pad_token_id not in eos_list and bool(
+                (input_ids == gc.pad_token_id).any())
+            attention_mask = input_ids.ne(gc.pad_token_id).long() if infer else torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(model.device)
         eos_t = torch.tensor(eos_list, dtype=torch.long, device=model.device)
 
         processors = LogitsProcessorList()
@@ -244,7 +249,7 @@ class FastEngine:
             step.position_ids[:batch] = attention_mask.long().sum(-1)
             step.input_ids.fill_(pad)
 
-            if not gc.do_sample and not len(processors) and streamer is None:
+            if not gc.do_sample and not len(processors) and streamer is None and len(eos_list) <= 8:
                 n, tokens = self._greedy_in_graph(step, logits, input_ids, batch, prompt_len, max_new, pad, eos_list)
                 self.last_stats = cache.memory_stats()
                 return tokens[:, : prompt_len + n]

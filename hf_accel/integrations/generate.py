@@ -63,11 +63,20 @@ def _try_fast(model, engine, args, kwargs):
             call["input_ids"] = args[0]
         elif "inputs" in call:
             call["input_ids"] = call.pop("inputs")
+        user_config = call.pop("generation_config", None)
         try:
-            gc, model_kwargs = model._prepare_generation_config(call.pop("generation_config", None), **call)
+            gc, model_kwargs = model._prepare_generation_config(user_config, **call)
         except Exception as e:  # transformers raises the same error again on its own path
             reason = f"generation config not understood ({type(e).__name__})"
         else:
+            ids = model_kwargs.get("input_ids")
+            if (gc.max_new_tokens is None and call.get("max_length") is None and ids is not None
+                    and (user_config is None or user_config.max_length is None)
+                    and model.generation_config.max_length is None):
+                # transformers' default length: max_length more tokens, capped by max_position_embeddings
+                limit = gc.max_length + ids.shape[-1]
+                max_pos = getattr(model.config, "max_position_embeddings", None)
+                gc.max_new_tokens = (min(limit, max_pos) if max_pos else limit) - ids.shape[-1]
             reason = engine.check(gc, model_kwargs)
             if reason is None:
                 log_once("generate-fast", "hf-accel: generate runs the fast decode path "
