@@ -5,6 +5,7 @@
     model.generate(...)                        # unchanged
 """
 
+from hf_accel.conversion import convert_to_gqa, expand_kv_heads
 from hf_accel.integrations.measure import GenerationStats, TimingStreamer, measure_generate
 from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, accelerate_model, is_accelerated, revert_model
 
@@ -14,6 +15,8 @@ __all__ = [
     "GenerationStats",
     "TimingStreamer",
     "accelerate_model",
+    "convert_to_gqa",
+    "expand_kv_heads",
     "is_accelerated",
     "measure_generate",
     "revert_model",
