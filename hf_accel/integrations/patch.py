@@ -108,17 +108,24 @@ def accelerate_model(
         raise ValueError(
             f"hf-accel does not support model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    if getattr(hf_model, _STATE_ATTR, None) is not None:
-        logger.info("hf-accel: model already accelerated; nothing to do")
-        return model
     if peft_model is not None and not merge_lora:
         raise ValueError("a PeftModel needs merge_lora=True (unmerged LoRA layers are not accelerated)")
-    if not isinstance(block_size, int) or block_size < 1:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    options = {"paged_cache": bool(paged_cache), "fast_decode": bool(fast_decode), "cuda_graphs": bool(cuda_graphs),
+               "block_size": block_size}
+    previous = getattr(hf_model, _STATE_ATTR, None)
+    if previous is not None:
+        if previous.get("options") != options:
+            raise ValueError(
+                f"model already accelerated with {previous.get('options')}; call revert_model first to use {options}"
+            )
+        logger.info("hf-accel: model already accelerated; nothing to do")
+        return model
 
     name = register()
     state = {"attn_implementation": hf_model.config._attn_implementation, "lora_merged": False,
-             "paged_cache": bool(paged_cache)}
+             "paged_cache": bool(paged_cache), "options": options}
     if peft_model is not None:
         # Merge/unmerge in floating point is not exact: keep the base weights to restore them bit for bit.
         state["lora_base_weights"] = _lora_base_weights(peft_model)
