@@ -173,7 +173,7 @@ class AttentionSpy:
         # ("dense" | "paged" | "engine", None | (mask.dim(), mask.shape)); "engine" = generate's fast decode path
         self.calls: list[tuple[str, object]] = []
         self.fallbacks: list[str] = []
-        names = ("attention", "attention_ref", "paged_attention", "paged_attention_ref",
+        names = ("attention", "attention_ref", "attention_sdpa", "paged_attention", "paged_attention_ref",
                  "sdpa_attention_forward", "eager_attention_forward")
         originals = {name: getattr(hf_attn, name) for name in names if hasattr(hf_attn, name)}
 
@@ -183,7 +183,7 @@ class AttentionSpy:
         def dense(name):
             def spy(q, k, v, key_mask=None, **kw):
                 record("dense", key_mask)
-                if route_to_triton and name == "attention_ref":
+                if route_to_triton and name in ("attention_ref", "attention_sdpa"):
                     kw.pop("compute_dtype", None)
                     return originals["attention"](q, k, v, key_mask, **kw)
                 return originals[name](q, k, v, key_mask, **kw)
@@ -204,7 +204,8 @@ class AttentionSpy:
                 return originals[name](*a, **kw)
             return spy
 
-        for name, wrap in [("attention", dense), ("attention_ref", dense), ("paged_attention", paged),
+        for name, wrap in [("attention", dense), ("attention_ref", dense), ("attention_sdpa", dense),
+                           ("paged_attention", paged),
                            ("paged_attention_ref", paged), ("sdpa_attention_forward", fallback),
                            ("eager_attention_forward", fallback)]:
             if name in originals:

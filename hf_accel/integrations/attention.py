@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from hf_accel._logging import log_once, logger
 from hf_accel.cache.paged_cache import active_step
-from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, attention, attention_ref
+from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, attention, attention_sdpa
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.prefill import prefill_attention
 
@@ -150,7 +150,8 @@ def hf_accel_attention_forward(
 
     Returns:
         (attn_output [batch, q_len, num_heads, head_dim], None). On CUDA tensors the Triton kernel
-        :func:`hf_accel.kernels.attention.attention` runs; on other devices its PyTorch reference.
+        :func:`hf_accel.kernels.attention.attention` runs; on other devices the same op in PyTorch
+        (:func:`~hf_accel.kernels.attention.attention_sdpa`).
     """
     step = active_step(key)
     kv_len = step.max_seq_len if step is not None else key.shape[2]
@@ -186,9 +187,10 @@ def hf_accel_attention_forward(
     else:
         log_once(
             f"path:ref:{query.device.type}",
-            f"hf-accel: no GPU for this tensor ({query.device.type}); attention runs the PyTorch reference",
+            f"hf-accel: no GPU for this tensor ({query.device.type}); attention runs the PyTorch path "
+            "(scaled_dot_product_attention with the same masks)",
         )
-        out = attention_ref(query, key, value, attention_mask, causal=causal, sm_scale=scaling)
+        out = attention_sdpa(query, key, value, attention_mask, causal=causal, sm_scale=scaling)
     return out, None
 
 

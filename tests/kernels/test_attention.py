@@ -324,3 +324,24 @@ def test_zero_heads_kv_rejected():
     k = torch.randn(1, 0, 5, 64, device=DEVICE)
     with pytest.raises(ValueError, match="num_kv_heads"):
         attention(q, k, k.clone(), causal=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 17), (7, 33), (33, 33), (5, 97)])
+def test_attention_sdpa_cpu_path_matches_reference(q_len, kv_len, causal):
+    """The runtime path without a GPU (PyTorch SDPA with the same masks) vs the float64 reference."""
+    from hf_accel.kernels.attention import attention_sdpa
+
+    g = torch.Generator().manual_seed(q_len * 1000 + kv_len)
+    q = torch.randn(3, 8, q_len, 64, generator=g)
+    k = torch.randn(3, 2, kv_len, 64, generator=g)
+    v = torch.randn(3, 2, kv_len, 64, generator=g)
+    key_mask = torch.ones(3, kv_len, dtype=torch.bool)
+    key_mask[0, : kv_len - 2] = False  # left padding
+    key_mask[2] = False  # a fully masked row
+    for km in (None, key_mask):
+        out = attention_sdpa(q, k, v, km, causal=causal)
+        ref = attention_ref(q.double(), k.double(), v.double(), km, causal=causal)
+        assert torch.isfinite(out).all()
+        assert (out.double() - ref).abs().max().item() < 1e-5
+    assert (attention_sdpa(q, k, v, key_mask, causal=causal)[2] == 0).all()
