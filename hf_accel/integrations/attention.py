@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from hf_accel._logging import log_once, logger
 from hf_accel.cache.paged_cache import active_step
-from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, attention, attention_sdpa
+from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, allowed_mask, attention, attention_sdpa
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.prefill import prefill_attention
 
@@ -118,14 +118,7 @@ def _dense_bool_mask(query, kv_len, attention_mask, causal) -> torch.Tensor:
         if attention_mask.dtype == torch.bool:
             return attention_mask
         return attention_mask == 0  # additive float mask: 0 = attend
-    batch, _, q_len, _ = query.shape
-    i = torch.arange(q_len, device=query.device)[:, None]
-    j = torch.arange(kv_len, device=query.device)[None, :]
-    mask = (j <= i + (kv_len - q_len)) if causal else torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
-    mask = mask.expand(batch, 1, q_len, kv_len)
-    if attention_mask is not None:
-        mask = mask & attention_mask.to(torch.bool)[:, None, None, :]
-    return mask
+    return allowed_mask(query.shape[0], query.shape[2], kv_len, attention_mask, causal, query.device)
 
 
 def hf_accel_attention_forward(

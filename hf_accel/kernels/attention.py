@@ -227,6 +227,22 @@ def attention(
     return out
 
 
+def allowed_mask(batch: int, q_len: int, kv_len: int, key_mask: torch.Tensor | None, causal: bool,
+                 device) -> torch.Tensor:
+    """[batch, 1, q_len, kv_len] bool, True where query ``i`` may see key ``j``: the kernel's masking
+    (bottom-right causal ``j <= i + kv_len - q_len`` and ``key_mask`` [batch, kv_len]) made dense."""
+    if causal:
+        i = torch.arange(q_len, device=device)[:, None]
+        j = torch.arange(kv_len, device=device)[None, :]
+        allowed = j <= i + (kv_len - q_len)
+    else:
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    allowed = allowed.expand(batch, 1, q_len, kv_len)
+    if key_mask is not None:
+        allowed = allowed & key_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+    return allowed
+
+
 def attention_ref(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -254,15 +270,7 @@ def attention_ref(
     k = key.to(compute_dtype).unsqueeze(2)  # [b, kvh, 1, kv_len, d]
     v = value.to(compute_dtype).unsqueeze(2)
     scores = torch.matmul(q, k.transpose(-1, -2)) * sm_scale  # [b, kvh, g, q_len, kv_len]
-    allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
-    if causal:
-        i = torch.arange(q_len, device=query.device)[:, None]
-        j = torch.arange(kv_len, device=query.device)[None, :]
-        allowed = j <= i + (kv_len - q_len)
-    allowed = allowed.expand(batch, q_len, kv_len)
-    if key_mask is not None:
-        allowed = allowed & key_mask.to(torch.bool)[:, None, :]
-    allowed = allowed[:, None, None]  # [b, 1, 1, q_len, kv_len]
+    allowed = allowed_mask(batch, q_len, kv_len, key_mask, causal, query.device)[:, :, None]  # [b,1,1,q,kv]
     scores = scores.masked_fill(~allowed, float("-inf"))
     any_visible = allowed.any(-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(~any_visible, 0.0), dim=-1)
@@ -293,14 +301,7 @@ def attention_sdpa(
         out = F.scaled_dot_product_attention(query, key, value, is_causal=causal and q_len > 1, scale=sm_scale,
                                              enable_gqa=num_heads != num_kv_heads)
         return out.transpose(1, 2).contiguous()
-    allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
-    if causal:
-        i = torch.arange(q_len, device=query.device)[:, None]
-        j = torch.arange(kv_len, device=query.device)[None, :]
-        allowed = j <= i + (kv_len - q_len)
-    allowed = allowed.expand(batch, 1, q_len, kv_len)
-    if key_mask is not None:
-        allowed = allowed & key_mask.to(torch.bool)[:, None, None, :]
+    allowed = allowed_mask(batch, q_len, kv_len, key_mask, causal, query.device)
     visible = allowed.any(-1, keepdim=True)  # [batch, 1, q_len, 1]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed | ~visible, scale=sm_scale,
                                          enable_gqa=num_heads != num_kv_heads)
