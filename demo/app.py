@@ -870,16 +870,7 @@ def run_comparison(store: ModelStore, feats, model_path, prompt_text, n_new, dec
 # --------------------------------------------------------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="local HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=7860, help="port (default: 7860)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="initial value of the slider (default: 32 on CPU, 128 on GPU)")
-    parser.add_argument("--no-preload", action="store_true",
-                        help="load the model at the first Generate instead of at start")
+from hf_accel.demo_launch import add_arguments  # noqa: E402  (one definition of the options)
 
 
 def main(argv=None) -> int:

@@ -28,16 +28,6 @@ FAST_MSG = "generate runs the fast decode path"
 MODEL_TYPES = ["llama", "qwen2", "mistral", "qwen3"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The CPU decode step runs one small softmax per row and layer; with several intra-op threads on a
-    busy shared machine each of those waits for a time slice. One thread keeps this file fast."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def hf_log(caplog):
     hf_accel._logging._seen.clear()  # log_once dedups per process

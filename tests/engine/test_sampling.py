@@ -30,16 +30,6 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The CPU decode step runs one small softmax per row and layer; with several intra-op threads on a
-    busy shared machine each of those waits for a time slice. One thread keeps this file fast."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def models(tiny):
     """(stock model, accelerated copy, prompt ids, attention mask, pad id)."""
