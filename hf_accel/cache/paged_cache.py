@@ -265,6 +265,14 @@ class PagedCache(Cache):
         self.release()
 
     # -- hf-accel API -----------------------------------------------------------------------------
+    def allocate_pools(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """Create the block manager and every layer's pools now (instead of at the first ``update``), for
+        callers that write the cache with their own kernels (hf-accel's decode engine)."""
+        probe = torch.empty(1, num_kv_heads, 1, head_dim, dtype=dtype, device=device)
+        for layer in self.layers:
+            if not layer.is_initialized:
+                layer.lazy_initialization(probe, probe)
+
     def release(self) -> None:
         """Free every block (the pools stay allocated); the cache is empty afterwards."""
         if self.manager is not None:

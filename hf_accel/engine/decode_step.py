@@ -60,29 +60,54 @@ def fused_supported(model) -> str | None:
     return None
 
 
+def default_num_splits(programs: int, capacity: int, device) -> int:
+    """FlashDecoding partitions for a step whose grid has ``programs`` (batch x KV heads x row blocks)
+    before splitting and whose block table spans ``capacity`` tokens.
+
+    Small grids read fastest with ~4 programs per SM, larger ones with ~2 (H200 sweep,
+    ``bench_decode-20261130.json``); a split holds at least 64 keys, because a program's time is
+    dominated by dependent block-table + K/V loads: at bs1 and a 1k-token table, 4 splits of 256 keys
+    took 10 us per layer for SmolLM2 (``profile_decode_step-20261201.json``)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv((4 if programs < 32 else 2) * sms, programs)
+    return max(1, min(want, triton.cdiv(capacity, 64)))
+
+
 class DecodeStep:
-    """Static buffers + step function (+ CUDA graph on GPU) for ``batch`` rows.
+    """Static buffers + step function (+ CUDA graph on GPU) for ``batch`` rows of ``q_len`` new tokens.
+
+    ``q_len`` is 1 for decoding; ``q_len = k + 1`` verifies ``k`` draft tokens in one pass (speculative
+    decoding: the last accepted token followed by the drafts). ``num_layers`` < the model's layer count
+    runs only the first layers (then the final norm and LM head): the early-exit draft of
+    self-speculative decoding, writing K/V of those layers into the same cache.
 
     Buffers (all on the model's device):
-        input_ids: [batch] int64 — token fed at this step.
-        position_ids: [batch] int64 — its rotary position (padding-aware, as transformers computes it).
-        cache_lens: [batch] int32 — tokens already cached; the new token goes to slot ``cache_lens``.
+        input_ids: [batch, q_len] int64 — tokens fed at this step.
+        position_ids: [batch, q_len] int64 — their rotary positions (padding-aware, as transformers
+            computes them).
+        cache_lens: [batch] int32 — tokens already cached; token ``t`` goes to slot ``cache_lens + t``.
         block_table: [batch, max_blocks] int32 — reserved for the whole generation.
         key_mask: [batch, max_blocks * block_size] uint8 — 0 for padding positions.
-        logits: [batch, vocab] float32 — output.
+        logits: [batch, q_len, vocab] float32 — output.
     """
 
     def __init__(self, model, cache, batch: int, max_blocks: int, use_graph: bool, fused: bool | None = None,
-                 merged=None):
+                 merged=None, q_len: int = 1, num_layers: int | None = None):
         self.model = model
         self.cache = cache
         self.batch = batch
+        self.q_len = q_len
+        self.num_layers = len(model.model.layers) if num_layers is None else num_layers
+        if not 1 <= self.num_layers <= len(model.model.layers):
+            raise ValueError(f"num_layers must be in [1, {len(model.model.layers)}], got {num_layers}")
         self.max_blocks = max_blocks
         self.block_size = cache.block_size
         self.capacity = max_blocks * cache.block_size
         dev = model.device
-        self.input_ids = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.position_ids = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.input_ids = torch.zeros(batch, q_len, dtype=torch.long, device=dev)
+        self.position_ids = torch.zeros(batch, q_len, dtype=torch.long, device=dev)
         self.cache_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros(batch, max_blocks, dtype=torch.int32, device=dev)
         self.key_mask = torch.zeros(batch, self.capacity, dtype=torch.uint8, device=dev)
@@ -90,6 +115,7 @@ class DecodeStep:
         self.graph = None
         self.graph_greedy = None
         self.greedy = None
+        self.graphs: dict = {}  # extra captured programs (e.g. a draft chain), keyed by their owner
         self.use_graph = use_graph and dev.type == "cuda"
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
@@ -100,28 +126,41 @@ class DecodeStep:
         # fused=None: on CUDA when supported. fused=True on CPU runs the Triton kernels (interpreter; tests).
         self.fused = (dev.type == "cuda" if fused is None else fused) and fused_supported(model) is None
         self.merged = merged  # list of MergedLayer (fused step only) or None
-        if dev.type == "cuda":
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            programs = batch * self.num_kv_heads
-            want = triton.cdiv((4 if programs < 32 else 2) * sms, programs)
-            self.num_splits = max(1, min(want, triton.cdiv(self.capacity, 256)))
-        else:
-            self.num_splits = 1
+        rows = q_len * (self.num_heads // self.num_kv_heads)
+        row_blocks = triton.cdiv(rows, 16 if rows <= 16 else (32 if rows <= 32 else 64))
+        self.num_splits = default_num_splits(batch * self.num_kv_heads * row_blocks, self.capacity, dev)
 
     # -- the step ---------------------------------------------------------------------------------
-    def _forward_fused(self) -> torch.Tensor:
+    def forward_tokens(self, input_ids, position_ids, cache_lens, block_table, key_mask,
+                       last_only: bool = False, num_splits: int | None = None) -> torch.Tensor:
+        """Run ``input_ids`` [b, t] at rotary positions ``position_ids`` [b, t] after ``cache_lens`` [b]
+        (int32) cached tokens: writes their K/V into the cache and returns float32 logits [b, t, vocab]
+        ([b, vocab] of the last position with ``last_only``). ``block_table`` / ``key_mask`` are [b, ...]
+        (views of the step's buffers or the caller's)."""
+        if self.fused:
+            return self._forward_fused(input_ids, position_ids, cache_lens, block_table, key_mask, last_only,
+                                       num_splits)
+        return self._forward_modules(input_ids, position_ids, cache_lens, block_table, key_mask, last_only)
+
+    def _slots(self, cache_lens, block_table, t):
+        pos = cache_lens.long()[:, None] + torch.arange(t, device=cache_lens.device)
+        blk = block_table.gather(1, pos // self.block_size).long()
+        return (blk * self.block_size + pos % self.block_size).to(torch.int32).reshape(-1)
+
+    def _forward_fused(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only, num_splits):
         model = self.model
         inner = model.model
-        b, h, d = self.batch, self.num_heads, self.head_dim
-        hidden = inner.embed_tokens(self.input_ids)
-        cos, sin = inner.rotary_emb(hidden[:, None], self.position_ids[:, None])
-        cos, sin = cos.reshape(b, d), sin.reshape(b, d)
-        cache_lens = self.cache_lens.long()
-        blk = self.block_table.gather(1, (cache_lens // self.block_size)[:, None]).squeeze(1).long()
-        slot_mapping = (blk * self.block_size + cache_lens % self.block_size).to(torch.int32)
-        seq_lens = self.cache_lens + 1
+        (b, t), h, d = input_ids.shape, self.num_heads, self.head_dim
+        n = b * t
+        hidden = inner.embed_tokens(input_ids.reshape(n))
+        cos, sin = inner.rotary_emb(hidden[:, None], position_ids.reshape(n, 1))
+        cos, sin = cos.reshape(n, d), sin.reshape(n, d)
+        slot_mapping = self._slots(cache_lens, block_table, t)
+        seq_lens = cache_lens + t
+        max_seq = block_table.shape[1] * self.block_size
+        splits = num_splits if num_splits is not None else (self.num_splits if t == self.q_len else None)
         residual, delta = hidden, None
-        for layer_idx, layer in enumerate(inner.layers):
+        for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm
             if delta is None:
@@ -139,10 +178,9 @@ class DecodeStep:
                                q_norm.weight if q_norm is not None else None,
                                attn.k_norm.weight if q_norm is not None else None,
                                q_norm.variance_epsilon if q_norm is not None else 1e-6)
-            o = paged_attention(q.view(b, h, 1, d), pools.keys, pools.values, self.block_table, seq_lens,
-                                self.capacity, self.key_mask, causal=True, sm_scale=self.scaling,
-                                num_splits=self.num_splits)
-            delta = attn.o_proj(o.view(b, h * d))
+            o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
+                                seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits)
+            delta = attn.o_proj(o.view(n, h * d))
             ln = layer.post_attention_layernorm
             x, residual = rms_norm(delta, ln.weight, ln.variance_epsilon, residual)
             if mw is not None:
@@ -150,31 +188,32 @@ class DecodeStep:
                 delta = mlp.down_proj(swiglu(gate_up[:, : mw.intermediate], gate_up[:, mw.intermediate :]))
             else:
                 delta = mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
-        hidden, _ = rms_norm(delta, inner.norm.weight, inner.norm.variance_epsilon, residual)
-        return model.lm_head(hidden).float()
+        if last_only:
+            delta, residual = delta.view(b, t, -1)[:, -1], residual.view(b, t, -1)[:, -1]
+        hidden, _ = rms_norm(delta.contiguous(), inner.norm.weight, inner.norm.variance_epsilon, residual.contiguous())
+        logits = model.lm_head(hidden).float()
+        return logits if last_only else logits.view(b, t, -1)
 
-    def _forward(self) -> torch.Tensor:
-        if self.fused:
-            return self._forward_fused()
+    def _forward_modules(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only):
         model = self.model
         inner = model.model
-        b, h, hkv, d = self.batch, self.num_heads, self.num_kv_heads, self.head_dim
-        on_cuda = self.input_ids.is_cuda
+        (b, t), h, hkv, d = input_ids.shape, self.num_heads, self.num_kv_heads, self.head_dim
+        n = b * t
+        on_cuda = input_ids.is_cuda
         write = reshape_and_cache if on_cuda else reshape_and_cache_ref
         attend = paged_attention if on_cuda else paged_attention_ref
-        hidden = inner.embed_tokens(self.input_ids)  # [b, hidden]
-        cos, sin = inner.rotary_emb(hidden[:, None], self.position_ids[:, None])  # [b, 1, d]
-        cos, sin = cos.view(b, 1, d), sin.view(b, 1, d)
-        cache_lens = self.cache_lens.long()
-        blk = self.block_table.gather(1, (cache_lens // self.block_size)[:, None]).squeeze(1).long()
-        slot_mapping = (blk * self.block_size + cache_lens % self.block_size).to(torch.int32)
-        seq_lens = self.cache_lens + 1
-        for layer_idx, layer in enumerate(inner.layers):
+        hidden = inner.embed_tokens(input_ids.reshape(n))  # [n, hidden]
+        cos, sin = inner.rotary_emb(hidden[:, None], position_ids.reshape(n, 1))  # [n, 1, d]
+        cos, sin = cos.view(n, 1, d), sin.view(n, 1, d)
+        slot_mapping = self._slots(cache_lens, block_table, t)
+        seq_lens = cache_lens + t
+        max_seq = block_table.shape[1] * self.block_size
+        for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(b, h, d)
-            k = attn.k_proj(x).view(b, hkv, d)
-            v = attn.v_proj(x).view(b, hkv, d)
+            q = attn.q_proj(x).view(n, h, d)
+            k = attn.k_proj(x).view(n, hkv, d)
+            v = attn.v_proj(x).view(n, hkv, d)
             if getattr(attn, "q_norm", None) is not None:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
@@ -182,26 +221,34 @@ class DecodeStep:
             pools = self.cache.layers[layer_idx]
             write(k, v, pools.keys, pools.values, slot_mapping)
             kwargs = dict(causal=True, sm_scale=self.scaling)
-            if on_cuda:
+            if on_cuda and t == self.q_len:
                 kwargs["num_splits"] = self.num_splits
-            o = attend(q.view(b, h, 1, d), pools.keys, pools.values, self.block_table, seq_lens, self.capacity,
-                       self.key_mask, **kwargs)
-            hidden = hidden + attn.o_proj(o.view(b, h * d))
+            o = attend(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table, seq_lens, max_seq,
+                       key_mask, **kwargs)
+            hidden = hidden + attn.o_proj(o.reshape(n, h * d))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if last_only:
+            hidden = hidden.view(b, t, -1)[:, -1]
         hidden = inner.norm(hidden)
-        return model.lm_head(hidden).float()
+        logits = model.lm_head(hidden).float()
+        return logits if last_only else logits.view(b, t, -1)
+
+    def _forward(self) -> torch.Tensor:
+        """The step on its own buffers: logits [batch, q_len, vocab] float32."""
+        return self.forward_tokens(self.input_ids, self.position_ids, self.cache_lens, self.block_table,
+                                   self.key_mask)
 
     # -- greedy decoding inside the graph ------------------------------------------------------------
     def _greedy_tail(self, logits: torch.Tensor) -> None:
         """Greedy pick + transformers' end-of-sequence bookkeeping, on the device (no host sync):
         finished rows emit ``pad``; ``steps_run`` counts steps taken while a row was unfinished."""
         g = self.greedy
-        nxt = logits.argmax(dim=-1)
+        nxt = logits[:, -1].argmax(dim=-1)
         g["steps_run"] += g["unfinished"].any()
         nxt = torch.where(g["unfinished"], nxt, g["pad"])
         g["tokens"].scatter_(1, g["cur"].expand(self.batch, 1), nxt[:, None])
         g["unfinished"] &= ~torch.isin(nxt, g["eos"])
-        self.input_ids.copy_(nxt)
+        self.input_ids[:, 0].copy_(nxt)
         self.position_ids += 1
         self.cache_lens += 1
         g["cur"] += 1
@@ -241,7 +288,7 @@ class DecodeStep:
 
     @torch.inference_mode()
     def run(self) -> torch.Tensor:
-        """Run one step (graph replay on GPU once captured); returns ``logits`` [batch, vocab] float32."""
+        """Run one step (graph replay on GPU once captured); returns ``logits`` [batch, q_len, vocab] float32."""
         if not self.use_graph:
             self.logits = self._forward()
             return self.logits
@@ -252,6 +299,27 @@ class DecodeStep:
                 self.logits = self._forward()
         self.graph.replay()
         return self.logits
+
+    @torch.inference_mode()
+    def replay(self, key, fn):
+        """Run ``fn()`` — a function of static buffers that leaves its inputs unchanged, so running it
+        twice is harmless — captured in a CUDA graph under ``key`` at first use (GPU); returns its output."""
+        if not self.use_graph:
+            return fn()
+        entry = self.graphs.get(key)
+        if entry is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn()
+            entry = self.graphs[key] = (graph, out)
+        entry[0].replay()
+        return entry[1]
 
     def _warm_up(self) -> None:
         # Warm-up outside the graph (Triton compiles, cuBLAS picks kernels), on a side stream as PyTorch

@@ -59,7 +59,7 @@ class FastEngine:
         self.sync_every = sync_every
         self.fused = fused  # None: fused Triton step on CUDA; True forces it (CPU tests under TRITON_INTERPRET)
         self.cache: PagedCache | None = None
-        self.steps: dict[tuple[int, int], DecodeStep] = {}
+        self.steps: dict[tuple, DecodeStep] = {}
         self.last_stats: dict = {}
         self.merged = None  # MergedLayer list once the fused step merged the projections
 
@@ -136,12 +136,14 @@ class FastEngine:
             self.cache = PagedCache(self.model.config, num_blocks=max(num_blocks, 2 * old), block_size=self.block_size)
         return self.cache
 
-    def _step_for(self, batch: int, max_blocks: int) -> DecodeStep:
+    def _step_for(self, batch: int, max_blocks: int, q_len: int = 1, num_layers: int | None = None) -> DecodeStep:
         on_gpu = self.model.device.type == "cuda" and self.use_cuda_graphs
-        key = (_bucket(batch) if on_gpu else batch, _bucket(max_blocks, 8) if on_gpu else max_blocks)
+        key = (_bucket(batch) if on_gpu else batch, _bucket(max_blocks, 8) if on_gpu else max_blocks, q_len,
+               num_layers)
         step = self.steps.get(key)
         if step is None:
-            step = DecodeStep(self.model, self.cache, key[0], key[1], use_graph=on_gpu, fused=self.fused)
+            step = DecodeStep(self.model, self.cache, key[0], key[1], use_graph=on_gpu, fused=self.fused,
+                              q_len=q_len, num_layers=num_layers)
             if step.fused and self.merged is None:
                 self.merged = merge_projections(self.model) or []
             step.merged = self.merged or None
@@ -173,7 +175,7 @@ class FastEngine:
         g["tokens"][:batch, prompt_len] = first
         if eos_list:
             g["unfinished"][:batch] &= ~torch.isin(first, g["eos"])
-        step.input_ids[:batch].copy_(first)
+        step.input_ids[:batch, 0].copy_(first)
         g["cur"].fill_(prompt_len + 1)
         for i in range(1, max_new):
             step.run_greedy()
@@ -182,10 +184,72 @@ class FastEngine:
         n = int(g["steps_run"])
         return n, g["tokens"][:batch].clone()
 
-    @torch.inference_mode()
-    def generate(self, gc, model_kwargs) -> torch.Tensor:
+    def start(self, input_ids, attention_mask, max_new: int, lookahead: int = 0):
+        """Reserve cache blocks for ``prompt + max_new + lookahead`` tokens per row, prefill the prompt
+        and set up the decode step (buffers for the first new token). Returns ``(step, logits)`` with the
+        prompt's last-position logits [batch, vocab] float32. The caller releases ``self.cache``.
+
+        Prefill runs the fused step's kernels over the whole prompt where the fused step applies (no
+        transformers module dispatch: TTFT on a slow host was 25 ms for a 512-token SmolLM2 prompt
+        through the modules), else through the model with hf-accel attention on the PagedCache."""
         from hf_accel.integrations.generate import CACHE_KWARG
 
+        model = self.model
+        batch, prompt_len = input_ids.shape
+        bs = self.block_size
+        blocks_per_row = -(-(prompt_len + max_new + lookahead) // bs)
+        cache = self._ensure_cache(batch * blocks_per_row + 1)
+        step = self._step_for(batch, blocks_per_row)
+        position_ids = attention_mask.long().cumsum(-1) - 1
+        position_ids.masked_fill_(attention_mask == 0, 1)
+        m = cache.manager if cache.manager is not None else None
+        try:
+            if step.fused:
+                attn0 = model.model.layers[0].self_attn
+                cache.allocate_pools(model.config.num_key_value_heads, attn0.head_dim, next(model.parameters()).dtype,
+                                     model.device)
+                m = cache.manager
+                cache.seq_ids = [m.allocate(0) for _ in range(batch)]
+            else:
+                # Prefill through the model itself (hf-accel attention on the paged cache).
+                out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+                logits = out.logits[:, -1, :].float()
+                m = cache.manager
+            for s in cache.seq_ids:
+                # reserve the whole generation: the block table is static from here
+                m.append(s, prompt_len + max_new + lookahead - m.length(s))
+            scratch_seq = m.allocate(1)
+            scratch = m.block_table(scratch_seq)[0]
+            table = torch.full((step.batch, step.max_blocks), scratch, dtype=torch.int32)
+            for b, s in enumerate(cache.seq_ids):
+                t = m.block_table(s)
+                table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            step.block_table.copy_(table)
+            step.key_mask.zero_()
+            step.key_mask[:batch, :prompt_len] = attention_mask.to(torch.uint8)
+            step.key_mask[:batch, prompt_len:] = 1
+            step.cache_lens.zero_()
+            if step.fused:
+                chunk = max(16, 8192 // batch)
+                zeros = step.cache_lens[:batch]
+                with torch.inference_mode():
+                    for c in range(0, prompt_len, chunk):
+                        e = min(prompt_len, c + chunk)
+                        logits = step.forward_tokens(input_ids[:, c:e], position_ids[:, c:e], zeros + c,
+                                                     step.block_table[:batch], step.key_mask[:batch],
+                                                     last_only=True)
+            step.cache_lens[:batch] = prompt_len
+            step.position_ids.zero_()
+            step.position_ids[:batch, 0] = attention_mask.long().sum(-1)
+            step.input_ids.zero_()
+        except BaseException:
+            cache.release()
+            raise
+        return step, logits
+
+    @torch.inference_mode()
+    def generate(self, gc, model_kwargs) -> torch.Tensor:
         model = self.model
         input_ids = model_kwargs["input_ids"].to(model.device)
         streamer = model_kwargs.get("streamer")
@@ -219,36 +283,9 @@ class FastEngine:
             if gc.top_p is not None and gc.top_p < 1.0:
                 processors.append(TopPLogitsWarper(top_p=gc.top_p, min_tokens_to_keep=1))
 
-        bs = self.block_size
-        blocks_per_row = -(-(prompt_len + max_new) // bs)
-        cache = self._ensure_cache(batch * blocks_per_row + 1)
+        step, logits = self.start(input_ids, attention_mask, max_new)
+        cache = self.cache
         try:
-            # Prefill through the model itself (hf-accel attention on the paged cache).
-            position_ids = attention_mask.long().cumsum(-1) - 1
-            position_ids.masked_fill_(attention_mask == 0, 1)
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
-            logits = out.logits[:, -1, :].float()
-            m = cache.manager
-            for s in cache.seq_ids:
-                m.append(s, max_new)  # reserve the whole generation: the block table is static from here
-            scratch_seq = m.allocate(1)
-            scratch = m.block_table(scratch_seq)[0]
-            step = self._step_for(batch, blocks_per_row)
-            table = torch.full((step.batch, step.max_blocks), scratch, dtype=torch.int32)
-            for b, s in enumerate(cache.seq_ids):
-                t = m.block_table(s)
-                table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
-            step.block_table.copy_(table)
-            step.key_mask.zero_()
-            step.key_mask[:batch, :prompt_len] = attention_mask.to(torch.uint8)
-            step.key_mask[:batch, prompt_len:] = 1
-            step.cache_lens.zero_()
-            step.cache_lens[:batch] = prompt_len
-            step.position_ids.zero_()
-            step.position_ids[:batch] = attention_mask.long().sum(-1)
-            step.input_ids.fill_(pad)
-
             if not gc.do_sample and not len(processors) and streamer is None and len(eos_list) <= 8:
                 n, tokens = self._greedy_in_graph(step, logits, input_ids, batch, prompt_len, max_new, pad, eos_list)
                 self.last_stats = cache.memory_stats()
@@ -279,11 +316,11 @@ class FastEngine:
                     break
                 if (streamer is not None or (i + 1) % self.sync_every == 0) and eos_list and not bool(unfinished.any()):
                     break
-                step.input_ids[:batch].copy_(next_tokens)
+                step.input_ids[:batch, 0].copy_(next_tokens)
                 if i > 0:
                     step.position_ids[:batch] += 1
                     step.cache_lens[:batch] += 1
-                logits = step.run()[:batch]
+                logits = step.run()[:batch, 0]
             if streamer is not None:
                 streamer.end()
             n = int(steps_run)

@@ -1,7 +1,10 @@
 """Fused decode-step kernels compiled for a GPU vs their PyTorch references (transformers' ops).
 
-Error rule (flash-attn's): max |kernel - float64 reference| <= 2 * max |PyTorch in the same dtype - float64
-reference| + 1e-5. The residual sum must be bitwise equal to torch's. Skipped without CUDA.
+Error rule, per element: |kernel - float64 reference| <= |PyTorch in the same dtype - float64 reference|
++ 1 ulp of the output dtype at that value (+1e-6): the kernel may round once more than PyTorch (it keeps
+fp32 between fused ops where PyTorch rounds, or the reverse), never more. A max-over-tensor rule
+(2x PyTorch's max error) failed on the H200 for bf16 RoPE + q/k-norm: 0.0248 vs 2 x 0.0122, one bf16
+ulp at |x| in [2, 4). The residual sum must be bitwise equal to torch's. Skipped without CUDA.
 """
 
 import pytest
@@ -14,10 +17,19 @@ from hf_accel.kernels.swiglu import swiglu, swiglu_ref
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _ulp(ref64, dtype):
+    mag = ref64.abs().clamp_min(torch.finfo(dtype).tiny)
+    return torch.exp2(torch.floor(torch.log2(mag))) * torch.finfo(dtype).eps
+
+
 def _check(out, same_dtype, ref64):
-    err = (out.double() - ref64).abs().max().item()
-    torch_err = (same_dtype.double() - ref64).abs().max().item()
-    assert err <= 2 * torch_err + 1e-5, f"kernel error {err:.3g} vs PyTorch's own {torch_err:.3g}"
+    err = (out.double() - ref64).abs()
+    torch_err = (same_dtype.double() - ref64).abs()
+    bound = torch_err + _ulp(ref64, out.dtype) + 1e-6
+    worst = (err - bound).argmax()
+    assert bool((err <= bound).all()), (
+        f"kernel error {err.flatten()[worst].item():.3g} at |ref| {ref64.abs().flatten()[worst].item():.3g} vs "
+        f"PyTorch's own {torch_err.flatten()[worst].item():.3g} + 1 ulp")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
