@@ -308,12 +308,7 @@ class DecodeStep:
             return fn()
         entry = self.graphs.get(key)
         if entry is None:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
+            self._warm_up(fn)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = fn()
@@ -321,7 +316,7 @@ class DecodeStep:
         entry[0].replay()
         return entry[1]
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, fn=None) -> None:
         # Warm-up outside the graph (Triton compiles, cuBLAS picks kernels), on a side stream as PyTorch
         # recommends. It only runs the forward: it writes this step's own K/V into slot ``cache_lens``
         # (the values the real step writes again) and changes no other state.
@@ -329,5 +324,5 @@ class DecodeStep:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward()
+                (fn or self._forward)()
         torch.cuda.current_stream().wait_stream(stream)

@@ -202,7 +202,6 @@ class FastEngine:
         step = self._step_for(batch, blocks_per_row)
         position_ids = attention_mask.long().cumsum(-1) - 1
         position_ids.masked_fill_(attention_mask == 0, 1)
-        m = cache.manager if cache.manager is not None else None
         try:
             if step.fused:
                 attn0 = model.model.layers[0].self_attn
