@@ -7,6 +7,12 @@ can reach), passes it to transformers' own ``generate`` and frees every block wh
 (also on error). The caller's own cache (``past_key_values``/``cache``) or
 ``cache_implementation``, ``use_cache=False``, beam search and assisted generation keep transformers'
 behaviour, with a log line saying why.
+
+Speculative decoding (:mod:`hf_accel.speculative`) runs on the fast path when the model was accelerated
+with ``speculative=...`` or when a call uses transformers' assisted-generation arguments
+(``assistant_model=``, ``prompt_lookup_num_tokens=``, ``assistant_early_exit=``), at any batch size.
+Where it does not apply the call takes the plain fast path (logged), and where the fast path does not
+apply, transformers' own assisted generation runs with the caller's arguments.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from transformers.generation import utils as _gen_utils
 
 from hf_accel._logging import log_once
 from hf_accel.cache.paged_cache import PagedCache
+from hf_accel.speculative.config import SpeculativeConfig
+
+_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 # transformers >= 5.2x names the generate/forward cache argument "cache" (past_key_values deprecated).
 CACHE_KWARG = "cache" if "cache" in getattr(_gen_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
@@ -34,7 +43,7 @@ def _skip_reason(model, args, kwargs) -> str | None:
         return "beam search"
     if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") or getattr(
         gen_config, "prompt_lookup_num_tokens", None
-    ):
+    ) or kwargs.get("assistant_early_exit") or getattr(gen_config, "assistant_early_exit", None):
         return "assisted generation"
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if input_ids is None or input_ids.dim() != 2:
@@ -53,8 +62,45 @@ def _blocks_needed(model, args, kwargs, block_size: int) -> int:
     return rows * -(-(prompt_len + max_new + 1) // block_size)
 
 
-def _try_fast(model, engine, args, kwargs):
-    """Run the fast path; returns the sequences, or None (reason logged) when it does not apply."""
+def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str | None]:
+    """transformers' assisted-generation arguments of a call as a :class:`SpeculativeConfig`.
+
+    Returns ``(config, kwargs without those arguments, reason)``: config None and kwargs unchanged when
+    the call asks for none; ``reason`` set when it asks for a kind hf-accel does not run (then the call
+    is left to transformers)."""
+    gen_config = kwargs.get("generation_config") or model.generation_config
+    assistant = kwargs.get("assistant_model")
+    lookup = kwargs.get("prompt_lookup_num_tokens") or getattr(gen_config, "prompt_lookup_num_tokens", None)
+    early = kwargs.get("assistant_early_exit") or getattr(gen_config, "assistant_early_exit", None)
+    if assistant is None and not lookup and not early:
+        return None, kwargs, None
+    if kwargs.get("assistant_tokenizer") is not None or kwargs.get("tokenizer") is not None:
+        return None, kwargs, "assisted generation with a draft tokenizer (universal assisted decoding)"
+    if sum(x is not None and x is not False and x != 0 for x in (assistant, lookup, early)) > 1:
+        return None, kwargs, "more than one kind of assisted generation in one call"
+    try:
+        if assistant is not None:
+            config = SpeculativeConfig(method="draft_model", draft_model=assistant)
+        elif lookup:
+            config = SpeculativeConfig(method="prompt_lookup", num_draft_tokens=min(int(lookup), 32))
+        else:
+            config = SpeculativeConfig(method="early_exit", exit_layer=int(early))
+    except ValueError as e:
+        return None, kwargs, f"assisted generation options not understood ({e})"
+    rest = {k: v for k, v in kwargs.items() if k not in _ASSISTED}
+    if "generation_config" in rest and rest["generation_config"] is not None:
+        import copy
+
+        gc = copy.deepcopy(rest["generation_config"])
+        gc.prompt_lookup_num_tokens = None
+        gc.assistant_early_exit = None
+        rest["generation_config"] = gc
+    return config, rest, None
+
+
+def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None = None):
+    """Run the fast path (speculative with ``speculative``); returns the sequences, or None (reason logged)
+    when it does not apply."""
     if len(args) > 1:
         reason = "positional generate arguments beyond input_ids"
     else:
@@ -81,6 +127,19 @@ def _try_fast(model, engine, args, kwargs):
             if reason is None:
                 log_once("generate-fast", "hf-accel: generate runs the fast decode path "
                          f"({'CUDA graphs' if model.device.type == 'cuda' and engine.use_cuda_graphs else 'eager steps'})")
+                model._hf_accel_spec_stats = None
+                if speculative is not None:
+                    from hf_accel.speculative.engine import engine_for
+
+                    spec = engine_for(model, engine, speculative)
+                    spec_reason = spec.check(gc)
+                    if spec_reason is None:
+                        out = spec.generate(gc, model_kwargs)
+                        model._hf_accel_spec_stats = spec.last_stats
+                        model._hf_accel_last_cache_stats = engine.last_stats
+                        return out
+                    log_once(f"spec-skip:{spec_reason}", f"hf-accel: speculative decoding not used: {spec_reason}; "
+                             "plain fast path")
                 out = engine.generate(gc, model_kwargs)
                 model._hf_accel_last_cache_stats = engine.last_stats
                 return out
@@ -89,13 +148,31 @@ def _try_fast(model, engine, args, kwargs):
     return None
 
 
-def paged_generate(model, original_generate, block_size: int, engine, *args, **kwargs):
-    """Fast path, else ``original_generate`` with a fresh PagedCache, unless :func:`_skip_reason` applies."""
+def paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):
+    """Fast path (speculative where asked), else ``original_generate`` with a fresh PagedCache, unless
+    :func:`_skip_reason` applies."""
+    call_spec, rest, assisted_reason = assisted_config(model, kwargs)
+    if call_spec is not None and engine is not None:
+        reason = _skip_reason(model, args, rest)
+        out = None if reason is not None else _try_fast(model, engine, args, rest, speculative=call_spec)
+        if out is not None:
+            return out
+        log_once(f"assisted-stock:{reason}", "hf-accel: assisted generation runs transformers' own loop"
+                 + (f": {reason}" if reason else ""))
+        return original_generate(*args, **kwargs)
+    if assisted_reason is not None:
+        log_once(f"assisted-stock:{assisted_reason}", f"hf-accel: transformers' assisted generation runs: {assisted_reason}")
+    if call_spec is None and assisted_reason is None and engine is not None and speculative is not None:
+        reason = _skip_reason(model, args, kwargs)
+        if reason is None:
+            out = _try_fast(model, engine, args, kwargs, speculative=speculative)
+            if out is not None:
+                return out
     reason = _skip_reason(model, args, kwargs)
     if reason is not None:
         log_once(f"generate-skip:{reason}", f"hf-accel: generate keeps transformers' cache: {reason}")
         return original_generate(*args, **kwargs)
-    if engine is not None:
+    if engine is not None and speculative is None:
         out = _try_fast(model, engine, args, kwargs)
         if out is not None:
             return out
@@ -109,14 +186,25 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, **k
         cache.release()
 
 
-def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool = True) -> None:
-    """Shadow ``model.generate`` on this instance only."""
+def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool = True,
+            speculative: SpeculativeConfig | None = None) -> None:
+    """Shadow ``model.generate`` on this instance only (speculative decoding by default with ``speculative``).
+
+    Raises:
+        ValueError: ``speculative`` without ``fast_decode``, or a draft model hf-accel cannot run.
+    """
     from hf_accel.engine.fast_generate import FastEngine
 
+    if speculative is not None and not fast_decode:
+        raise ValueError("speculative decoding runs on the fast decode path: it needs fast_decode=True")
     original = model.generate
     engine = FastEngine(model, block_size=block_size, use_cuda_graphs=cuda_graphs) if fast_decode else None
+    if speculative is not None:
+        from hf_accel.speculative.engine import engine_for
+
+        engine_for(model, engine, speculative)  # checks the draft model now
     model._hf_accel_engine = engine
-    model.generate = functools.partial(paged_generate, model, original, block_size, engine)
+    model.generate = functools.partial(paged_generate, model, original, block_size, engine, speculative=speculative)
     functools.update_wrapper(model.generate, original)
 
 
@@ -125,8 +213,27 @@ def uninstall(model) -> None:
     engine = model.__dict__.pop("_hf_accel_engine", None)
     if engine is not None:
         engine.release()
+    model.__dict__.pop("_hf_accel_spec_engines", None)
+    model.__dict__.pop("_hf_accel_spec_stats", None)
 
 
 def last_cache_stats(model) -> dict | None:
     """``PagedCache.memory_stats()`` of the model's last paged ``generate`` call (taken before the release)."""
     return getattr(model, "_hf_accel_last_cache_stats", None)
+
+
+def speculative_stats(model) -> dict | None:
+    """Speculative-decoding counters of the model's last ``generate`` call, or None if it did not decode
+    speculatively.
+
+    Keys: ``method``; ``num_draft_tokens`` (the largest k); ``verify_steps`` (verify passes with k > 0) and
+    ``backed_off_steps`` (plain steps chosen by the adaptive k); ``draft_lengths`` (steps per k);
+    ``draft_tokens`` / ``accepted_tokens`` (drafts proposed / accepted, summed over rows);
+    ``acceptance_rate`` = accepted / proposed; ``mean_accepted_per_step`` (accepted drafts per row and
+    verify step) and ``mean_tokens_per_step`` (tokens committed per row and verify step, the bonus or
+    correction token included). Rates are None when nothing was drafted."""
+    from hf_accel.integrations.patch import _unwrap_peft
+
+    hf_model, _ = _unwrap_peft(model)
+    stats = getattr(hf_model, "_hf_accel_spec_stats", None)
+    return dict(stats) if stats else None

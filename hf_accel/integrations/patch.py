@@ -61,6 +61,7 @@ def accelerate_model(
     cuda_graphs: bool = True,
     block_size: int = 16,
     merge_lora: bool = True,
+    speculative=None,
 ):
     """Make ``model.generate()`` (and the model's forward) run on hf-accel's attention kernels.
 
@@ -83,15 +84,24 @@ def accelerate_model(
             (peft's ``merge_adapter``; undone exactly by :func:`revert_model`, which keeps a copy of the
             affected base weights meanwhile). With ``False`` a PeftModel is
             refused, since unmerged LoRA layers are not accelerated.
+        speculative: speculative decoding for every ``generate`` call on the fast path: a
+            :class:`~hf_accel.speculative.SpeculativeConfig`, a method name (``"prompt_lookup"``,
+            ``"early_exit"``) or a draft model (a smaller causal LM sharing the tokenizer). Greedy output
+            stays the model's own greedy output; sampling keeps its distribution (rejection sampling).
+            Without it, calls with transformers' ``assistant_model=`` / ``prompt_lookup_num_tokens=`` /
+            ``assistant_early_exit=`` still decode speculatively on hf-accel's path.
 
     Returns:
         The same object, patched.
 
     Raises:
-        TypeError: ``model`` is not a transformers/peft model, or an unknown option is given.
+        TypeError: ``model`` is not a transformers/peft model, an unknown option is given, or
+            ``speculative`` is not a config, method name or model.
         ValueError: the model type is not supported (the message lists the supported ones), or a
             PeftModel is given with ``merge_lora=False``.
         NotImplementedError: a PeftModel with non-LoRA adapters.
+        ValueError: also for ``speculative`` without ``fast_decode``/``paged_cache``, or a draft model
+            with another vocabulary size, on another device, or of an unsupported type.
 
     Attention falls back to SDPA per call (logged once with the reason) where the kernel does not
     apply: training, autograd, ``output_attentions``, sliding-window/softcap/sink kwargs, dtypes other
@@ -112,8 +122,24 @@ def accelerate_model(
         raise ValueError("a PeftModel needs merge_lora=True (unmerged LoRA layers are not accelerated)")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    spec = None
+    if speculative is not None:
+        from hf_accel.speculative.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.from_arg(speculative)
+        if not (paged_cache and fast_decode):
+            raise ValueError("speculative decoding runs on the fast decode path: it needs paged_cache=True and "
+                             "fast_decode=True")
+        if spec.method == "early_exit" and spec.exit_layer is not None and (
+                spec.exit_layer >= hf_model.config.num_hidden_layers):
+            raise ValueError(f"exit_layer must be < the model's {hf_model.config.num_hidden_layers} layers, "
+                             f"got {spec.exit_layer}")
+        if spec.draft_model is not None:
+            from hf_accel.speculative.engine import check_draft
+
+            check_draft(hf_model, spec.draft_model)
     options = {"paged_cache": bool(paged_cache), "fast_decode": bool(fast_decode), "cuda_graphs": bool(cuda_graphs),
-               "block_size": block_size}
+               "block_size": block_size, "speculative": None if spec is None else spec.method}
     previous = getattr(hf_model, _STATE_ATTR, None)
     if previous is not None:
         if previous.get("options") != options:
@@ -133,7 +159,8 @@ def accelerate_model(
         state["lora_merged"] = True
     hf_model.set_attn_implementation(name)
     if paged_cache:
-        paged_generate.install(hf_model, block_size, fast_decode=fast_decode, cuda_graphs=cuda_graphs)
+        paged_generate.install(hf_model, block_size, fast_decode=fast_decode, cuda_graphs=cuda_graphs,
+                               speculative=spec)
     setattr(hf_model, _STATE_ATTR, state)
     path = "Triton kernel" if hf_model.device.type == "cuda" else "PyTorch reference (no GPU for this model)"
     logger.info(

@@ -1,0 +1,77 @@
+"""``SpeculativeConfig``: which proposer drafts tokens for speculative decoding, and how many."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("prompt_lookup", "early_exit", "draft_model")
+_DEFAULT_DRAFT_TOKENS = {"prompt_lookup": 8, "early_exit": 4, "draft_model": 4}
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding options of :func:`hf_accel.accelerate_model` (``speculative=...``).
+
+    Attributes:
+        method: ``"prompt_lookup"`` (drafts copied from the most recent earlier occurrence of the last
+            n-gram in prompt + output; Saxena 2023, "Prompt Lookup Decoding"), ``"early_exit"``
+            (self-speculative: the first ``exit_layer`` decoder layers + the model's own final norm and LM
+            head draft on the same KV cache; Elhoushi et al. 2024, LayerSkip §4; Zhang et al. 2023,
+            "Draft & Verify") or ``"draft_model"`` (a smaller causal LM with the same vocabulary;
+            Leviathan et al. 2023; Chen et al. 2023).
+        draft_model: the draft for ``"draft_model"``: a transformers causal LM of a type hf-accel
+            supports, on the target's device, with the target's ``vocab_size``. It is accelerated too.
+        num_draft_tokens: the largest number of tokens drafted per verify step (k). Default 8 for prompt
+            lookup (drafting is free), 4 for the model-based drafts.
+        adaptive: choose k per verify step from the measured acceptance and step times (down to 0: plain
+            decoding, "backed off", with an occasional probe); with ``False`` k stays ``num_draft_tokens``.
+        exit_layer: layers of the early-exit draft; default a quarter of the model's layers (>= 1).
+        max_ngram / min_ngram: n-gram lengths prompt lookup tries, longest first.
+
+    Raises:
+        ValueError: an unknown method, a missing/extra ``draft_model``, or a count out of range.
+    """
+
+    method: str
+    draft_model: Any = None
+    num_draft_tokens: int | None = None
+    adaptive: bool = True
+    exit_layer: int | None = None
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if (self.method == "draft_model") != (self.draft_model is not None):
+            raise ValueError("draft_model is required by method 'draft_model' and only by it")
+        if self.num_draft_tokens is None:
+            self.num_draft_tokens = _DEFAULT_DRAFT_TOKENS[self.method]
+        if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) or not (
+                1 <= self.num_draft_tokens <= 32):
+            raise ValueError(f"num_draft_tokens must be an int in [1, 32], got {self.num_draft_tokens!r}")
+        if self.exit_layer is not None and (isinstance(self.exit_layer, bool) or not isinstance(self.exit_layer, int)
+                                            or self.exit_layer < 1):
+            raise ValueError(f"exit_layer must be a positive int, got {self.exit_layer!r}")
+        if not (isinstance(self.min_ngram, int) and isinstance(self.max_ngram, int) and 1 <= self.min_ngram
+                <= self.max_ngram):
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+    @classmethod
+    def from_arg(cls, arg) -> "SpeculativeConfig":
+        """``speculative=`` of ``accelerate_model``: a config, a method name, or a draft model.
+
+        Raises:
+            TypeError: anything else.
+        """
+        if isinstance(arg, cls):
+            return arg
+        if isinstance(arg, str):
+            return cls(method=arg)
+        from transformers import PreTrainedModel
+
+        if isinstance(arg, PreTrainedModel):
+            return cls(method="draft_model", draft_model=arg)
+        raise TypeError("speculative must be a SpeculativeConfig, one of "
+                        f"{', '.join(repr(m) for m in METHODS)} or a draft model; got {type(arg).__qualname__}")

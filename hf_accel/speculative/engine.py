@@ -1,0 +1,413 @@
+"""Speculative decoding on the fast path: draft ``k`` tokens, verify them in one target pass over the
+paged cache, commit the accepted ones plus one target token per row.
+
+One *verify step* (a "round") per row: the last committed token ``x`` and ``k`` drafts go through the
+target as ``q_len = k + 1`` tokens at the row's own cache length and rotary positions (the decode step
+generalised to several tokens: paged prefill attention with a causal mask), then
+:func:`~.verify.greedy_accept` / :func:`~.verify.rejection_sample` pick ``n + 1`` tokens to commit.
+Rejected drafts are rolled back by not advancing the row's cache length: their K/V stay in slots past
+the length, masked out and overwritten by the next step, so the cache is exactly what plain decoding
+would have written (``tests/speculative`` checks this). Rows advance by their own accepted counts
+(batch > 1); finished rows commit nothing.
+
+The whole round (drafting, verify pass, acceptance, bookkeeping) is static-shape device work and is
+captured in one CUDA graph per (batch bucket, table bucket, k); the host replays it and reads a few
+counters (one sync per round), which it needs to adapt ``k``:
+
+*Adaptive draft length.* The per-draft acceptance probability ``a`` is estimated by the maximum
+likelihood of a truncated geometric (accepted drafts / drafts examined, recent rounds weighted more), the
+expected tokens per round is ``(1 - a^(k+1)) / (1 - a)`` (Leviathan et al. 2023, §3.1, Eq. 1), and each
+round uses the k in ``{0, 1, 2, 4, ..., k_max}`` with the most expected tokens per second, with round
+times measured on this machine (a prior until measured). ``k = 0`` is plain decoding ("backed off"); every
+16th backed-off round probes the best ``k > 0`` again so the estimate can recover.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from hf_accel._logging import log_once
+from hf_accel.speculative.config import SpeculativeConfig
+from hf_accel.speculative.proposers import draft_chain, prompt_lookup
+from hf_accel.speculative.verify import greedy_accept, rejection_sample, sample
+
+_PROBE_EVERY = 16
+_DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
+
+
+def _candidates(k_max: int) -> list[int]:
+    ks, k = [0], 1
+    while k < k_max:
+        ks.append(k)
+        k *= 2
+    return ks + [k_max]
+
+
+class _KChooser:
+    """Chooses k per round from the acceptance estimate and the measured round times."""
+
+    def __init__(self, k_max: int, adaptive: bool, draft_cost: float):
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.ks = _candidates(k_max) if adaptive else [k_max]
+        self.draft_cost = draft_cost  # prior: extra time per drafted token, as a fraction of a plain step
+        self.successes, self.trials = 2.0, 3.0  # prior a = 2/3
+        self.times: dict[int, float] = {}
+        self.backed_off = 0
+
+    def alpha(self) -> float:
+        return min(self.successes / max(self.trials, 1e-9), 0.999)
+
+    def expected_tokens(self, k: int) -> float:
+        a = self.alpha()
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def time(self, k: int) -> float:
+        if k in self.times:
+            return self.times[k]
+        known = sorted(self.times.items())
+        if not known:
+            return 1.0 + self.draft_cost * k
+        k0, t0 = known[0]
+        base = t0 / (1.0 + self.draft_cost * k0)
+        return base * (1.0 + self.draft_cost * k)
+
+    def choose(self) -> int:
+        if not self.adaptive:
+            return self.k_max
+        best = max(self.ks, key=lambda k: self.expected_tokens(k) / self.time(k))
+        if best == 0:
+            self.backed_off += 1
+            if self.backed_off % _PROBE_EVERY == 0:
+                best = max(self.ks[1:], key=lambda k: self.expected_tokens(k) / self.time(k))
+        return best
+
+    def update(self, k: int, successes: int, trials: int, seconds: float | None) -> None:
+        if k > 0 and trials > 0:
+            self.successes = _DECAY * self.successes + successes
+            self.trials = _DECAY * self.trials + trials
+        if seconds is not None:
+            old = self.times.get(k)
+            self.times[k] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+
+class _State:
+    """Device state of one generate call (static buffers; the round graphs read and update them).
+
+    tokens [batch, capacity] int64 (prompt with its left padding, then output; pad after a row's end),
+    lengths / starts / remaining [batch] int64, active [batch] bool, info [4] int64 (this round: any row
+    active, accepted drafts, drafts examined, drafts proposed), totals [3] int64 (drafts proposed,
+    accepted, row-steps)."""
+
+    NAMES = ("tokens", "lengths", "starts", "remaining", "active", "info", "totals")
+
+    def __init__(self, batch: int, capacity: int, device):
+        self.tokens = torch.zeros(batch, capacity, dtype=torch.long, device=device)
+        self.lengths = torch.ones(batch, dtype=torch.long, device=device)
+        self.starts = torch.zeros(batch, dtype=torch.long, device=device)
+        self.remaining = torch.zeros(batch, dtype=torch.long, device=device)
+        self.active = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.info = torch.zeros(4, dtype=torch.long, device=device)
+        self.totals = torch.zeros(3, dtype=torch.long, device=device)
+        self.eos = torch.full((8,), -1, dtype=torch.long, device=device)
+
+    def snapshot(self):
+        return [getattr(self, n).clone() for n in self.NAMES]
+
+    def restore(self, saved) -> None:
+        for n, t in zip(self.NAMES, saved):
+            getattr(self, n).copy_(t)
+
+
+class SpeculativeEngine:
+    """Speculative ``generate`` for one target model (and its :class:`~hf_accel.engine.fast_generate.FastEngine`)
+    with one proposer method. Created by ``accelerate_model(model, speculative=...)`` or per call from
+    ``generate(assistant_model=...)`` / ``generate(prompt_lookup_num_tokens=...)``."""
+
+    def __init__(self, fast, config: SpeculativeConfig):
+        self.fast = fast
+        self.model = fast.model
+        self.config = config
+        self.draft_fast = None
+        n_layers = len(self.model.model.layers)
+        if config.method == "early_exit":
+            self.exit_layer = config.exit_layer or max(1, n_layers // 4)
+            if self.exit_layer >= n_layers:
+                raise ValueError(f"exit_layer must be < the model's {n_layers} layers, got {self.exit_layer}")
+        if config.method == "draft_model":
+            self.draft_fast = self._draft_engine(config.draft_model)
+        self.graphs: dict = {}
+        self._graph_cache = None
+        self.last_stats: dict | None = None
+
+    def _draft_engine(self, draft):
+        from hf_accel.integrations.patch import accelerate_model, is_accelerated
+
+        check_draft(self.model, draft)
+        if not is_accelerated(draft):
+            accelerate_model(draft)
+        engine = getattr(draft, "_hf_accel_engine", None)
+        if engine is None:
+            raise ValueError("the draft model was accelerated without fast_decode; it has no decode step to draft with")
+        reason = engine._model_reason()
+        if reason:
+            raise ValueError(f"the draft model cannot run hf-accel's decode step: {reason}")
+        engine.fused = self.fast.fused
+        return engine
+
+    # -- eligibility ----------------------------------------------------------------------------------
+    def check(self, gc) -> str | None:
+        """Why this call cannot decode speculatively (None if it can); the caller then runs the plain fast path."""
+        if (gc.min_length or 0) > 0 or (gc.min_new_tokens or 0) > 0:
+            return "min_length / min_new_tokens (their logits processor depends on each position's length)"
+        eos = gc.eos_token_id
+        if eos is not None and not isinstance(eos, int) and len(eos) > 8:
+            return "more than 8 EOS ids"
+        return None
+
+    # -- one round --------------------------------------------------------------------------------------
+    def _round(self, k: int, st: _State, ctx) -> None:
+        """Draft ``k`` tokens, verify, commit (updates ``st``; device work only)."""
+        b = st.lengths.shape[0]
+        dev = st.tokens.device
+        cache_lens = (st.lengths - 1).to(torch.int32)
+        pos0 = st.lengths - 1 - st.starts
+        x0 = st.tokens.gather(1, (st.lengths - 1)[:, None])
+        draft_probs = None
+        if k == 0:
+            drafts = torch.zeros(b, 0, dtype=torch.long, device=dev)
+            valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)
+        elif self.config.method == "prompt_lookup":
+            drafts, valid = prompt_lookup(st.tokens, st.lengths, st.starts, k, self.config.max_ngram,
+                                          self.config.min_ngram)
+        elif self.config.method == "early_exit":
+            drafts, draft_probs = draft_chain(ctx["early"], x0, pos0[:, None], cache_lens, ctx["block_table"],
+                                              ctx["key_mask"], k, ctx["warp"], ctx["do_sample"])
+            valid = torch.ones_like(drafts, dtype=torch.bool)
+        else:  # draft model: re-feed the last two committed tokens (fills the gap after k accepted drafts)
+            idx = torch.stack([st.lengths - 2, st.lengths - 1], dim=1)
+            pos = (st.lengths - 2 - st.starts)[:, None] + torch.arange(2, device=dev)
+            drafts, draft_probs = draft_chain(ctx["draft2"], st.tokens.gather(1, idx), pos,
+                                              (st.lengths - 2).to(torch.int32), ctx["draft_block_table"],
+                                              ctx["draft_key_mask"], k, ctx["warp"], ctx["do_sample"],
+                                              next_step=ctx["draft1"])
+            valid = torch.ones_like(drafts, dtype=torch.bool)
+        ids = torch.cat([x0, drafts], dim=1)
+        j = torch.arange(k + 1, device=dev)
+        logits = ctx["verify"][k].forward_tokens(ids, pos0[:, None] + j, cache_lens, ctx["block_table"],
+                                                 ctx["key_mask"])
+        if ctx["do_sample"]:
+            probs = torch.softmax(ctx["warp"](logits.flatten(0, 1)), dim=-1).view_as(logits)
+            out, n = rejection_sample(drafts, valid, draft_probs, probs)
+        else:
+            out, n = greedy_accept(drafts, valid, logits)
+        count = n + 1
+        eos_hit = torch.isin(out, st.eos) & (j < count[:, None])
+        first_eos = torch.where(eos_hit.any(dim=1), eos_hit.long().argmax(dim=1), k + 1)
+        count = torch.minimum(torch.minimum(count, first_eos + 1), st.remaining)
+        was_active = st.active
+        count = torch.where(was_active, count, 0)
+        keep = j < count[:, None]
+        finished = (eos_hit & keep).any(dim=1)
+        idx = st.lengths[:, None] + j
+        st.tokens.scatter_(1, idx, torch.where(keep, out, st.tokens.gather(1, idx)))
+        st.lengths += count
+        st.remaining -= count
+        st.active &= ~finished & (st.remaining > 0)
+        accepted = torch.minimum(n, count)
+        examined = torch.where(n < k, n + 1, n)
+        proposed = valid.sum(dim=1)
+        st.info[0] = st.active.any()
+        st.info[1] = (n * was_active).sum()
+        st.info[2] = (examined * was_active).sum()
+        st.info[3] = (proposed * was_active).sum()
+        st.totals[0] += (proposed * was_active).sum()
+        st.totals[1] += (accepted * was_active).sum()
+        st.totals[2] += was_active.sum() if k > 0 else 0
+
+    def _run_round(self, k: int, st: _State, ctx, key) -> bool:
+        """One round (a CUDA-graph replay once captured). Returns True if the graph was captured now."""
+        if not ctx["use_graph"]:
+            self._round(k, st, ctx)
+            return False
+        caches = (self.fast.cache, self.draft_fast.cache if self.draft_fast is not None else None)
+        if self._graph_cache is None or any(a is not b for a, b in zip(caches, self._graph_cache)):
+            self.graphs.clear()  # graphs point at the pools of these caches
+            self._graph_cache = caches
+        graph = self.graphs.get((key, k))
+        captured = graph is None
+        if captured:
+            saved = st.snapshot()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile / pick kernels outside the graph; the state is restored after
+                    self._round(k, st, ctx)
+                    st.restore(saved)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._round(k, st, ctx)
+            self.graphs[(key, k)] = graph
+        graph.replay()
+        return captured
+
+    # -- generate -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, gc, model_kwargs) -> torch.Tensor:
+        fast, model, cfg = self.fast, self.model, self.config
+        input_ids = model_kwargs["input_ids"].to(model.device)
+        streamer = model_kwargs.get("streamer")
+        batch, prompt_len = input_ids.shape
+        max_new = fast._max_new(gc, prompt_len)
+        eos = gc.eos_token_id
+        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
+        attention_mask = model_kwargs.get("attention_mask")
+        if attention_mask is None:
+            infer = gc.pad_token_id is not None and gc.pad_token_id not in eos_list and bool(
+                (input_ids == gc.pad_token_id).any())
+            attention_mask = input_ids.ne(gc.pad_token_id).long() if infer else torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(model.device)
+        warp = LogitsProcessorList()
+        if gc.do_sample:
+            if gc.temperature is not None and gc.temperature != 1.0:
+                warp.append(TemperatureLogitsWarper(gc.temperature))
+            if gc.top_k is not None and gc.top_k != 0:
+                warp.append(TopKLogitsWarper(top_k=gc.top_k, min_tokens_to_keep=1))
+            if gc.top_p is not None and gc.top_p < 1.0:
+                warp.append(TopPLogitsWarper(top_p=gc.top_p, min_tokens_to_keep=1))
+        no_ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+
+        def warp_fn(scores):
+            return warp(no_ids, scores) if len(warp) else scores
+
+        k_max = cfg.num_draft_tokens
+        lookahead = k_max + 1
+        step, logits = fast.start(input_ids, attention_mask, max_new, lookahead=lookahead)
+        cache = fast.cache
+        draft_cache = None
+        try:
+            ctx = {"warp": warp_fn, "do_sample": bool(gc.do_sample), "block_table": step.block_table,
+                   "key_mask": step.key_mask, "use_graph": step.use_graph}
+            nb = step.max_blocks
+            ctx["verify"] = {k: fast._step_for(batch, nb, q_len=k + 1) for k in _candidates(k_max)}
+            if cfg.method == "early_exit":
+                ctx["early"] = fast._step_for(batch, nb, q_len=1, num_layers=self.exit_layer)
+            if cfg.method == "draft_model":
+                dfast = self.draft_fast
+                dstep, _ = dfast.start(input_ids, attention_mask, max_new, lookahead=lookahead)
+                draft_cache = dfast.cache
+                if dstep.batch != step.batch:
+                    raise RuntimeError("draft and target decode steps have different batch buckets")
+                ctx.update(draft_block_table=dstep.block_table, draft_key_mask=dstep.key_mask,
+                           draft1=dstep, draft2=dfast._step_for(batch, dstep.max_blocks, q_len=2))
+            rows = step.batch
+            st = _State(rows, prompt_len + max_new + lookahead + 1, model.device)
+            st.tokens.fill_(pad)
+            st.tokens[:batch, :prompt_len] = input_ids
+            if eos_list:
+                st.eos[: len(eos_list)] = torch.tensor(eos_list, dtype=torch.long)
+            first = sample(torch.softmax(warp_fn(logits), dim=-1)) if gc.do_sample else logits.argmax(dim=-1)
+            st.tokens[:batch, prompt_len] = first
+            st.lengths[:batch] = prompt_len + 1
+            st.starts[:batch] = prompt_len - attention_mask.long().sum(-1)
+            st.remaining[:batch] = max_new - 1
+            st.active[:batch] = (st.remaining[:batch] > 0) & ~torch.isin(first, st.eos)
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
+                streamer.put(first.cpu())
+            chooser = _KChooser(k_max, cfg.adaptive, self._draft_cost())
+            key = (rows, nb)
+            ks: dict[int, int] = {}
+            running = bool(st.active.any())
+            while running:
+                k = chooser.choose()
+                ks[k] = ks.get(k, 0) + 1
+                before = st.lengths[:batch].clone() if streamer is not None else None
+                t0 = time.perf_counter()
+                captured = self._run_round(k, st, ctx, key)
+                info = st.info.tolist()  # the one host sync of a round
+                seconds = None if captured else time.perf_counter() - t0
+                chooser.update(k, info[1], info[2], seconds)
+                running = bool(info[0])
+                if streamer is not None:
+                    after = st.lengths[:batch]
+                    if int(after[0]) > int(before[0]):
+                        streamer.put(st.tokens[0, int(before[0]): int(after[0])].cpu())
+            if streamer is not None:
+                streamer.end()
+            totals = st.totals.tolist()
+            steps_spec = sum(v for k, v in ks.items() if k > 0)
+            self.last_stats = {
+                "method": cfg.method,
+                "num_draft_tokens": k_max,
+                "verify_steps": steps_spec,
+                "backed_off_steps": ks.get(0, 0),
+                "draft_lengths": {str(k): v for k, v in sorted(ks.items())},
+                "draft_tokens": totals[0],
+                "accepted_tokens": totals[1],
+                "acceptance_rate": totals[1] / totals[0] if totals[0] else None,
+                "mean_accepted_per_step": totals[1] / totals[2] if totals[2] else None,
+                "mean_tokens_per_step": (totals[1] + totals[2]) / totals[2] if totals[2] else None,
+            }
+            fast.last_stats = cache.memory_stats()
+            generated = int((st.lengths[:batch] - prompt_len).max())
+            return st.tokens[:batch, : prompt_len + generated].clone()
+        finally:
+            cache.release()
+            if draft_cache is not None:
+                draft_cache.release()
+
+    def _draft_cost(self) -> float:
+        """Prior time of one drafted token relative to a plain decode step (replaced by measurements)."""
+        if self.config.method == "prompt_lookup":
+            return 0.03
+        if self.config.method == "early_exit":
+            return self.exit_layer / len(self.model.model.layers) + 0.05
+        d, t = self.config.draft_model, self.model
+        ratio = sum(p.numel() for p in d.parameters()) / max(sum(p.numel() for p in t.parameters()), 1)
+        return min(1.0, ratio + 0.1)
+
+
+def check_draft(target, draft) -> None:
+    """Raise ValueError if ``draft`` cannot draft for ``target``: not a supported transformers causal LM,
+    another vocabulary size (it must share the tokenizer), another device, or the target itself."""
+    from transformers import PreTrainedModel
+
+    from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES
+
+    if not isinstance(draft, PreTrainedModel) or not hasattr(draft, "lm_head"):
+        raise ValueError(f"the draft model must be a transformers causal LM, got {type(draft).__qualname__}")
+    if draft is target:
+        raise ValueError("the draft model is the target itself; use method 'early_exit' for self-speculation")
+    if getattr(draft.config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"draft model_type {getattr(draft.config, 'model_type', None)!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if getattr(draft.config, "vocab_size", None) != target.config.vocab_size:
+        raise ValueError(f"the draft model's vocab_size ({getattr(draft.config, 'vocab_size', None)}) differs "
+                         f"from the target's ({target.config.vocab_size}); it must share the tokenizer")
+    if draft.device != target.device:
+        raise ValueError(f"the draft model is on {draft.device}, the target on {target.device}")
+
+
+def engine_for(model, fast, config: SpeculativeConfig) -> SpeculativeEngine:
+    """The model's cached :class:`SpeculativeEngine` for this method (and draft model), or a new one."""
+    engines = model.__dict__.setdefault("_hf_accel_spec_engines", {})
+    key = (config.method, id(config.draft_model) if config.draft_model is not None else None)
+    engine = engines.get(key)
+    if engine is None:
+        engine = engines[key] = SpeculativeEngine(fast, config)
+        log_once(f"spec:{key}", f"hf-accel: speculative decoding with {config.method}"
+                 + (f" (exit layer {engine.exit_layer})" if config.method == "early_exit" else ""))
+    else:
+        engine.config = config
+    return engine

@@ -1,0 +1,87 @@
+"""Draft proposers: prompt lookup (n-gram copy), early exit (a layer prefix of the target) and a draft
+model. Each drafts ``k`` tokens per row with static shapes and no host sync (capturable in a CUDA
+graph together with the verify pass)."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_accel.speculative.verify import sample
+
+
+def prompt_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
+                  min_ngram: int = 1):
+    """Draft by copying what followed the most recent earlier occurrence of the row's last n-gram
+    (Saxena 2023, "Prompt Lookup Decoding"; transformers' ``prompt_lookup_num_tokens`` takes the first
+    occurrence instead), trying ``n = max_ngram .. min_ngram``.
+
+    Args:
+        tokens: [batch, capacity] int64 — prompt + committed output per row (left padding included).
+        lengths: [batch] int64 — committed tokens per row (including the padding).
+        starts: [batch] int64 — first real token per row (the left-padding count); matches never start
+            before it.
+        k: tokens to draft (>= 1).
+
+    Returns:
+        (drafts [batch, k] int64, valid [batch, k] bool): ``valid`` is a prefix per row (False where no
+        n-gram matched, or where the copied span reaches the end of the committed tokens).
+    """
+    b, cap = tokens.shape
+    dev = tokens.device
+    found = torch.full((b,), -1, dtype=torch.long, device=dev)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= cap:
+            continue
+        suffix_pos = (lengths[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
+        suffix = tokens.gather(1, suffix_pos)  # [b, n]
+        windows = tokens.unfold(1, n, 1)  # [b, cap - n + 1, n]
+        s = torch.arange(windows.shape[1], device=dev)
+        # an earlier occurrence, followed by at least one committed token, not in the padding
+        ok = (windows == suffix[:, None, :]).all(dim=-1) & (s + n < lengths[:, None]) & (s >= starts[:, None])
+        ok &= (lengths - n >= starts)[:, None]
+        last = torch.where(ok, s, -1).amax(dim=1)
+        found = torch.where((found < 0) & (last >= 0), last + n, found)
+    idx = found[:, None] + torch.arange(k, device=dev)
+    valid = (found >= 0)[:, None] & (idx < lengths[:, None])
+    drafts = tokens.gather(1, idx.clamp(0, cap - 1))
+    return torch.where(valid, drafts, 0), valid
+
+
+def _pick(logits: torch.Tensor, warp, do_sample: bool):
+    """Next draft token from draft logits [b, vocab]: argmax, or a sample of the warped distribution
+    (returned too, [b, vocab] float32)."""
+    if not do_sample:
+        return logits.argmax(dim=-1), None
+    probs = torch.softmax(warp(logits), dim=-1)
+    return sample(probs), probs
+
+
+def draft_chain(step, first_ids, first_pos, first_cache_lens, block_table, key_mask, k: int, warp, do_sample: bool,
+                next_step=None):
+    """``k`` autoregressive draft tokens from a :class:`~hf_accel.engine.decode_step.DecodeStep` (an
+    early-exit layer prefix of the target, or a draft model's step).
+
+    Args:
+        step: runs the first call over ``first_ids`` [b, t] (t = 1, or 2 for a draft model that re-feeds
+            its last committed token too) at ``first_pos`` [b, t] after ``first_cache_lens`` [b] int32.
+        next_step: the step for the following single-token calls (default ``step``).
+        block_table / key_mask: that model's paged-cache metadata.
+
+    Returns:
+        (drafts [b, k] int64, draft_probs [b, k, vocab] float32 or None for greedy).
+    """
+    next_step = next_step or step
+    t = first_ids.shape[1]
+    logits = step.forward_tokens(first_ids, first_pos, first_cache_lens, block_table, key_mask, last_only=True)
+    tok, prob = _pick(logits, warp, do_sample)
+    drafts, probs = [tok], [prob]
+    pos = first_pos[:, -1:]
+    lens = first_cache_lens + t
+    for _ in range(1, k):
+        pos = pos + 1
+        logits = next_step.forward_tokens(tok[:, None], pos, lens, block_table, key_mask, last_only=True)
+        lens = lens + 1
+        tok, prob = _pick(logits, warp, do_sample)
+        drafts.append(tok)
+        probs.append(prob)
+    return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if do_sample else None)
