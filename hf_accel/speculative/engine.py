@@ -139,7 +139,7 @@ class SpeculativeEngine:
         self.draft_fast = None
         n_layers = len(self.model.model.layers)
         if config.method == "early_exit":
-            self.exit_layer = config.exit_layer or max(1, n_layers // 4)
+            self.exit_layer = config.exit_layer or max(1, n_layers // 2)
             if self.exit_layer >= n_layers:
                 raise ValueError(f"exit_layer must be < the model's {n_layers} layers, got {self.exit_layer}")
         if config.method == "draft_model":
@@ -213,7 +213,7 @@ class SpeculativeEngine:
         eos_hit = torch.isin(out, st.eos) & (j < count[:, None])
         first_eos = torch.where(eos_hit.any(dim=1), eos_hit.long().argmax(dim=1), k + 1)
         count = torch.minimum(torch.minimum(count, first_eos + 1), st.remaining)
-        was_active = st.active
+        was_active = st.active.clone()
         count = torch.where(was_active, count, 0)
         keep = j < count[:, None]
         finished = (eos_hit & keep).any(dim=1)
@@ -222,7 +222,6 @@ class SpeculativeEngine:
         st.lengths += count
         st.remaining -= count
         st.active &= ~finished & (st.remaining > 0)
-        accepted = torch.minimum(n, count)
         examined = torch.where(n < k, n + 1, n)
         proposed = valid.sum(dim=1)
         st.info[0] = st.active.any()
@@ -230,7 +229,7 @@ class SpeculativeEngine:
         st.info[2] = (examined * was_active).sum()
         st.info[3] = (proposed * was_active).sum()
         st.totals[0] += (proposed * was_active).sum()
-        st.totals[1] += (accepted * was_active).sum()
+        st.totals[1] += (n * was_active).sum()  # accepted by verification (a row's end may cut the commit)
         st.totals[2] += was_active.sum() if k > 0 else 0
 
     def _run_round(self, k: int, st: _State, ctx, key) -> bool:

@@ -17,6 +17,7 @@ import torch
 
 from hf_accel import accelerate_model
 from hf_accel.engine.decode_step import DecodeStep
+from stat_tests import homogeneity_p
 
 ROWS = 4000  # draws per prompt and per side
 P_MIN = 1e-3
@@ -64,27 +65,6 @@ def _draw(model, ids, mask, pad, seed, max_new_tokens, **sampling):
                              **sampling)
     assert out.shape == (len(ids) * ROWS, ids.shape[1] + max_new_tokens)
     return out[:, ids.shape[1]:].view(len(ids), ROWS, max_new_tokens)
-
-
-def homogeneity_p(a: torch.Tensor, b: torch.Tensor) -> float:
-    """p-value of Pearson's chi-squared test that two samples of token ids come from one distribution.
-
-    Categories with an expected count below 5 in either sample are pooled into one bin (the usual
-    validity rule); p = Q(dof / 2, chi2 / 2), the regularized upper incomplete gamma function.
-    """
-    k = int(max(a.max(), b.max())) + 1
-    counts = torch.stack([torch.bincount(a.flatten(), minlength=k), torch.bincount(b.flatten(), minlength=k)])
-    counts = counts.double()
-    expected_min = counts.sum(0) * counts.sum(1).min() / counts.sum()
-    rare = expected_min < 5
-    table = torch.cat([counts[:, ~rare], counts[:, rare].sum(1, keepdim=True)], 1)
-    table = table[:, table.sum(0) > 0]
-    if table.shape[1] < 2:
-        return 1.0
-    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    chi2 = ((table - expected) ** 2 / expected).sum()
-    dof = table.shape[1] - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), chi2 / 2.0))
 
 
 def test_homogeneity_test_has_power_and_accepts_equal_samples():

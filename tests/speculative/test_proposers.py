@@ -1,0 +1,59 @@
+"""Prompt lookup (hf_accel.speculative.proposers.prompt_lookup) against a plain-Python reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_accel.speculative.proposers import prompt_lookup
+
+
+def lookup_ref(row: list[int], start: int, k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The tokens after the most recent earlier occurrence of the longest matching suffix n-gram."""
+    length = len(row)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if length - n < start:
+            continue
+        suffix = row[length - n:]
+        for s in range(length - n - 1, start - 1, -1):
+            if row[s: s + n] == suffix:
+                return row[s + n: s + n + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_matches_reference(seed, k):
+    g = torch.Generator().manual_seed(seed)
+    batch, cap = 5, 40
+    vocab = 4 + seed  # small vocabularies: many matches of every length
+    tokens = torch.randint(1, vocab, (batch, cap), generator=g)
+    lengths = torch.randint(2, cap + 1, (batch,), generator=g)
+    starts = torch.minimum(torch.randint(0, 6, (batch,), generator=g), lengths - 1)
+    for b in range(batch):
+        tokens[b, : starts[b]] = 0  # left padding (never matched)
+        tokens[b, lengths[b]:] = 99  # past the committed tokens (never read)
+    drafts, valid = prompt_lookup(tokens, lengths, starts, k, max_ngram=3, min_ngram=1)
+    for b in range(batch):
+        row = tokens[b, : lengths[b]].tolist()
+        want = lookup_ref(row, int(starts[b]), k, 3, 1)
+        got = drafts[b][valid[b]].tolist()
+        assert got == want, (b, row, int(starts[b]))
+        assert valid[b].tolist() == [True] * len(want) + [False] * (k - len(want))  # a prefix
+
+
+def test_prefers_longer_ngrams_and_the_most_recent_occurrence():
+    #            0  1  2  3  4  5  6  7  8  9  10 11
+    row = [5, 6, 7, 1, 6, 7, 2, 9, 7, 3, 6, 7]
+    tokens = torch.tensor([row + [0] * 4])
+    lengths, starts = torch.tensor([len(row)]), torch.tensor([0])
+    drafts, valid = prompt_lookup(tokens, lengths, starts, 2, max_ngram=2, min_ngram=1)
+    assert drafts[0][valid[0]].tolist() == [2, 9]  # "6 7" last seen at 4-5, followed by 2 9
+    drafts, valid = prompt_lookup(tokens, lengths, starts, 2, max_ngram=1, min_ngram=1)
+    assert drafts[0][valid[0]].tolist() == [3, 6]  # "7" last seen at 8
+
+
+def test_no_match_gives_no_draft():
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 0, 0]])
+    drafts, valid = prompt_lookup(tokens, torch.tensor([5]), torch.tensor([0]), 4)
+    assert not valid.any()

@@ -1,0 +1,367 @@
+"""Speculative ``generate`` (accelerate_model(model, speculative=...)) on CPU.
+
+Greedy: every proposer reproduces the model's own greedy tokens exactly in float32 (tiny random models with
+left-padded batches and EOS in the middle, and the real SmolLM2), also at batch > 1 where rows accept
+different numbers of drafts. Sampling: the tokens drawn through rejection sampling have the plain fast
+path's distribution (chi-squared). Rollback: the K/V cache after speculative decoding equals the plain
+path's at every committed position. Also: transformers' assisted-generation arguments take this path, and
+bad options raise clear errors.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from stat_tests import homogeneity_p
+from transformers.generation.streamers import BaseStreamer
+
+import hf_accel
+from hf_accel import SpeculativeConfig, accelerate_model, revert_model, speculative_stats
+from hf_accel.cache.paged_cache import PagedCache
+from hf_accel.speculative.engine import _KChooser
+
+LAYERS = 4
+P_MIN = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def hf_log(caplog):
+    hf_accel._logging._seen.clear()
+    caplog.set_level(logging.INFO, logger="hf_accel")
+    return caplog
+
+
+def _messages(caplog, needle):
+    return [r.getMessage() for r in caplog.records if needle in r.getMessage()]
+
+
+def truncated(model, layers: int):
+    """A draft model: a copy of ``model`` keeping its first ``layers`` decoder layers."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = torch.nn.ModuleList(list(draft.model.layers)[:layers])
+    draft.config.num_hidden_layers = layers
+    return draft
+
+
+def spec_arg(method: str, model, **options):
+    if method.startswith("draft_model"):
+        layers = LAYERS if method == "draft_model-copy" else 1
+        return SpeculativeConfig(method="draft_model", draft_model=truncated(model, layers), **options)
+    return SpeculativeConfig(method=method, **options)
+
+
+def repetitive_batch(tiny, lengths=(14, 9, 6), seed=0):
+    """Left-padded prompts whose second half repeats the first (prompt lookup finds n-grams)."""
+    ids, mask = tiny.batch(seed=seed, lengths=lengths)
+    for row, n in enumerate(lengths):
+        w = ids.shape[1]
+        half = n // 2
+        ids[row, w - half:] = ids[row, w - n: w - n + half]
+    return ids, mask
+
+
+def greedy(model, ids, mask, pad, max_new_tokens=20, **kwargs):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              pad_token_id=pad, **kwargs)
+
+
+METHODS = ["prompt_lookup", "early_exit", "draft_model", "draft_model-copy"]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_greedy_identical_to_plain(model_type, method, batch, adaptive, tiny):
+    model = tiny.model(model_type, num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ids, mask = ids[:batch], mask[:batch]
+    if batch == 1:
+        ids, mask = ids[:, mask[0].argmax():], mask[:, mask[0].argmax():]
+    stock = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    new = stock[:, ids.shape[1]:]
+    # an EOS id the first row emits first in the middle (the other rows run on)
+    eos = next(int(new[0, i]) for i in range(6, 19) if int(new[0, i]) not in new[0, :i].tolist())
+    stock = greedy(model, ids, mask, tiny.PAD, eos_token_id=eos)
+    ours = accelerate_model(copy.deepcopy(model), speculative=spec_arg(method, model, adaptive=adaptive,
+                                                                       num_draft_tokens=3))
+    out = greedy(ours, ids, mask, tiny.PAD, eos_token_id=eos)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    stats = speculative_stats(ours)
+    assert stats is not None and stats["method"] == method.split("-")[0]
+    if not adaptive:
+        assert stats["verify_steps"] > 0 and stats["backed_off_steps"] == 0
+        if method != "prompt_lookup":
+            assert stats["draft_tokens"] > 0
+    if method == "draft_model-copy" and not adaptive:
+        # the draft is the target itself: every draft is accepted, several tokens per verify step
+        assert stats["acceptance_rate"] == 1.0 and stats["mean_tokens_per_step"] > 3.0
+
+
+def test_fused_triton_step_greedy_identical(tiny):
+    """The fused step's Triton kernels (interpreter) verifying q_len = k + 1 tokens per row."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=10, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("early_exit", num_draft_tokens=2,
+                                                                               adaptive=False))
+    ours._hf_accel_engine.fused = True
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=10, eos_token_id=None)
+    assert ours._hf_accel_engine.steps and all(s.fused for s in ours._hf_accel_engine.steps.values())
+    assert torch.equal(out, stock)
+    assert speculative_stats(ours)["verify_steps"] > 0
+
+
+# --- the cache after rollback -------------------------------------------------------------------------------
+
+
+def _capture_kv(monkeypatch):
+    """Records, at each PagedCache.release, every layer's K/V over each row's reserved blocks, in logical order."""
+    seen = []
+    original = PagedCache.release
+
+    def release(self):
+        m = self.manager
+        if m is not None and self.seq_ids:
+            rows = []
+            for s in self.seq_ids:
+                table = torch.tensor(m.block_table(s))
+                rows.append([(ly.keys[table].flatten(0, 1).clone(), ly.values[table].flatten(0, 1).clone())
+                             for ly in self.layers])
+            seen.append(rows)
+        return original(self)
+
+    monkeypatch.setattr(PagedCache, "release", release)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "early_exit"])
+def test_rollback_leaves_the_cache_as_plain_decoding(method, tiny, monkeypatch):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    new_tokens = 16
+    seen = _capture_kv(monkeypatch)
+    plain = accelerate_model(copy.deepcopy(model))
+    out_plain = greedy(plain, ids, mask, tiny.PAD, max_new_tokens=new_tokens, eos_token_id=None)
+    spec = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig(method, num_draft_tokens=4,
+                                                                               adaptive=False))
+    out_spec = greedy(spec, ids, mask, tiny.PAD, max_new_tokens=new_tokens, eos_token_id=None)
+    assert torch.equal(out_plain, out_spec)
+    stats = speculative_stats(spec)
+    assert stats["draft_tokens"] > stats["accepted_tokens"]  # drafts were rejected and rolled back
+    kv_plain, kv_spec = seen[-2], seen[-1]
+    cached = ids.shape[1] + new_tokens - 1  # every token but the last one went through the model
+    for row in range(len(ids)):
+        real = mask[row].bool().tolist() + [True] * (new_tokens - 1)  # padding slots hold no token
+        keep = torch.tensor(real)
+        for (k0, v0), (k1, v1) in zip(kv_plain[row], kv_spec[row]):
+            torch.testing.assert_close(k1[:cached][keep], k0[:cached][keep], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v1[:cached][keep], v0[:cached][keep], rtol=1e-5, atol=1e-5)
+    assert spec._hf_accel_engine.cache.manager.num_allocated_blocks == 0
+
+
+# --- sampling -----------------------------------------------------------------------------------------------
+
+ROWS = 3000
+
+
+@pytest.mark.parametrize("method", ["early_exit", "prompt_lookup", "draft_model"])
+def test_sampling_keeps_the_distribution(method, tiny):
+    """Three tokens per row over ROWS copies of one prompt: tokens 2 and 3 come out of a verify step
+    (accepted drafts, resampled rejections, bonus tokens); their distributions and the joint (2, 3) must
+    match the plain fast path's. A 16-token vocabulary, so that prompt lookup's copied drafts are accepted
+    often enough (about 4% here) to exercise both branches."""
+    vocab = 16
+    model = tiny.model("llama", seed=3, num_hidden_layers=LAYERS, vocab_size=vocab)
+    ids = torch.randint(3, vocab, (1, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    big_ids, big_mask = ids.repeat(ROWS, 1), mask.repeat(ROWS, 1)
+    kwargs = dict(do_sample=True, temperature=1.5, top_k=0, max_new_tokens=3, eos_token_id=None,
+                  pad_token_id=tiny.PAD)
+
+    def draw(m, seed):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return m.generate(input_ids=big_ids, attention_mask=big_mask, **kwargs)[:, ids.shape[1]:]
+
+    plain = draw(accelerate_model(copy.deepcopy(model)), 1)
+    spec_model = accelerate_model(copy.deepcopy(model), speculative=spec_arg(method, model, num_draft_tokens=2,
+                                                                             adaptive=False))
+    spec = draw(spec_model, 2)
+    stats = speculative_stats(spec_model)
+    assert stats["draft_tokens"] > 0 and 0.02 < stats["acceptance_rate"] < 0.98, stats
+    for pos in (1, 2):
+        p = homogeneity_p(spec[:, pos], plain[:, pos])
+        assert p > P_MIN, f"token {pos + 1}: p = {p:.2e}"
+    p = homogeneity_p(spec[:, 1] * vocab + spec[:, 2], plain[:, 1] * vocab + plain[:, 2])
+    assert p > P_MIN, f"tokens (2, 3): p = {p:.2e}"
+
+
+# --- transformers' assisted-generation arguments ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"])
+def test_assisted_generation_arguments_take_the_speculative_path(option, tiny, hf_log):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny, lengths=(10,))
+    value = {"assistant_model": truncated(model, 2), "prompt_lookup_num_tokens": 4, "assistant_early_exit": 2}[option]
+    stock_plain = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    stock_assisted = greedy(model, ids, mask, tiny.PAD, eos_token_id=None, **{option: value})
+    assert torch.equal(stock_assisted, stock_plain)
+    ours = accelerate_model(copy.deepcopy(model))
+    out = greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, **{option: value})
+    assert torch.equal(out, stock_plain)
+    stats = speculative_stats(ours)
+    assert stats is not None and stats["verify_steps"] + stats["backed_off_steps"] > 0
+    # batch > 1 (transformers' own assisted generation refuses it)
+    ids3, mask3 = repetitive_batch(tiny)
+    out3 = greedy(ours, ids3, mask3, tiny.PAD, eos_token_id=None, **{option: value})
+    assert torch.equal(out3, greedy(model, ids3, mask3, tiny.PAD, eos_token_id=None))
+    assert speculative_stats(ours) is not None
+    # a later plain call reports no speculative stats
+    greedy(ours, ids, mask, tiny.PAD, eos_token_id=None)
+    assert speculative_stats(ours) is None
+
+
+def test_min_new_tokens_falls_back_to_the_plain_fast_path(tiny, hf_log):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids, mask, tiny.PAD, min_new_tokens=12)
+    ours = accelerate_model(copy.deepcopy(model), speculative="prompt_lookup")
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, min_new_tokens=12), stock)
+    assert _messages(hf_log, "speculative decoding not used: min_length / min_new_tokens")
+    assert speculative_stats(ours) is None
+
+
+class _Recorder(BaseStreamer):
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ends += 1
+
+
+def test_streamer_gets_every_committed_token_once(tiny):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny, lengths=(10,))
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", adaptive=False,
+                                                                               draft_model=truncated(model, LAYERS)))
+    rec = _Recorder()
+    out = greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, streamer=rec)
+    assert rec.ends == 1 and torch.equal(rec.puts[0], ids)
+    assert torch.cat([p.flatten() for p in rec.puts[1:]]).tolist() == out[0, ids.shape[1]:].tolist()
+    assert any(p.numel() > 1 for p in rec.puts[1:])  # several tokens per verify step
+
+
+def test_revert_removes_speculation(tiny):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ours = accelerate_model(copy.deepcopy(model), speculative="early_exit")
+    greedy(ours, ids, mask, tiny.PAD)
+    assert speculative_stats(ours) is not None
+    revert_model(ours)
+    assert speculative_stats(ours) is None and "_hf_accel_spec_engines" not in ours.__dict__
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD), greedy(model, ids, mask, tiny.PAD))
+
+
+# --- bad input -------------------------------------------------------------------------------------------------
+
+
+def test_bad_options_raise_and_leave_the_model_untouched(tiny):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    with pytest.raises(ValueError, match="speculative method must be one of"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeConfig(method="prompt_lookup", num_draft_tokens=0)
+    with pytest.raises(ValueError, match="draft_model is required"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(TypeError, match="speculative must be"):
+        accelerate_model(model, speculative=3)
+    other_vocab = tiny.model("llama", vocab_size=96)
+    with pytest.raises(ValueError, match="vocab_size"):
+        accelerate_model(model, speculative=other_vocab)
+    with pytest.raises(ValueError, match="exit_layer must be <"):
+        accelerate_model(model, speculative=SpeculativeConfig("early_exit", exit_layer=LAYERS))
+    with pytest.raises(ValueError, match="fast_decode"):
+        accelerate_model(model, speculative="prompt_lookup", fast_decode=False)
+    with pytest.raises(ValueError, match="target itself"):
+        accelerate_model(model, speculative=model)
+    assert not hf_accel.is_accelerated(model)
+
+
+# --- adaptive draft length ---------------------------------------------------------------------------------------
+
+
+def test_k_chooser_backs_off_probes_and_recovers():
+    chooser = _KChooser(k_max=8, adaptive=True, draft_cost=0.3)
+    for _ in range(20):  # nothing is ever accepted; drafting costs time
+        k = chooser.choose()
+        chooser.update(k, successes=0, trials=1 if k else 0, seconds=1.0 + 0.3 * k)
+    picks = [chooser.choose() for _ in range(32)]
+    assert picks.count(0) >= 30 and any(p > 0 for p in picks)  # backed off, with probes
+    for _ in range(40):  # everything is accepted again
+        k = chooser.choose()
+        chooser.update(k, successes=k, trials=k, seconds=1.0 + 0.3 * k)
+    assert chooser.choose() == 8
+
+
+def test_k_chooser_fixed_k():
+    chooser = _KChooser(k_max=5, adaptive=False, draft_cost=0.3)
+    chooser.update(5, successes=0, trials=5, seconds=10.0)
+    assert chooser.choose() == 5
+
+
+# --- the real SmolLM2 ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["prompt_lookup", "early_exit", "draft_model"])
+def test_smollm2_greedy_identical(method, smollm2, monkeypatch):
+    model, tokenizer = smollm2
+    from pydoc_data.topics import topics
+
+    monkeypatch.setattr(tokenizer, "padding_side", "left")
+    passage = topics["with"][:400]
+    prompts = [f"Repeat this passage word for word:\n\n{passage}", "What is the capital of France?",
+               "Rename the variable x to total and return the code:\n\ndef f(a):\n    x = 0\n    for v in a:\n"
+               "        x += v\n    return x\n"]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    # SmolLM2 was not trained for early exits: its first 8 layers' drafts are never accepted, 27 of 30 are
+    # accepted ~20% of the time, enough to exercise acceptance
+    draft = truncated(model, 27) if method == "draft_model" else None
+    for batch in (1, 3):
+        enc = tokenizer(texts[:batch], return_tensors="pt", padding=True)
+        accelerate_model(model)
+        try:
+            with torch.no_grad():
+                plain = model.generate(**enc, **kwargs)
+        finally:
+            revert_model(model)
+        spec = SpeculativeConfig(method, draft_model=draft, num_draft_tokens=4, adaptive=False,
+                                 exit_layer=27 if method == "early_exit" else None)
+        accelerate_model(model, speculative=spec)
+        try:
+            with torch.no_grad():
+                out = model.generate(**enc, **kwargs)
+            stats = speculative_stats(model)
+        finally:
+            revert_model(model)
+        assert torch.equal(out, plain), "\n".join(tokenizer.batch_decode(torch.cat([plain, out])))
+        assert stats["verify_steps"] > 0 and stats["accepted_tokens"] > 0, stats
