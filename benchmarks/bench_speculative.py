@@ -322,6 +322,12 @@ def aggregate_stats(stats: list) -> dict | None:
     means = [(s.get("mean_accepted_per_step"), s.get("verify_steps") or 1) for s in stats
              if s.get("mean_accepted_per_step") is not None]
     agg["mean_accepted_per_step"] = (sum(m * w for m, w in means) / sum(w for _, w in means)) if means else None
+    lengths: dict[str, int] = {}
+    for s in stats:
+        for k, v in (s.get("draft_lengths") or {}).items():
+            lengths[k] = lengths.get(k, 0) + v
+    if lengths:
+        agg["draft_lengths"] = dict(sorted(lengths.items(), key=lambda kv: int(kv[0])))
     agg["method"] = stats[-1].get("method")
     return agg
 
@@ -414,6 +420,8 @@ def run_shape(category, bs, batches, providers, model, args, new_tokens, eos_ids
                 for key in ("verify_steps", "draft_tokens", "accepted_tokens", "backed_off_steps"):
                     if key in stats:
                         row(key, "count", stats[key])
+                if "draft_lengths" in stats:
+                    row("draft_lengths", "steps per k", stats["draft_lengths"])
             if ref is not None:
                 identical, prefix = compare(outs, ref)
                 row("greedy_identical", "bool", identical)

@@ -39,7 +39,8 @@ from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.speculative.verify import greedy_accept, rejection_sample, sample
 
-_PROBE_EVERY = 16
+_PROBE_EVERY = 16  # plain rounds between probes while backed off
+_PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
 _DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
 
 
@@ -61,7 +62,7 @@ class _KChooser:
         self.draft_cost = draft_cost  # prior: extra time per drafted token, as a fraction of a plain step
         self.successes, self.trials = 2.0, 3.0  # prior a = 2/3
         self.times: dict[int, float] = {}
-        self.backed_off = 0
+        self.since_probe = 0
 
     def alpha(self) -> float:
         return min(self.successes / max(self.trials, 1e-9), 0.999)
@@ -80,15 +81,20 @@ class _KChooser:
         base = t0 / (1.0 + self.draft_cost * k0)
         return base * (1.0 + self.draft_cost * k)
 
-    def choose(self) -> int:
+    def choose(self, max_remaining: int) -> tuple[int, int]:
+        """(k, rounds): the draft length of the next rounds and how many to run before the next host sync
+        (several plain rounds back to back while backed off, at most ``max_remaining``)."""
         if not self.adaptive:
-            return self.k_max
+            return self.k_max, 1
         best = max(self.ks, key=lambda k: self.expected_tokens(k) / self.time(k))
-        if best == 0:
-            self.backed_off += 1
-            if self.backed_off % _PROBE_EVERY == 0:
-                best = max(self.ks[1:], key=lambda k: self.expected_tokens(k) / self.time(k))
-        return best
+        if best > 0:
+            return best, 1
+        if self.since_probe >= _PROBE_EVERY:
+            self.since_probe = 0
+            return max(self.ks[1:], key=lambda k: self.expected_tokens(k) / self.time(k)), 1
+        rounds = max(1, min(_PLAIN_BURST, max_remaining))
+        self.since_probe += rounds
+        return 0, rounds
 
     def update(self, k: int, successes: int, trials: int, seconds: float | None) -> None:
         if k > 0 and trials > 0:
@@ -103,9 +109,10 @@ class _State:
     """Device state of one generate call (static buffers; the round graphs read and update them).
 
     tokens [batch, capacity] int64 (prompt with its left padding, then output; pad after a row's end),
-    lengths / starts / remaining [batch] int64, active [batch] bool, info [4] int64 (this round: any row
-    active, accepted drafts, drafts examined, drafts proposed), totals [3] int64 (drafts proposed,
-    accepted, row-steps)."""
+    lengths / starts / remaining [batch] int64, active [batch] bool, info [5] int64 (this round: any row
+    active, accepted drafts, drafts examined, drafts proposed, largest remaining budget), totals [3] int64
+    (drafts proposed, accepted, row-steps). One state per graph key, reused by every call of that shape
+    (captured graphs read these very tensors)."""
 
     NAMES = ("tokens", "lengths", "starts", "remaining", "active", "info", "totals")
 
@@ -115,9 +122,17 @@ class _State:
         self.starts = torch.zeros(batch, dtype=torch.long, device=device)
         self.remaining = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.info = torch.zeros(4, dtype=torch.long, device=device)
+        self.info = torch.zeros(5, dtype=torch.long, device=device)
         self.totals = torch.zeros(3, dtype=torch.long, device=device)
         self.eos = torch.full((8,), -1, dtype=torch.long, device=device)
+
+    def reset(self, pad: int) -> None:
+        self.tokens.fill_(pad)
+        self.lengths.fill_(1)
+        for t in (self.starts, self.remaining, self.info, self.totals):
+            t.zero_()
+        self.active.zero_()
+        self.eos.fill_(-1)
 
     def snapshot(self):
         return [getattr(self, n).clone() for n in self.NAMES]
@@ -145,6 +160,7 @@ class SpeculativeEngine:
         if config.method == "draft_model":
             self.draft_fast = self._draft_engine(config.draft_model)
         self.graphs: dict = {}
+        self.states: dict = {}
         self._graph_cache = None
         self.last_stats: dict | None = None
 
@@ -228,6 +244,7 @@ class SpeculativeEngine:
         st.info[1] = (n * was_active).sum()
         st.info[2] = (examined * was_active).sum()
         st.info[3] = (proposed * was_active).sum()
+        st.info[4] = (st.remaining * st.active).amax()
         st.totals[0] += (proposed * was_active).sum()
         st.totals[1] += (n * was_active).sum()  # accepted by verification (a row's end may cut the commit)
         st.totals[2] += was_active.sum() if k > 0 else 0
@@ -240,8 +257,9 @@ class SpeculativeEngine:
         caches = (self.fast.cache, self.draft_fast.cache if self.draft_fast is not None else None)
         if self._graph_cache is None or any(a is not b for a, b in zip(caches, self._graph_cache)):
             self.graphs.clear()  # graphs point at the pools of these caches
+            self.states.clear()
             self._graph_cache = caches
-        graph = self.graphs.get((key, k))
+        graph = self.graphs.get((*key, k))
         captured = graph is None
         if captured:
             saved = st.snapshot()
@@ -255,7 +273,7 @@ class SpeculativeEngine:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._round(k, st, ctx)
-            self.graphs[(key, k)] = graph
+            self.graphs[(*key, k)] = graph
         graph.replay()
         return captured
 
@@ -310,8 +328,12 @@ class SpeculativeEngine:
                 ctx.update(draft_block_table=dstep.block_table, draft_key_mask=dstep.key_mask,
                            draft1=dstep, draft2=dfast._step_for(batch, dstep.max_blocks, q_len=2))
             rows = step.batch
-            st = _State(rows, prompt_len + max_new + lookahead + 1, model.device)
-            st.tokens.fill_(pad)
+            # graphs bake in the buffers, the sampling settings and the pad id
+            key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad)
+            st = self.states.get(key)
+            if st is None or not ctx["use_graph"]:
+                st = self.states[key] = _State(rows, nb * step.block_size + 1, model.device)
+            st.reset(pad)
             st.tokens[:batch, :prompt_len] = input_ids
             if eos_list:
                 st.eos[: len(eos_list)] = torch.tensor(eos_list, dtype=torch.long)
@@ -325,19 +347,43 @@ class SpeculativeEngine:
                 streamer.put(input_ids.cpu())
                 streamer.put(first.cpu())
             chooser = _KChooser(k_max, cfg.adaptive, self._draft_cost())
-            key = (rows, nb)
             ks: dict[int, int] = {}
-            running = bool(st.active.any())
+            running, max_remaining = bool(st.active.any()), max_new - 1
+            # On the GPU the host queues the next round before reading the previous one's counters (one
+            # round in flight), so the GPU never waits for the host; the adaptive k uses counters one round old.
+            ahead = 1 if (ctx["use_graph"] and streamer is None) else 0
+            pinned = torch.zeros(3, st.info.numel(), dtype=torch.long, pin_memory=ctx["use_graph"])
+            inflight: list = []
+            last_done = None
+            slot = 0
             while running:
-                k = chooser.choose()
-                ks[k] = ks.get(k, 0) + 1
+                k, rounds = chooser.choose(max_remaining if streamer is None else 1)
+                ks[k] = ks.get(k, 0) + rounds
                 before = st.lengths[:batch].clone() if streamer is not None else None
                 t0 = time.perf_counter()
-                captured = self._run_round(k, st, ctx, key)
-                info = st.info.tolist()  # the one host sync of a round
-                seconds = None if captured else time.perf_counter() - t0
+                captured = False
+                for _ in range(rounds):
+                    captured |= self._run_round(k, st, ctx, key)
+                pinned[slot].copy_(st.info, non_blocking=ctx["use_graph"])
+                event = None
+                if ctx["use_graph"]:
+                    event = torch.cuda.Event(enable_timing=True)
+                    event.record()
+                inflight.append((event, slot, k, rounds, captured, t0))
+                slot = (slot + 1) % 3
+                if len(inflight) <= ahead:
+                    continue
+                event, done_slot, k, rounds, captured, t0 = inflight.pop(0)
+                if event is not None:
+                    event.synchronize()
+                    seconds = (None if captured or last_done is None or last_done[1]
+                               else last_done[0].elapsed_time(event) / 1e3 / rounds)
+                    last_done = (event, captured)
+                else:
+                    seconds = None if captured else (time.perf_counter() - t0) / rounds
+                info = pinned[done_slot].tolist()
                 chooser.update(k, info[1], info[2], seconds)
-                running = bool(info[0])
+                running, max_remaining = bool(info[0]), info[4]
                 if streamer is not None:
                     after = st.lengths[:batch]
                     if int(after[0]) > int(before[0]):

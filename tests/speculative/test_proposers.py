@@ -9,13 +9,13 @@ from hf_accel.speculative.proposers import prompt_lookup
 
 
 def lookup_ref(row: list[int], start: int, k: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """The tokens after the most recent earlier occurrence of the longest matching suffix n-gram."""
+    """The tokens after the first earlier occurrence of the longest matching suffix n-gram."""
     length = len(row)
     for n in range(max_ngram, min_ngram - 1, -1):
         if length - n < start:
             continue
         suffix = row[length - n:]
-        for s in range(length - n - 1, start - 1, -1):
+        for s in range(start, length - n):
             if row[s: s + n] == suffix:
                 return row[s + n: s + n + k]
     return []
@@ -42,15 +42,17 @@ def test_matches_reference(seed, k):
         assert valid[b].tolist() == [True] * len(want) + [False] * (k - len(want))  # a prefix
 
 
-def test_prefers_longer_ngrams_and_the_most_recent_occurrence():
-    #            0  1  2  3  4  5  6  7  8  9  10 11
-    row = [5, 6, 7, 1, 6, 7, 2, 9, 7, 3, 6, 7]
+def test_prefers_longer_ngrams_and_the_first_occurrence():
+    #      0  1  2  3  4  5  6  7  8  9  10 11
+    row = [7, 4, 6, 7, 1, 6, 7, 2, 7, 3, 6, 7]
     tokens = torch.tensor([row + [0] * 4])
     lengths, starts = torch.tensor([len(row)]), torch.tensor([0])
     drafts, valid = prompt_lookup(tokens, lengths, starts, 2, max_ngram=2, min_ngram=1)
-    assert drafts[0][valid[0]].tolist() == [2, 9]  # "6 7" last seen at 4-5, followed by 2 9
+    assert drafts[0][valid[0]].tolist() == [1, 6]  # "6 7" first at 2-3, followed by 1 6
     drafts, valid = prompt_lookup(tokens, lengths, starts, 2, max_ngram=1, min_ngram=1)
-    assert drafts[0][valid[0]].tolist() == [3, 6]  # "7" last seen at 8
+    assert drafts[0][valid[0]].tolist() == [4, 6]  # "7" first at 0
+    drafts, valid = prompt_lookup(tokens, lengths, torch.tensor([1]), 2, max_ngram=1, min_ngram=1)
+    assert drafts[0][valid[0]].tolist() == [1, 6]  # position 0 is padding: "7" first at 3
 
 
 def test_no_match_gives_no_draft():

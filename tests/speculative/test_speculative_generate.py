@@ -310,20 +310,23 @@ def test_bad_options_raise_and_leave_the_model_untouched(tiny):
 def test_k_chooser_backs_off_probes_and_recovers():
     chooser = _KChooser(k_max=8, adaptive=True, draft_cost=0.3)
     for _ in range(20):  # nothing is ever accepted; drafting costs time
-        k = chooser.choose()
+        k, rounds = chooser.choose(100)
         chooser.update(k, successes=0, trials=1 if k else 0, seconds=1.0 + 0.3 * k)
-    picks = [chooser.choose() for _ in range(32)]
-    assert picks.count(0) >= 30 and any(p > 0 for p in picks)  # backed off, with probes
+    picks = [chooser.choose(100) for _ in range(12)]
+    plain = [r for k, r in picks if k == 0]
+    assert len(plain) >= 8 and set(plain) == {8}  # backed off: plain rounds in bursts of 8
+    assert any(k > 0 for k, _ in picks)  # with probes
+    assert chooser.choose(3) in ((0, 3), (2, 1), (1, 1), (4, 1), (8, 1))  # never past the budget
     for _ in range(40):  # everything is accepted again
-        k = chooser.choose()
+        k, rounds = chooser.choose(100)
         chooser.update(k, successes=k, trials=k, seconds=1.0 + 0.3 * k)
-    assert chooser.choose() == 8
+    assert chooser.choose(100) == (8, 1)
 
 
 def test_k_chooser_fixed_k():
     chooser = _KChooser(k_max=5, adaptive=False, draft_cost=0.3)
     chooser.update(5, successes=0, trials=5, seconds=10.0)
-    assert chooser.choose() == 5
+    assert chooser.choose(100) == (5, 1)
 
 
 # --- the real SmolLM2 ----------------------------------------------------------------------------------------------
