@@ -254,11 +254,6 @@ class SpeculativeEngine:
         if not ctx["use_graph"]:
             self._round(k, st, ctx)
             return False
-        caches = (self.fast.cache, self.draft_fast.cache if self.draft_fast is not None else None)
-        if self._graph_cache is None or any(a is not b for a, b in zip(caches, self._graph_cache)):
-            self.graphs.clear()  # graphs point at the pools of these caches
-            self.states.clear()
-            self._graph_cache = caches
         graph = self.graphs.get((*key, k))
         captured = graph is None
         if captured:
@@ -327,6 +322,11 @@ class SpeculativeEngine:
                     raise RuntimeError("draft and target decode steps have different batch buckets")
                 ctx.update(draft_block_table=dstep.block_table, draft_key_mask=dstep.key_mask,
                            draft1=dstep, draft2=dfast._step_for(batch, dstep.max_blocks, q_len=2))
+            caches = (self.fast.cache, self.draft_fast.cache if self.draft_fast is not None else None)
+            if self._graph_cache is None or any(a is not b for a, b in zip(caches, self._graph_cache)):
+                self.graphs.clear()  # graphs point at the pools of these caches and at the states
+                self.states.clear()
+                self._graph_cache = caches
             rows = step.batch
             # graphs bake in the buffers, the sampling settings and the pad id
             key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad)
