@@ -1,0 +1,111 @@
+"""Where the time of a speculative verify round goes (CUDA, real SmolLM2, bf16, bs1).
+
+Times, with CUDA graphs replayed back to back (median of 50 replays, CUDA events): the plain decode step
+(q_len 1), the target forward over q_len = k + 1 tokens, and whole prompt-lookup rounds at k = 0 and k = 8;
+then a torch.profiler table of the k = 8 round's kernels. Writes ``profile_speculative_round-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+
+def time_graph(fn, reps=50):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), g
+
+
+def main():
+    from pydoc_data.topics import topics
+
+    from hf_accel import SpeculativeConfig, accelerate_model
+    from hf_accel.models import load_default_model
+    from hf_accel.speculative.engine import _State, engine_for
+
+    model, tok = load_default_model(dtype="bfloat16", device="cuda")
+    accelerate_model(model)
+    fast = model._hf_accel_engine
+    spec = engine_for(model, fast, SpeculativeConfig("prompt_lookup", num_draft_tokens=8, adaptive=False))
+    text = tok.apply_chat_template([{"role": "user", "content": "Summarise:\n\n" + topics["with"][:1000]}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].cuda()
+    mask = torch.ones_like(ids)
+    rows, res, top = [], {}, []
+    with torch.inference_mode():
+        step, logits = fast.start(ids, mask, 128, lookahead=17)
+        nb = step.max_blocks
+        prompt_len = ids.shape[1]
+        step.cache_lens[:1] = prompt_len
+        res["plain_step_ms"], _ = time_graph(lambda: step._forward())
+        for k in (1, 4, 8, 16):
+            v = fast._step_for(1, nb, q_len=k + 1)
+            v.input_ids.copy_(ids[:, : k + 1])
+            v.position_ids.copy_(torch.arange(prompt_len, prompt_len + k + 1, device="cuda")[None])
+            v.cache_lens.fill_(prompt_len)
+            v.block_table.copy_(step.block_table)
+            v.key_mask.copy_(step.key_mask)
+            res[f"verify_forward_q{k + 1}_ms"], _ = time_graph(lambda: v._forward())
+        st = _State(step.batch, nb * step.block_size + 1, model.device)
+        st.reset(0)
+        st.tokens[0, :prompt_len] = ids[0]
+        st.tokens[0, prompt_len] = logits.argmax(-1)[0]
+        st.lengths[0] = prompt_len + 1
+        st.remaining[0] = 120
+        st.active[0] = True
+        ctx = {"warp": lambda x: x, "do_sample": False, "block_table": step.block_table, "key_mask": step.key_mask,
+               "use_graph": True, "verify": {k: fast._step_for(1, nb, q_len=k + 1) for k in (0, 8)}}
+        saved = st.snapshot()
+
+        def round_k(k):
+            st.restore(saved)
+            spec._round(k, st, ctx)
+
+        for k in (0, 8):
+            res[f"round_k{k}_ms"], _ = time_graph(lambda: round_k(k))
+        _, g8 = time_graph(lambda: round_k(8), reps=1)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                g8.replay()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+        events = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
+        top = [{"name": e.key[:90], "calls_per_round": e.count / 10,
+                "us_per_round": getattr(e, "device_time_total", 0) / 10} for e in events[:30]]
+        res["kernels_per_round_k8"] = sum(e.count for e in events) / 10
+    shape = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "bs": 1, "prompt_len": prompt_len}
+    for key, value in res.items():
+        print(f"{key:28s} {value}")
+        rows.append({"bench": "profile_speculative_round", "provider": "ours", "shape": shape, "metric": key,
+                     "unit": "ms" if key.endswith("_ms") else "count", "value": value})
+    rows.append({"bench": "profile_speculative_round", "provider": "ours", "shape": {**shape, "k": 8},
+                 "metric": "top_kernels", "unit": "us per round", "value": top})
+    write_results("profile_speculative_round", rows)
+
+
+if __name__ == "__main__":
+    main()
