@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("prompt_lookup", "early_exit", "draft_model")
-_DEFAULT_DRAFT_TOKENS = {"prompt_lookup": 8, "early_exit": 4, "draft_model": 4}
+_DEFAULT_DRAFT_TOKENS = {"prompt_lookup": 16, "early_exit": 4, "draft_model": 4}
 
 
 @dataclass
@@ -22,8 +22,9 @@ class SpeculativeConfig:
             Leviathan et al. 2023; Chen et al. 2023).
         draft_model: the draft for ``"draft_model"``: a transformers causal LM of a type hf-accel
             supports, on the target's device, with the target's ``vocab_size``. It is accelerated too.
-        num_draft_tokens: the largest number of tokens drafted per verify step (k). Default 8 for prompt
-            lookup (drafting is free), 4 for the model-based drafts.
+        num_draft_tokens: the largest number of tokens drafted per verify step (k). Default 16 for prompt
+            lookup (drafting is free, and verifying 17 tokens of SmolLM2 at bs1 on an H200 took 1.007 ms against
+            0.967 ms for one: ``profile_speculative_round-20261201.json``), 4 for the model-based drafts.
         adaptive: choose k per verify step from the measured acceptance and step times (down to 0: plain
             decoding, "backed off", with an occasional probe); with ``False`` k stays ``num_draft_tokens``.
         exit_layer: layers of the early-exit draft; default half of the model's layers. Models trained

@@ -37,7 +37,8 @@ from transformers.generation.logits_process import (
 from hf_accel._logging import log_once
 from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
-from hf_accel.speculative.verify import greedy_accept, rejection_sample, sample
+from hf_accel.kernels.commit_tokens import commit_tokens, commit_tokens_ref
+from hf_accel.speculative.verify import rejection_sample, sample
 
 _PROBE_EVERY = 16  # plain rounds between probes while backed off
 _PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
@@ -203,16 +204,17 @@ class SpeculativeEngine:
             valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)
         elif self.config.method == "prompt_lookup":
             drafts, valid = prompt_lookup(st.tokens, st.lengths, st.starts, k, self.config.max_ngram,
-                                          self.config.min_ngram)
+                                          self.config.min_ngram, use_kernel=ctx["kernels"])
         elif self.config.method == "early_exit":
             drafts, draft_probs = draft_chain(ctx["early"], x0, pos0[:, None], cache_lens, ctx["block_table"],
                                               ctx["key_mask"], k, ctx["warp"], ctx["do_sample"])
             valid = torch.ones_like(drafts, dtype=torch.bool)
         else:  # draft model: re-feed the last two committed tokens (fills the gap after k accepted drafts)
-            idx = torch.stack([st.lengths - 2, st.lengths - 1], dim=1)
-            pos = (st.lengths - 2 - st.starts)[:, None] + torch.arange(2, device=dev)
+            # (rows of the batch bucket that hold no sequence have length 1: clamp their indices)
+            idx = torch.stack([st.lengths - 2, st.lengths - 1], dim=1).clamp(min=0)
+            pos = (st.lengths - 2 - st.starts).clamp(min=0)[:, None] + torch.arange(2, device=dev)
             drafts, draft_probs = draft_chain(ctx["draft2"], st.tokens.gather(1, idx), pos,
-                                              (st.lengths - 2).to(torch.int32), ctx["draft_block_table"],
+                                              (st.lengths - 2).clamp(min=0).to(torch.int32), ctx["draft_block_table"],
                                               ctx["draft_key_mask"], k, ctx["warp"], ctx["do_sample"],
                                               next_step=ctx["draft1"])
             valid = torch.ones_like(drafts, dtype=torch.bool)
@@ -224,30 +226,10 @@ class SpeculativeEngine:
             probs = torch.softmax(ctx["warp"](logits.flatten(0, 1)), dim=-1).view_as(logits)
             out, n = rejection_sample(drafts, valid, draft_probs, probs)
         else:
-            out, n = greedy_accept(drafts, valid, logits)
-        count = n + 1
-        eos_hit = torch.isin(out, st.eos) & (j < count[:, None])
-        first_eos = torch.where(eos_hit.any(dim=1), eos_hit.long().argmax(dim=1), k + 1)
-        count = torch.minimum(torch.minimum(count, first_eos + 1), st.remaining)
-        was_active = st.active.clone()
-        count = torch.where(was_active, count, 0)
-        keep = j < count[:, None]
-        finished = (eos_hit & keep).any(dim=1)
-        idx = st.lengths[:, None] + j
-        st.tokens.scatter_(1, idx, torch.where(keep, out, st.tokens.gather(1, idx)))
-        st.lengths += count
-        st.remaining -= count
-        st.active &= ~finished & (st.remaining > 0)
-        examined = torch.where(n < k, n + 1, n)
-        proposed = valid.sum(dim=1)
-        st.info[0] = st.active.any()
-        st.info[1] = (n * was_active).sum()
-        st.info[2] = (examined * was_active).sum()
-        st.info[3] = (proposed * was_active).sum()
-        st.info[4] = (st.remaining * st.active).amax()
-        st.totals[0] += (proposed * was_active).sum()
-        st.totals[1] += (n * was_active).sum()  # accepted by verification (a row's end may cut the commit)
-        st.totals[2] += was_active.sum() if k > 0 else 0
+            out, n = logits.argmax(dim=-1), None  # greedy: the commit counts the matching prefix
+        commit = commit_tokens if ctx["kernels"] else commit_tokens_ref
+        commit(out, n, drafts, valid, st.tokens, st.lengths, st.remaining, st.active, st.eos, st.info, st.totals,
+               count_step=k > 0)
 
     def _run_round(self, k: int, st: _State, ctx, key) -> bool:
         """One round (a CUDA-graph replay once captured). Returns True if the graph was captured now."""
@@ -309,7 +291,10 @@ class SpeculativeEngine:
         draft_cache = None
         try:
             ctx = {"warp": warp_fn, "do_sample": bool(gc.do_sample), "block_table": step.block_table,
-                   "key_mask": step.key_mask, "use_graph": step.use_graph}
+                   "key_mask": step.key_mask, "use_graph": step.use_graph,
+                   # one-launch Triton kernels for the lookup and the commit on CUDA (and on CPU with the
+                   # fused step, under Triton's interpreter); their PyTorch references otherwise
+                   "kernels": step.fused or model.device.type == "cuda"}
             nb = step.max_blocks
             ctx["verify"] = {k: fast._step_for(batch, nb, q_len=k + 1) for k in _candidates(k_max)}
             if cfg.method == "early_exit":

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from hf_accel.kernels.ngram_lookup import ngram_lookup, ngram_lookup_ref
 from hf_accel.speculative.verify import sample
 
 
 def prompt_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
-                  min_ngram: int = 1):
+                  min_ngram: int = 1, use_kernel: bool | None = None):
     """Draft by copying what followed the first occurrence of the row's last n-gram in the row's
     earlier tokens (Saxena 2023, "Prompt Lookup Decoding", as transformers' ``prompt_lookup_num_tokens``),
     trying ``n = max_ngram .. min_ngram``. The first occurrence is usually in the prompt, the passage an
@@ -23,30 +24,15 @@ def prompt_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Ten
         starts: [batch] int64 — first real token per row (the left-padding count); matches never start
             before it.
         k: tokens to draft (>= 1).
+        use_kernel: the one-launch Triton kernel (default: on CUDA) or the PyTorch reference.
 
     Returns:
         (drafts [batch, k] int64, valid [batch, k] bool): ``valid`` is a prefix per row (False where no
         n-gram matched, or where the copied span reaches the end of the committed tokens).
     """
-    b, cap = tokens.shape
-    dev = tokens.device
-    found = torch.full((b,), -1, dtype=torch.long, device=dev)
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if n >= cap:
-            continue
-        suffix_pos = (lengths[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
-        suffix = tokens.gather(1, suffix_pos)  # [b, n]
-        windows = tokens.unfold(1, n, 1)  # [b, cap - n + 1, n]
-        s = torch.arange(windows.shape[1], device=dev)
-        # an earlier occurrence, followed by at least one committed token, not in the padding
-        ok = (windows == suffix[:, None, :]).all(dim=-1) & (s + n < lengths[:, None]) & (s >= starts[:, None])
-        ok &= (lengths - n >= starts)[:, None]
-        first = torch.where(ok, s, cap).amin(dim=1)
-        found = torch.where((found < 0) & (first < cap), first + n, found)
-    idx = found[:, None] + torch.arange(k, device=dev)
-    valid = (found >= 0)[:, None] & (idx < lengths[:, None])
-    drafts = tokens.gather(1, idx.clamp(0, cap - 1))
-    return torch.where(valid, drafts, 0), valid
+    if use_kernel if use_kernel is not None else tokens.is_cuda:
+        return ngram_lookup(tokens, lengths, starts, k, max_ngram, min_ngram)
+    return ngram_lookup_ref(tokens, lengths, starts, k, max_ngram, min_ngram)
 
 
 def _pick(logits: torch.Tensor, warp, do_sample: bool):

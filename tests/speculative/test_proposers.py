@@ -59,3 +59,20 @@ def test_no_match_gives_no_draft():
     tokens = torch.tensor([[1, 2, 3, 4, 5, 0, 0]])
     drafts, valid = prompt_lookup(tokens, torch.tensor([5]), torch.tensor([0]), 4)
     assert not valid.any()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k", [1, 5, 8])
+def test_kernel_matches_reference(seed, k):
+    from hf_accel.kernels.ngram_lookup import ngram_lookup, ngram_lookup_ref
+
+    g = torch.Generator().manual_seed(seed)
+    batch, cap = 4, 37 + 20 * seed  # capacities that are not powers of two
+    tokens = torch.randint(1, 4 + seed, (batch, cap), generator=g)
+    lengths = torch.randint(2, cap + 1, (batch,), generator=g)
+    starts = torch.minimum(torch.randint(0, 6, (batch,), generator=g), lengths - 1)
+    for max_ngram, min_ngram in ((3, 1), (2, 2), (4, 2)):
+        want = ngram_lookup_ref(tokens, lengths, starts, k, max_ngram, min_ngram)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's interpreter on CPU
+        got = [t.cpu() for t in ngram_lookup(tokens.to(dev), lengths.to(dev), starts.to(dev), k, max_ngram, min_ngram)]
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (max_ngram, min_ngram)

@@ -1,0 +1,98 @@
+"""N-gram lookup for prompt-lookup drafting (Saxena 2023, "Prompt Lookup Decoding") in one kernel launch.
+
+Per row: find the first earlier occurrence of the row's last ``n`` tokens (``n = max_ngram .. min_ngram``,
+longest first) among its committed tokens and draft the ``k`` tokens that followed it. One program per
+row scans the row in blocks; the PyTorch reference, :func:`ngram_lookup_ref`, takes ~12 launches per n.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, capacity, stride_tb, K,
+                         MAX_NGRAM: tl.constexpr, MIN_NGRAM: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    row = Tokens + b * stride_tb
+    length = tl.load(Lengths + b).to(tl.int32)
+    start = tl.load(Starts + b).to(tl.int32)
+    found = length * 0 - 1
+    for i in tl.static_range(MAX_NGRAM - MIN_NGRAM + 1):
+        n: tl.constexpr = MAX_NGRAM - i
+        best = length * 0 + capacity
+        for blk in range(0, capacity, BLOCK):
+            s = blk + tl.arange(0, BLOCK)
+            # (scalar conditions broadcast as tensors: Triton's interpreter rejects a scalar-and-tensor mask)
+            hit = (s >= start) & (s + n < length) & (s * 0 + length - n >= start)
+            for j in tl.static_range(n):
+                want = tl.load(row + tl.maximum(length - n + j, 0))
+                got = tl.load(row + s + j, mask=hit, other=-1)
+                hit = hit & (got == want)
+            best = tl.minimum(best, tl.min(tl.where(hit, s, capacity), axis=0))
+        found = tl.where((found < 0) & (best < capacity), best + n, found)
+    kk = tl.arange(0, BLOCK_K)
+    idx = found + kk
+    ok = (idx >= 0) & (kk < K) & (idx < length) & (kk * 0 + found >= 0)
+    drafts = tl.load(row + idx, mask=ok, other=0)
+    tl.store(Drafts + b * K + kk, drafts, mask=kk < K)
+    tl.store(Valid + b * K + kk, ok.to(tl.uint8), mask=kk < K)
+
+
+def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
+                 min_ngram: int = 1):
+    """Prompt-lookup drafts, one launch.
+
+    Args:
+        tokens: [batch, capacity] int64, contiguous rows — prompt (left padded) + committed output.
+        lengths: [batch] int64 — committed tokens per row, padding included.
+        starts: [batch] int64 — first real token per row (matches never start before it).
+        k: tokens to draft (>= 1); max_ngram >= min_ngram >= 1.
+
+    Returns:
+        (drafts [batch, k] int64, valid [batch, k] bool, a prefix per row), as :func:`ngram_lookup_ref`.
+
+    Raises:
+        ValueError: bad shapes, dtypes or n-gram bounds.
+    """
+    if tokens.dim() != 2 or tokens.dtype != torch.long or tokens.stride(1) != 1:
+        raise ValueError(f"tokens must be [batch, capacity] int64 with contiguous rows, got {tuple(tokens.shape)} "
+                         f"{tokens.dtype}")
+    b, cap = tokens.shape
+    if lengths.shape != (b,) or starts.shape != (b,):
+        raise ValueError(f"lengths {tuple(lengths.shape)} and starts {tuple(starts.shape)} must be [{b}]")
+    if k < 1 or not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"need k >= 1 and 1 <= min_ngram <= max_ngram, got {k}, {min_ngram}, {max_ngram}")
+    drafts = torch.empty(b, k, dtype=torch.long, device=tokens.device)
+    valid = torch.empty(b, k, dtype=torch.uint8, device=tokens.device)
+    _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, cap, tokens.stride(0), k,
+                               MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram,
+                               BLOCK=min(1024, triton.next_power_of_2(cap)), BLOCK_K=triton.next_power_of_2(k))
+    return drafts, valid.view(torch.bool)
+
+
+def ngram_lookup_ref(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
+                     min_ngram: int = 1):
+    """PyTorch reference of :func:`ngram_lookup` (same arguments and results)."""
+    b, cap = tokens.shape
+    dev = tokens.device
+    found = torch.full((b,), -1, dtype=torch.long, device=dev)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= cap:
+            continue
+        suffix_pos = (lengths[:, None] - n + torch.arange(n, device=dev)).clamp(min=0)
+        suffix = tokens.gather(1, suffix_pos)  # [b, n]
+        windows = tokens.unfold(1, n, 1)  # [b, cap - n + 1, n]
+        s = torch.arange(windows.shape[1], device=dev)
+        # an earlier occurrence, followed by at least one committed token, not in the padding
+        ok = (windows == suffix[:, None, :]).all(dim=-1) & (s + n < lengths[:, None]) & (s >= starts[:, None])
+        ok &= (lengths - n >= starts)[:, None]
+        first = torch.where(ok, s, cap).amin(dim=1)
+        found = torch.where((found < 0) & (first < cap), first + n, found)
+    idx = found[:, None] + torch.arange(k, device=dev)
+    valid = (found >= 0)[:, None] & (idx < lengths[:, None])
+    drafts = tokens.gather(1, idx.clamp(0, cap - 1))
+    return torch.where(valid, drafts, 0), valid

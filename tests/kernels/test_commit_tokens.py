@@ -1,0 +1,66 @@
+"""commit_tokens (one-launch commit of a speculative verify step) against its PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_accel.kernels.commit_tokens import commit_tokens, commit_tokens_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's interpreter on CPU
+
+
+def _state(seed, batch, k, vocab=6):
+    g = torch.Generator().manual_seed(seed)
+    cap = 40
+    out = torch.randint(0, vocab, (batch, k + 1), generator=g)
+    drafts = out[:, :k].clone()
+    # mismatch at a random position per row (or none)
+    cut = torch.randint(0, k + 1, (batch,), generator=g)
+    for b in range(batch):
+        if cut[b] < k:
+            drafts[b, cut[b]] = (drafts[b, cut[b]] + 1) % vocab
+    valid = torch.arange(k)[None, :] < torch.randint(0, k + 1, (batch,), generator=g)[:, None]
+    tokens = torch.randint(0, vocab, (batch, cap), generator=g)
+    lengths = torch.randint(3, cap - k - 1, (batch,), generator=g)
+    remaining = torch.randint(0, k + 3, (batch,), generator=g)
+    active = (torch.rand(batch, generator=g) < 0.8) & (remaining > 0)
+    eos = torch.full((8,), -1, dtype=torch.long)
+    eos[:2] = torch.tensor([1, 4])
+    n = torch.minimum(cut, valid.sum(1))
+    info = torch.full((5,), 99, dtype=torch.long)
+    totals = torch.tensor([5, 3, 2])
+    return out, n, drafts, valid, tokens, lengths, remaining, active, eos, info, totals
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("k", [0, 1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("seed", range(3))
+def test_matches_reference(seed, batch, k, greedy):
+    a = [t.to(DEV) for t in _state(seed, batch, k)]
+    b = [t.cpu().clone() for t in a]
+    if greedy:
+        a[1] = b[1] = None
+    commit_tokens(*a, count_step=k > 0)
+    commit_tokens_ref(*b, count_step=k > 0)
+    names = ["tokens", "lengths", "remaining", "active", "eos", "info", "totals"]
+    for name, x, y in zip(names, a[4:], b[4:]):
+        assert torch.equal(x.cpu(), y), (name, x, y)
+
+
+def test_commits_the_accepted_prefix_and_stops_at_eos():
+    out = torch.tensor([[7, 8, 1, 9], [7, 8, 9, 6]], device=DEV)
+    drafts = torch.tensor([[7, 8, 1], [7, 5, 9]], device=DEV)
+    valid = torch.ones(2, 3, dtype=torch.bool, device=DEV)
+    tokens = torch.zeros(2, 12, dtype=torch.long, device=DEV)
+    lengths = torch.tensor([2, 3], device=DEV)
+    remaining = torch.tensor([10, 10], device=DEV)
+    active = torch.tensor([True, True], device=DEV)
+    eos = torch.tensor([1, -1], device=DEV)
+    info, totals = torch.zeros(5, dtype=torch.long, device=DEV), torch.zeros(3, dtype=torch.long, device=DEV)
+    commit_tokens(out, None, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, count_step=True)
+    # row 0: all three drafts accepted, EOS (1) at position 2 ends it; row 1: one accepted, then 8
+    assert tokens[0, 2:6].tolist() == [7, 8, 1, 0] and tokens[1, 3:6].tolist() == [7, 8, 0]
+    assert lengths.tolist() == [5, 5] and remaining.tolist() == [7, 8] and active.tolist() == [False, True]
+    assert info.tolist() == [1, 4, 5, 6, 8] and totals.tolist() == [6, 4, 2]
