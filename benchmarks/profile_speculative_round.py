@@ -76,7 +76,7 @@ def main():
         st.remaining[0] = 120
         st.active[0] = True
         ctx = {"warp": lambda x: x, "do_sample": False, "block_table": step.block_table, "key_mask": step.key_mask,
-               "use_graph": True, "verify": {k: fast._step_for(1, nb, q_len=k + 1) for k in (0, 8)}}
+               "use_graph": True, "kernels": True, "verify": {k: fast._step_for(1, nb, q_len=k + 1) for k in (0, 8)}}
         saved = st.snapshot()
 
         def round_k(k):

@@ -21,19 +21,18 @@ def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, capacity, strid
     length = tl.load(Lengths + b).to(tl.int32)
     start = tl.load(Starts + b).to(tl.int32)
     found = length * 0 - 1
-    for i in tl.static_range(MAX_NGRAM - MIN_NGRAM + 1):
-        n: tl.constexpr = MAX_NGRAM - i
+    for i in tl.static_range(MAX_NGRAM - MIN_NGRAM + 1):  # n = MAX_NGRAM - i (constexpr, written inline)
         best = length * 0 + capacity
         for blk in range(0, capacity, BLOCK):
             s = blk + tl.arange(0, BLOCK)
             # (scalar conditions broadcast as tensors: Triton's interpreter rejects a scalar-and-tensor mask)
-            hit = (s >= start) & (s + n < length) & (s * 0 + length - n >= start)
-            for j in tl.static_range(n):
-                want = tl.load(row + tl.maximum(length - n + j, 0))
+            hit = (s >= start) & (s + (MAX_NGRAM - i) < length) & (s * 0 + length - (MAX_NGRAM - i) >= start)
+            for j in tl.static_range(MAX_NGRAM - i):
+                want = tl.load(row + tl.maximum(length - (MAX_NGRAM - i) + j, 0))
                 got = tl.load(row + s + j, mask=hit, other=-1)
                 hit = hit & (got == want)
             best = tl.minimum(best, tl.min(tl.where(hit, s, capacity), axis=0))
-        found = tl.where((found < 0) & (best < capacity), best + n, found)
+        found = tl.where((found < 0) & (best < capacity), best + (MAX_NGRAM - i), found)
     kk = tl.arange(0, BLOCK_K)
     idx = found + kk
     ok = (idx >= 0) & (kk < K) & (idx < length) & (kk * 0 + found >= 0)
