@@ -59,6 +59,8 @@ def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, 
     tl.store(Info + 2, tl.sum(examined.to(tl.int64) * w, axis=0))
     tl.store(Info + 3, tl.sum(proposed.to(tl.int64) * w, axis=0))
     tl.store(Info + 4, tl.max(tl.where(active, remaining, 0).to(tl.int64), axis=0))
+    hist = tl.sum(((n[:, None] == j2) & was_active[:, None] & in_b).to(tl.int64), axis=0)
+    tl.store(Info + 5 + j, hist, mask=j < K + 1)
     tl.store(Totals + 0, tl.load(Totals + 0) + tl.sum(proposed.to(tl.int64) * w, axis=0))
     tl.store(Totals + 1, tl.load(Totals + 1) + tl.sum(n.to(tl.int64) * w, axis=0))
     if COUNT_STEP:
@@ -77,8 +79,8 @@ def _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, to
                         ("active", active, torch.bool)):
         if t.shape != (b,) or t.dtype != dt:
             raise ValueError(f"{name} must be [{b}] {dt}, got {tuple(t.shape)} {t.dtype}")
-    if info.numel() < 5 or totals.numel() < 3 or eos.dim() != 1:
-        raise ValueError("info needs 5 entries, totals 3, eos must be 1-D")
+    if info.numel() < 6 + k or totals.numel() < 3 or eos.dim() != 1:
+        raise ValueError(f"info needs {6 + k} entries, totals 3, eos must be 1-D")
 
 
 def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, active, eos, info, totals,
@@ -94,8 +96,9 @@ def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, 
         tokens: [batch, capacity] int64 — committed tokens are written at ``lengths + j``.
         lengths / remaining: [batch] int64, updated; active: [batch] bool, updated.
         eos: [num_eos] int64 end-of-sequence ids (-1 entries ignored).
-        info: [5] int64, written: any row still active, accepted drafts, drafts examined (accepted + the
-            first rejected), drafts proposed (rows active at the step), largest remaining budget.
+        info: [>= 6 + k] int64, written: any row still active, accepted drafts, drafts examined (accepted +
+            the first rejected), drafts proposed (rows active at the step), largest remaining budget, then
+            ``info[5 + v]`` = rows that accepted exactly ``v`` drafts (v = 0..k; rows active at the step).
         totals: [3] int64, accumulated: drafts proposed, accepted, row-steps (only with ``count_step``).
 
     Raises:
@@ -142,6 +145,7 @@ def commit_tokens_ref(out, num_accepted, drafts, valid, tokens, lengths, remaini
     info[2] = (examined * w).sum()
     info[3] = (proposed * w).sum()
     info[4] = (remaining * active).amax()
+    info[5: 6 + k] = torch.zeros(k + 1, dtype=info.dtype, device=info.device).scatter_add_(0, n, w)
     totals[0] += (proposed * w).sum()
     totals[1] += (n * w).sum()
     if count_step:

@@ -43,6 +43,7 @@ from hf_accel.speculative.verify import rejection_sample, sample
 _PROBE_EVERY = 16  # plain rounds between probes while backed off
 _PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
 _DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
+_SHRINK = 2.0  # pseudo-rounds of the previous position's hazard in each position's estimate
 
 
 def _candidates(k_max: int) -> list[int]:
@@ -54,23 +55,33 @@ def _candidates(k_max: int) -> list[int]:
 
 
 class _KChooser:
-    """Chooses k per round from the acceptance estimate and the measured round times."""
+    """Chooses k per round from the measured acceptance and round times.
+
+    Acceptance is modelled per draft position: the hazard ``h(m)`` = P(draft m + 1 is rejected | the
+    first m were accepted), estimated from the rounds' histograms of accepted counts (censored at the k
+    used; recent rounds weigh more). Drafts copied by prompt lookup tend to be all right or wrong at once
+    (the hazard falls along a copied span), which a single per-draft rate would miss. The expected tokens
+    of a round with k drafts is ``1 + sum_{m=1..k} prod_{i<m} (1 - h(i))``."""
 
     def __init__(self, k_max: int, adaptive: bool, draft_cost: float):
         self.k_max = k_max
         self.adaptive = adaptive
         self.ks = _candidates(k_max) if adaptive else [k_max]
         self.draft_cost = draft_cost  # prior: extra time per drafted token, as a fraction of a plain step
-        self.successes, self.trials = 2.0, 3.0  # prior a = 2/3
+        self.trials = [0.0] * k_max
+        self.fails = [0.0] * k_max
         self.times: dict[int, float] = {}
         self.since_probe = 0
 
-    def alpha(self) -> float:
-        return min(self.successes / max(self.trials, 1e-9), 0.999)
-
     def expected_tokens(self, k: int) -> float:
-        a = self.alpha()
-        return (1 - a ** (k + 1)) / (1 - a)
+        total, survive, hazard = 1.0, 1.0, 1.0 / 3.0
+        for m in range(k):
+            # shrunk towards the previous position's hazard (1/3 before any data), so positions never
+            # examined yet inherit what the last examined one showed
+            hazard = (self.fails[m] + _SHRINK * hazard) / (self.trials[m] + _SHRINK)
+            survive *= 1.0 - hazard
+            total += survive
+        return total
 
     def time(self, k: int) -> float:
         if k in self.times:
@@ -82,25 +93,35 @@ class _KChooser:
         base = t0 / (1.0 + self.draft_cost * k0)
         return base * (1.0 + self.draft_cost * k)
 
+    def _best(self, ks) -> int:
+        return max(ks, key=lambda k: self.expected_tokens(k) / self.time(k))
+
     def choose(self, max_remaining: int) -> tuple[int, int]:
         """(k, rounds): the draft length of the next rounds and how many to run before the next host sync
         (several plain rounds back to back while backed off, at most ``max_remaining``)."""
         if not self.adaptive:
             return self.k_max, 1
-        best = max(self.ks, key=lambda k: self.expected_tokens(k) / self.time(k))
+        best = self._best(self.ks)
         if best > 0:
             return best, 1
         if self.since_probe >= _PROBE_EVERY:
             self.since_probe = 0
-            return max(self.ks[1:], key=lambda k: self.expected_tokens(k) / self.time(k)), 1
+            return self._best(self.ks[1:]), 1
         rounds = max(1, min(_PLAIN_BURST, max_remaining))
         self.since_probe += rounds
         return 0, rounds
 
-    def update(self, k: int, successes: int, trials: int, seconds: float | None) -> None:
-        if k > 0 and trials > 0:
-            self.successes = _DECAY * self.successes + successes
-            self.trials = _DECAY * self.trials + trials
+    def update(self, k: int, accepted_hist: list[int], seconds: float | None) -> None:
+        """``accepted_hist[v]``: rows that accepted exactly v of the round's k drafts."""
+        if k > 0 and any(accepted_hist):
+            self.trials = [_DECAY * t for t in self.trials]
+            self.fails = [_DECAY * f for f in self.fails]
+            for v, c in enumerate(accepted_hist[: k + 1]):
+                if c:
+                    for m in range(min(v, k - 1) + 1):
+                        self.trials[m] += c
+                    if v < k:
+                        self.fails[v] += c
         if seconds is not None:
             old = self.times.get(k)
             self.times[k] = seconds if old is None else 0.7 * old + 0.3 * seconds
@@ -110,8 +131,9 @@ class _State:
     """Device state of one generate call (static buffers; the round graphs read and update them).
 
     tokens [batch, capacity] int64 (prompt with its left padding, then output; pad after a row's end),
-    lengths / starts / remaining [batch] int64, active [batch] bool, info [5] int64 (this round: any row
-    active, accepted drafts, drafts examined, drafts proposed, largest remaining budget), totals [3] int64
+    lengths / starts / remaining [batch] int64, active [batch] bool, info [38] int64 (this round: any row
+    active, accepted drafts, drafts examined, drafts proposed, largest remaining budget, then the histogram
+    of accepted drafts per row), totals [3] int64
     (drafts proposed, accepted, row-steps). One state per graph key, reused by every call of that shape
     (captured graphs read these very tensors)."""
 
@@ -123,7 +145,7 @@ class _State:
         self.starts = torch.zeros(batch, dtype=torch.long, device=device)
         self.remaining = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.info = torch.zeros(5, dtype=torch.long, device=device)
+        self.info = torch.zeros(6 + 32, dtype=torch.long, device=device)
         self.totals = torch.zeros(3, dtype=torch.long, device=device)
         self.eos = torch.full((8,), -1, dtype=torch.long, device=device)
 
@@ -231,8 +253,9 @@ class SpeculativeEngine:
         commit(out, n, drafts, valid, st.tokens, st.lengths, st.remaining, st.active, st.eos, st.info, st.totals,
                count_step=k > 0)
 
-    def _run_round(self, k: int, st: _State, ctx, key) -> bool:
-        """One round (a CUDA-graph replay once captured). Returns True if the graph was captured now."""
+    def _run_round(self, k: int, st: _State, ctx, key, replay: bool = True) -> bool:
+        """One round (a CUDA-graph replay once captured; with ``replay=False`` only the capture, leaving
+        ``st`` as it was). Returns True if the graph was captured now."""
         if not ctx["use_graph"]:
             self._round(k, st, ctx)
             return False
@@ -251,7 +274,8 @@ class SpeculativeEngine:
             with torch.cuda.graph(graph):
                 self._round(k, st, ctx)
             self.graphs[(*key, k)] = graph
-        graph.replay()
+        if replay:
+            graph.replay()
         return captured
 
     # -- generate -------------------------------------------------------------------------------------
@@ -332,6 +356,9 @@ class SpeculativeEngine:
                 streamer.put(input_ids.cpu())
                 streamer.put(first.cpu())
             chooser = _KChooser(k_max, cfg.adaptive, self._draft_cost())
+            if ctx["use_graph"]:  # capture every draft length the chooser may pick now, not mid-generation
+                for k in chooser.ks:
+                    self._run_round(k, st, ctx, key, replay=False)
             ks: dict[int, int] = {}
             running, max_remaining = bool(st.active.any()), max_new - 1
             # On the GPU the host queues the next round before reading the previous one's counters (one
@@ -367,7 +394,7 @@ class SpeculativeEngine:
                 else:
                     seconds = None if captured else (time.perf_counter() - t0) / rounds
                 info = pinned[done_slot].tolist()
-                chooser.update(k, info[1], info[2], seconds)
+                chooser.update(k, info[5: 6 + k], seconds)
                 running, max_remaining = bool(info[0]), info[4]
                 if streamer is not None:
                     after = st.lengths[:batch]

@@ -28,7 +28,7 @@ def _state(seed, batch, k, vocab=6):
     eos = torch.full((8,), -1, dtype=torch.long)
     eos[:2] = torch.tensor([1, 4])
     n = torch.minimum(cut, valid.sum(1))
-    info = torch.full((5,), 99, dtype=torch.long)
+    info = torch.full((6 + k,), 99, dtype=torch.long)
     totals = torch.tensor([5, 3, 2])
     return out, n, drafts, valid, tokens, lengths, remaining, active, eos, info, totals
 
@@ -58,9 +58,9 @@ def test_commits_the_accepted_prefix_and_stops_at_eos():
     remaining = torch.tensor([10, 10], device=DEV)
     active = torch.tensor([True, True], device=DEV)
     eos = torch.tensor([1, -1], device=DEV)
-    info, totals = torch.zeros(5, dtype=torch.long, device=DEV), torch.zeros(3, dtype=torch.long, device=DEV)
+    info, totals = torch.zeros(9, dtype=torch.long, device=DEV), torch.zeros(3, dtype=torch.long, device=DEV)
     commit_tokens(out, None, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, count_step=True)
     # row 0: all three drafts accepted, EOS (1) at position 2 ends it; row 1: one accepted, then 8
     assert tokens[0, 2:6].tolist() == [7, 8, 1, 0] and tokens[1, 3:6].tolist() == [7, 8, 0]
     assert lengths.tolist() == [5, 5] and remaining.tolist() == [7, 8] and active.tolist() == [False, True]
-    assert info.tolist() == [1, 4, 5, 6, 8] and totals.tolist() == [6, 4, 2]
+    assert info.tolist() == [1, 4, 5, 6, 8, 0, 1, 0, 1] and totals.tolist() == [6, 4, 2]

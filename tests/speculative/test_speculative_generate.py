@@ -311,7 +311,7 @@ def test_k_chooser_backs_off_probes_and_recovers():
     chooser = _KChooser(k_max=8, adaptive=True, draft_cost=0.3)
     for _ in range(20):  # nothing is ever accepted; drafting costs time
         k, rounds = chooser.choose(100)
-        chooser.update(k, successes=0, trials=1 if k else 0, seconds=1.0 + 0.3 * k)
+        chooser.update(k, [1] + [0] * k, seconds=1.0 + 0.3 * k)
     picks = [chooser.choose(100) for _ in range(12)]
     plain = [r for k, r in picks if k == 0]
     assert len(plain) >= 8 and set(plain) == {8}  # backed off: plain rounds in bursts of 8
@@ -319,13 +319,24 @@ def test_k_chooser_backs_off_probes_and_recovers():
     assert chooser.choose(3) in ((0, 3), (2, 1), (1, 1), (4, 1), (8, 1))  # never past the budget
     for _ in range(40):  # everything is accepted again
         k, rounds = chooser.choose(100)
-        chooser.update(k, successes=k, trials=k, seconds=1.0 + 0.3 * k)
+        chooser.update(k, [0] * k + [1], seconds=1.0 + 0.3 * k)
     assert chooser.choose(100) == (8, 1)
+
+
+def test_k_chooser_sees_all_or_nothing_copies():
+    """Half the rounds accept nothing, half accept all 16 drafts: the per-position hazard falls to 0 after
+    the first draft, so the longest k wins although the mean acceptance rate is only ~50%."""
+    chooser = _KChooser(k_max=16, adaptive=True, draft_cost=0.03)
+    for i in range(40):
+        k, _ = chooser.choose(100)
+        chooser.update(k, ([1] + [0] * k) if i % 2 else ([0] * k + [1]), seconds=1.0 + 0.005 * k)
+    assert chooser.choose(100) == (16, 1)
+    assert chooser.expected_tokens(16) > 6 > 2 > chooser.expected_tokens(1)
 
 
 def test_k_chooser_fixed_k():
     chooser = _KChooser(k_max=5, adaptive=False, draft_cost=0.3)
-    chooser.update(5, successes=0, trials=5, seconds=10.0)
+    chooser.update(5, [1, 0, 0, 0, 0, 0], seconds=10.0)
     assert chooser.choose(100) == (5, 1)
 
 
