@@ -132,14 +132,18 @@ class DecodeStep:
 
     # -- the step ---------------------------------------------------------------------------------
     def forward_tokens(self, input_ids, position_ids, cache_lens, block_table, key_mask,
-                       last_only: bool = False, num_splits: int | None = None) -> torch.Tensor:
+                       last_only: bool = False, num_splits: int | None = None,
+                       logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``input_ids`` [b, t] at rotary positions ``position_ids`` [b, t] after ``cache_lens`` [b]
         (int32) cached tokens: writes their K/V into the cache and returns float32 logits [b, t, vocab]
-        ([b, vocab] of the last position with ``last_only``). ``block_table`` / ``key_mask`` are [b, ...]
-        (views of the step's buffers or the caller's)."""
+        ([b, vocab] of the last position with ``last_only``, or of position ``logits_index`` ([1] or [b]
+        int64, fused step only) — for a prompt padded at the end to a bucketed length). ``block_table`` /
+        ``key_mask`` are [b, ...] (views of the step's buffers or the caller's)."""
         if self.fused:
             return self._forward_fused(input_ids, position_ids, cache_lens, block_table, key_mask, last_only,
-                                       num_splits)
+                                       num_splits, logits_index)
+        if logits_index is not None:
+            raise NotImplementedError("logits_index needs the fused step")
         return self._forward_modules(input_ids, position_ids, cache_lens, block_table, key_mask, last_only)
 
     def _slots(self, cache_lens, block_table, t):
@@ -147,7 +151,8 @@ class DecodeStep:
         blk = block_table.gather(1, pos // self.block_size).long()
         return (blk * self.block_size + pos % self.block_size).to(torch.int32).reshape(-1)
 
-    def _forward_fused(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only, num_splits):
+    def _forward_fused(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only, num_splits,
+                       logits_index=None):
         model = self.model
         inner = model.model
         (b, t), h, d = input_ids.shape, self.num_heads, self.head_dim
@@ -188,11 +193,14 @@ class DecodeStep:
                 delta = mlp.down_proj(swiglu(gate_up[:, : mw.intermediate], gate_up[:, mw.intermediate :]))
             else:
                 delta = mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
-        if last_only:
+        if logits_index is not None:
+            rows = torch.arange(b, device=delta.device) * t + logits_index
+            delta, residual = delta[rows], residual[rows]
+        elif last_only:
             delta, residual = delta.view(b, t, -1)[:, -1], residual.view(b, t, -1)[:, -1]
         hidden, _ = rms_norm(delta.contiguous(), inner.norm.weight, inner.norm.variance_epsilon, residual.contiguous())
         logits = model.lm_head(hidden).float()
-        return logits if last_only else logits.view(b, t, -1)
+        return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
 
     def _forward_modules(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only):
         model = self.model

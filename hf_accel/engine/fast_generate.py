@@ -229,7 +229,9 @@ class FastEngine:
             step.key_mask[:batch, :prompt_len] = attention_mask.to(torch.uint8)
             step.key_mask[:batch, prompt_len:] = 1
             step.cache_lens.zero_()
-            if step.fused:
+            if step.fused and prompt_len <= max(16, 8192 // batch) and _bucket(prompt_len, 16) <= step.capacity:
+                logits = self._prefill_bucketed(step, input_ids, position_ids, batch, prompt_len)
+            elif step.fused:
                 chunk = max(16, 8192 // batch)
                 zeros = step.cache_lens[:batch]
                 with torch.inference_mode():
@@ -246,6 +248,38 @@ class FastEngine:
             cache.release()
             raise
         return step, logits
+
+    @torch.inference_mode()
+    def _prefill_bucketed(self, step, input_ids, position_ids, batch: int, prompt_len: int) -> torch.Tensor:
+        """Prefill the whole prompt in one fused forward over static buffers of a bucketed length (a power of
+        two >= 16), captured as a CUDA graph per (batch bucket, table bucket, length bucket) on the GPU: the
+        eager prefill launched ~10 kernels per layer from Python, which on a slow host made the time to
+        first token host-bound. The padding tokens after the prompt write K/V into slots the decode steps
+        overwrite before reading them (or into the scratch block past a row's reservation); the prompt's
+        own tokens never attend to them (causal). Returns the logits of the last prompt token [batch,
+        vocab] float32."""
+        length = _bucket(prompt_len, 16)
+        key = ("prefill", length)
+        bufs = step.graphs.get(("prefill-buffers", length))
+        if bufs is None:
+            dev = step.input_ids.device
+            bufs = {"ids": torch.zeros(step.batch, length, dtype=torch.long, device=dev),
+                    "pos": torch.zeros(step.batch, length, dtype=torch.long, device=dev),
+                    "zeros": torch.zeros(step.batch, dtype=torch.int32, device=dev),
+                    "index": torch.zeros(1, dtype=torch.long, device=dev)}
+            step.graphs[("prefill-buffers", length)] = bufs
+        bufs["ids"].zero_()
+        bufs["ids"][:batch, :prompt_len] = input_ids
+        tail = torch.arange(1, length - prompt_len + 1, device=input_ids.device)
+        bufs["pos"][:batch, :prompt_len] = position_ids
+        bufs["pos"][:batch, prompt_len:] = position_ids[:, -1:] + tail
+        bufs["index"].fill_(prompt_len - 1)
+
+        def prefill():
+            return step.forward_tokens(bufs["ids"], bufs["pos"], bufs["zeros"], step.block_table, step.key_mask,
+                                       logits_index=bufs["index"])
+
+        return step.replay(key, prefill)[:batch].clone()
 
     @torch.inference_mode()
     def generate(self, gc, model_kwargs) -> torch.Tensor:

@@ -146,8 +146,15 @@ FUSED = [(t, "max_new_tokens") for t in MODEL_TYPES] + [("qwen3", "min_new_token
 
 
 @pytest.mark.parametrize(("model_type", "case"), FUSED)
-def test_greedy_identical_to_stock_fused_step(model_type, case, tiny, decode_steps):
-    """The fused Triton step (interpreter): in-graph greedy, and the host loop with a processor."""
+def test_greedy_identical_to_stock_fused_step(model_type, case, tiny, decode_steps, monkeypatch):
+    """The fused Triton step (interpreter): in-graph greedy, and the host loop with a processor; the
+    prompt is prefilled padded to a bucketed length (16 here)."""
+    from hf_accel.engine.fast_generate import FastEngine
+
+    bucketed = []
+    original = FastEngine._prefill_bucketed
+    monkeypatch.setattr(FastEngine, "_prefill_bucketed",
+                        lambda self, *a: bucketed.append(a[-1]) or original(self, *a))
     model, ids, mask, kwargs, stock = _case(tiny, model_type, case)
     kwargs["max_new_tokens"] = 7  # the interpreter is slow
     stock = _generate(model, ids, mask, tiny.PAD, **kwargs)
@@ -156,6 +163,7 @@ def test_greedy_identical_to_stock_fused_step(model_type, case, tiny, decode_ste
     assert torch.equal(out, stock), f"{model_type} {case}\nstock:\n{stock}\nours:\n{out}"
     assert len(decode_steps) == 6 and all(decode_steps)
     assert all(step.fused for step in ours._hf_accel_engine.steps.values())
+    assert bucketed == [ids.shape[1]] and ids.shape[1] not in (16, 32)  # padded: 11 -> 16
 
 
 def test_default_length_identical_to_stock(tiny):
