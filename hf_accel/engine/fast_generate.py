@@ -279,6 +279,8 @@ class FastEngine:
             return step.forward_tokens(bufs["ids"], bufs["pos"], bufs["zeros"], step.block_table, step.key_mask,
                                        logits_index=bufs["index"])
 
+        if length > 2048:  # a graph's private pool would keep the long prefill's activations: run it eagerly
+            return prefill()[:batch]
         return step.replay(key, prefill)[:batch].clone()
 
     @torch.inference_mode()
