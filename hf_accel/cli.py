@@ -3,7 +3,8 @@
 ``hf-accel generate --prompt TEXT`` loads a model (default: the embedded SmolLM2-135M-Instruct), runs
 stock transformers ``generate`` and then the same model after ``accelerate_model`` on the same prompt
 (greedy), streams the accelerated answer, and prints a side-by-side table: tokens/s, time to first
-token, peak memory, and whether the greedy tokens are identical.
+token, peak memory, and whether the greedy tokens are identical. ``--speculative prompt_lookup|early_exit``
+or ``--draft-model PATH`` runs the accelerated side with speculative decoding and prints its counters.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def _add_generate(sub):
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--speculative", default=None, choices=["prompt_lookup", "early_exit"],
+                   help="speculative decoding on the accelerated side (greedy output stays the same)")
+    p.add_argument("--draft-model", default=None,
+                   help="speculative decoding with this draft model (local directory or .gguf, same tokenizer)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=_run_generate)
 
@@ -44,7 +49,7 @@ def _add_generate(sub):
 def _run_generate(args) -> int:
     import torch
 
-    from hf_accel import accelerate_model, measure_generate
+    from hf_accel import accelerate_model, measure_generate, speculative_stats
     from hf_accel.models import ModelNotFoundError, load_model
 
     prompt = args.prompt.strip()
@@ -52,6 +57,8 @@ def _run_generate(args) -> int:
         raise CLIError("--prompt is empty; give some text to answer")
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if args.speculative and args.draft_model:
+        raise CLIError("give either --speculative or --draft-model, not both")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CLIError(f"--device {device} requested but no CUDA GPU is available")
@@ -62,6 +69,14 @@ def _run_generate(args) -> int:
         raise CLIError(str(e)) from None
     except (OSError, ValueError, KeyError) as e:
         raise CLIError(f"could not load model {args.model or '(default)'}: {type(e).__name__}: {e}") from None
+    speculative = args.speculative
+    if args.draft_model:
+        try:
+            speculative, _ = load_model(args.draft_model, dtype=dtype, device=device)
+        except ModelNotFoundError as e:
+            raise CLIError(str(e)) from None
+        except (OSError, ValueError, KeyError) as e:
+            raise CLIError(f"could not load draft model {args.draft_model}: {type(e).__name__}: {e}") from None
     from transformers import TextStreamer
 
     if not args.no_chat_template and getattr(tokenizer, "chat_template", None):
@@ -75,12 +90,16 @@ def _run_generate(args) -> int:
     # Warm-up (one short call each) so neither side pays one-time start costs in its numbers.
     model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     stock = measure_generate(model, inputs, **gen)
-    accelerate_model(model)
+    try:
+        accelerate_model(model, speculative=speculative)
+    except ValueError as e:
+        raise CLIError(f"cannot accelerate with --draft-model {args.draft_model}: {e}") from None
     model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     print(f"\n[{device}, {dtype}] hf-accel answer:\n", flush=True)
     ours = measure_generate(model, inputs, streamer=TextStreamer(tokenizer, skip_prompt=True,
                                                                  skip_special_tokens=True), **gen)
     identical = torch.equal(stock.sequences, ours.sequences)
+    spec = speculative_stats(model)
     rows = [
         ("tokens/s", f"{stock.tokens_per_s:.1f}", f"{ours.tokens_per_s:.1f}"),
         ("time to first token", _fmt_s(stock.ttft_s), _fmt_s(ours.ttft_s)),
@@ -93,9 +112,14 @@ def _run_generate(args) -> int:
     for name, a, b in rows:
         print(f"{name:22}{a:>14}{b:>14}")
     print(f"greedy tokens identical: {'yes' if identical else 'NO'}   (hf-accel path: {path})")
+    if spec is not None:
+        rate = "n/a" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.2f}"
+        per_step = "n/a" if spec["mean_tokens_per_step"] is None else f"{spec['mean_tokens_per_step']:.2f}"
+        print(f"speculative ({spec['method']}): {spec['verify_steps']} verify steps, {spec['backed_off_steps']} plain "
+              f"(backed off), acceptance {rate}, tokens per verify step {per_step}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"device": device, "dtype": dtype, "prompt": prompt, "identical": identical,
+            json.dump({"device": device, "dtype": dtype, "prompt": prompt, "identical": identical, "speculative": spec,
                        "stock": stock.as_dict(), "hf_accel": ours.as_dict(),
                        "answer": tokenizer.decode(ours.sequences[0, inputs["input_ids"].shape[1]:],
                                                   skip_special_tokens=True)}, f, indent=2)

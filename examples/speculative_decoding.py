@@ -1,0 +1,42 @@
+"""Speculative decoding with the one-line patch: prompt lookup on an input-grounded prompt.
+
+The answer copies from the given passage, so drafts copied from the prompt are often accepted and each
+verify step commits several tokens; greedy output is the model's own greedy output.
+
+    python examples/speculative_decoding.py                       # embedded SmolLM2-135M-Instruct
+    python examples/speculative_decoding.py --method early_exit   # or a draft: --draft-model DIR
+"""
+
+import argparse
+import time
+
+import torch
+from pydoc_data.topics import topics
+
+import hf_accel
+from hf_accel import accelerate_model
+from hf_accel.models import load_model
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default=None, help="local HF model directory or .gguf (default: embedded SmolLM2)")
+parser.add_argument("--method", default="prompt_lookup", choices=["prompt_lookup", "early_exit"])
+parser.add_argument("--draft-model", default=None, help="a smaller model with the same tokenizer (directory or .gguf)")
+parser.add_argument("--max-new-tokens", type=int, default=96)
+args = parser.parse_args()
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+speculative = load_model(args.draft_model, dtype=dtype, device=device)[0] if args.draft_model else args.method
+
+model = accelerate_model(model, speculative=speculative)  # <- the one line, with speculative decoding
+
+passage = topics["with"][:800]
+messages = [{"role": "user", "content": f"Rewrite this passage in plain English, keeping its terms:\n\n{passage}"}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+inputs = inputs.to(device)
+start = time.perf_counter()
+out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
+seconds = time.perf_counter() - start
+print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+print(f"\n{out.shape[1] - inputs['input_ids'].shape[1]} tokens in {seconds:.2f} s;", hf_accel.speculative_stats(model))
