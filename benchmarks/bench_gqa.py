@@ -313,7 +313,7 @@ def run_quality(args) -> int:
         del m
     if args.lora_steps:
         m, st = recover_with_lora(copy.deepcopy(base), cal_ids, **lora)
-        _quality_row(f"original + the same LoRA (control, 3 KV heads)", m, ids, args, rows,
+        _quality_row("original + the same LoRA (control, 3 KV heads)", m, ids, args, rows,
                      method="original+lora", lora=_lora_info(st, lora))
         del m
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import math
 import multiprocessing as mp
 import os
 import sys

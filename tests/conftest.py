@@ -46,6 +46,28 @@ def _fresh_log_once():
     hf_accel._logging._seen.clear()
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is faster and kinder (the CPU decode step
+    runs one small softmax per row and layer; with several threads each of those waits for a time slice)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def hf_log(caplog):
+    """hf-accel's INFO log records of the test (log_once starts from a clean slate)."""
+    import logging
+
+    import hf_accel._logging
+
+    hf_accel._logging._seen.clear()
+    caplog.set_level(logging.INFO, logger="hf_accel")
+    return caplog
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct in float32 on CPU, loaded once.

@@ -8,13 +8,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 import hf_accel
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_speculative.py"
 HAS_SPECULATIVE = hasattr(hf_accel, "SpeculativeConfig") and hasattr(hf_accel, "speculative_stats")
 SPECULATIVE = ("ours-prompt_lookup", "ours-early_exit", "ours-draft_model")
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matmuls
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +23,6 @@ def bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is faster than several on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _run(bench, tmp_path, monkeypatch, *args):

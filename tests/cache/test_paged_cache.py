@@ -121,15 +121,6 @@ def _gathered(cache: PagedCache):
 
 
 @pytest.fixture
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is faster and kinder."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture
 def paged_calls(monkeypatch):
     """Counts paged attention calls from hf-accel's attention function (the CPU reference path)."""
     calls = []

@@ -13,26 +13,17 @@ sampling distribution.
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, TextStreamer, pipeline
 from transformers.generation.streamers import BaseStreamer
 
-import hf_accel._logging
 from hf_accel import accelerate_model, revert_model
 from hf_accel.engine.decode_step import DecodeStep
 
 FAST_MSG = "generate runs the fast decode path"
 MODEL_TYPES = ["llama", "qwen2", "mistral", "qwen3"]
-
-
-@pytest.fixture
-def hf_log(caplog):
-    hf_accel._logging._seen.clear()  # log_once dedups per process
-    caplog.set_level(logging.INFO, logger="hf_accel")
-    return caplog
 
 
 @pytest.fixture

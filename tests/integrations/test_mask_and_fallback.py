@@ -8,7 +8,6 @@ the reason once (logger "hf_accel"), and must still compute what stock transform
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -25,12 +24,6 @@ from hf_accel.integrations.attention import hf_accel_mask
 def _messages(caplog, *needles):
     return [r.getMessage() for r in caplog.records
             if r.name.startswith("hf_accel") and all(n in r.getMessage() for n in needles)]
-
-
-@pytest.fixture
-def hf_log(caplog):
-    caplog.set_level(logging.INFO, logger="hf_accel")
-    return caplog
 
 
 # --- the mask function ----------------------------------------------------------------------------

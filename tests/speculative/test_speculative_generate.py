@@ -11,7 +11,6 @@ bad options raise clear errors.
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -25,21 +24,6 @@ from hf_accel.speculative.engine import _KChooser
 
 LAYERS = 4
 P_MIN = 1e-3
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture
-def hf_log(caplog):
-    hf_accel._logging._seen.clear()
-    caplog.set_level(logging.INFO, logger="hf_accel")
-    return caplog
 
 
 def _messages(caplog, needle):
