@@ -46,12 +46,21 @@ def _add_generate(sub):
     p.set_defaults(func=_run_generate)
 
 
+def _load(path, dtype, device, what):
+    from hf_accel.models import ModelNotFoundError, load_model
+
+    try:
+        return load_model(path, dtype=dtype, device=device)
+    except ModelNotFoundError as e:
+        raise CLIError(str(e)) from None
+    except (OSError, ValueError, KeyError) as e:
+        raise CLIError(f"could not load {what} {path or '(default)'}: {type(e).__name__}: {e}") from None
+
+
 def _run_generate(args) -> int:
     import torch
 
     from hf_accel import accelerate_model, measure_generate, speculative_stats
-    from hf_accel.models import ModelNotFoundError, load_model
-
     prompt = args.prompt.strip()
     if not prompt:
         raise CLIError("--prompt is empty; give some text to answer")
@@ -63,20 +72,10 @@ def _run_generate(args) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CLIError(f"--device {device} requested but no CUDA GPU is available")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    try:
-        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-    except ModelNotFoundError as e:
-        raise CLIError(str(e)) from None
-    except (OSError, ValueError, KeyError) as e:
-        raise CLIError(f"could not load model {args.model or '(default)'}: {type(e).__name__}: {e}") from None
+    model, tokenizer = _load(args.model, dtype, device, "model")
     speculative = args.speculative
     if args.draft_model:
-        try:
-            speculative, _ = load_model(args.draft_model, dtype=dtype, device=device)
-        except ModelNotFoundError as e:
-            raise CLIError(str(e)) from None
-        except (OSError, ValueError, KeyError) as e:
-            raise CLIError(f"could not load draft model {args.draft_model}: {type(e).__name__}: {e}") from None
+        speculative, _ = _load(args.draft_model, dtype, device, "draft model")
     from transformers import TextStreamer
 
     if not args.no_chat_template and getattr(tokenizer, "chat_template", None):

@@ -40,6 +40,35 @@ _MODEL_KWARGS = {"input_ids", "attention_mask", "streamer", "synced_gpus"}
 _ROPE_OK = {"default", "linear", "llama3", "yarn"}
 
 
+def call_inputs(gc, model_kwargs, input_ids):
+    """``(attention_mask, eos_ids, pad_id)`` of a generate call, by transformers' rules: without a mask, one
+    is inferred from padding when the pad id occurs in the prompt and is not an EOS id; the pad id defaults
+    to the first EOS id (else 0)."""
+    eos = gc.eos_token_id
+    eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:
+        infer = gc.pad_token_id is not None and gc.pad_token_id not in eos_list and bool(
+            (input_ids == gc.pad_token_id).any())
+        attention_mask = input_ids.ne(gc.pad_token_id).long() if infer else torch.ones_like(input_ids)
+    return attention_mask.to(input_ids.device), eos_list, pad
+
+
+def sampling_warpers(gc) -> LogitsProcessorList:
+    """transformers' temperature / top-k / top-p warpers of a sampling call, in transformers' order (empty
+    for greedy)."""
+    warpers = LogitsProcessorList()
+    if gc.do_sample:
+        if gc.temperature is not None and gc.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(gc.temperature))
+        if gc.top_k is not None and gc.top_k != 0:
+            warpers.append(TopKLogitsWarper(top_k=gc.top_k, min_tokens_to_keep=1))
+        if gc.top_p is not None and gc.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=gc.top_p, min_tokens_to_keep=1))
+    return warpers
+
+
 def _bucket(n: int, minimum: int = 1) -> int:
     p = max(minimum, 1)
     while p < n:
@@ -292,16 +321,7 @@ class FastEngine:
         max_new = self._max_new(gc, prompt_len)
         if max_new <= 0:
             return input_ids
-        eos = gc.eos_token_id
-        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
-        attention_mask = model_kwargs.get("attention_mask")
-        if attention_mask is None:
-            # transformers' rule: infer the mask from padding when the pad id is in the prompt and is no EOS id
-            infer = gc.pad_token_id is not None and gc.pad_token_id not in eos_list and bool(
-                (input_ids == gc.pad_token_id).any())
-            attention_mask = input_ids.ne(gc.pad_token_id).long() if infer else torch.ones_like(input_ids)
-        attention_mask = attention_mask.to(model.device)
+        attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids)
         eos_t = torch.tensor(eos_list, dtype=torch.long, device=model.device)
 
         processors = LogitsProcessorList()
@@ -310,13 +330,7 @@ class FastEngine:
         if eos_list and (gc.min_new_tokens or 0) > 0:
             processors.append(MinNewTokensLengthLogitsProcessor(prompt_len, gc.min_new_tokens, eos_t,
                                                                 device=model.device))
-        if gc.do_sample:
-            if gc.temperature is not None and gc.temperature != 1.0:
-                processors.append(TemperatureLogitsWarper(gc.temperature))
-            if gc.top_k is not None and gc.top_k != 0:
-                processors.append(TopKLogitsWarper(top_k=gc.top_k, min_tokens_to_keep=1))
-            if gc.top_p is not None and gc.top_p < 1.0:
-                processors.append(TopPLogitsWarper(top_p=gc.top_p, min_tokens_to_keep=1))
+        processors.extend(sampling_warpers(gc))
 
         step, logits = self.start(input_ids, attention_mask, max_new)
         cache = self.cache

@@ -27,14 +27,8 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
-
 from hf_accel._logging import log_once
+from hf_accel.engine.fast_generate import call_inputs, sampling_warpers
 from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.kernels.commit_tokens import commit_tokens, commit_tokens_ref
@@ -286,23 +280,8 @@ class SpeculativeEngine:
         streamer = model_kwargs.get("streamer")
         batch, prompt_len = input_ids.shape
         max_new = fast._max_new(gc, prompt_len)
-        eos = gc.eos_token_id
-        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
-        attention_mask = model_kwargs.get("attention_mask")
-        if attention_mask is None:
-            infer = gc.pad_token_id is not None and gc.pad_token_id not in eos_list and bool(
-                (input_ids == gc.pad_token_id).any())
-            attention_mask = input_ids.ne(gc.pad_token_id).long() if infer else torch.ones_like(input_ids)
-        attention_mask = attention_mask.to(model.device)
-        warp = LogitsProcessorList()
-        if gc.do_sample:
-            if gc.temperature is not None and gc.temperature != 1.0:
-                warp.append(TemperatureLogitsWarper(gc.temperature))
-            if gc.top_k is not None and gc.top_k != 0:
-                warp.append(TopKLogitsWarper(top_k=gc.top_k, min_tokens_to_keep=1))
-            if gc.top_p is not None and gc.top_p < 1.0:
-                warp.append(TopPLogitsWarper(top_p=gc.top_p, min_tokens_to_keep=1))
+        attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids)
+        warp = sampling_warpers(gc)
         no_ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
 
         def warp_fn(scores):
