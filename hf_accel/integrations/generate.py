@@ -78,23 +78,28 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
         return None, kwargs, "assisted generation with a draft tokenizer (universal assisted decoding)"
     if sum(x is not None and x is not False and x != 0 for x in (assistant, lookup, early)) > 1:
         return None, kwargs, "more than one kind of assisted generation in one call"
+    layers = getattr(model.config, "num_hidden_layers", None)
+    if early and layers is not None and int(early) >= layers:
+        return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"
     try:
         if assistant is not None:
             config = SpeculativeConfig(method="draft_model", draft_model=assistant)
         elif lookup:
+            if int(lookup) > 32:
+                log_once("lookup-cap", f"hf-accel: prompt_lookup_num_tokens={lookup} drafts at most 32 tokens here")
             config = SpeculativeConfig(method="prompt_lookup", num_draft_tokens=min(int(lookup), 32))
         else:
             config = SpeculativeConfig(method="early_exit", exit_layer=int(early))
     except ValueError as e:
         return None, kwargs, f"assisted generation options not understood ({e})"
     rest = {k: v for k, v in kwargs.items() if k not in _ASSISTED}
-    if "generation_config" in rest and rest["generation_config"] is not None:
-        import copy
+    import copy
 
-        gc = copy.deepcopy(rest["generation_config"])
-        gc.prompt_lookup_num_tokens = None
-        gc.assistant_early_exit = None
-        rest["generation_config"] = gc
+    # the options may come from the model's own generation config: pass a copy without them
+    gc = copy.deepcopy(rest.get("generation_config") or model.generation_config)
+    gc.prompt_lookup_num_tokens = None
+    gc.assistant_early_exit = None
+    rest["generation_config"] = gc
     return config, rest, None
 
 
@@ -123,6 +128,9 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
                 limit = gc.max_length + ids.shape[-1]
                 max_pos = getattr(model.config, "max_position_embeddings", None)
                 gc.max_new_tokens = (min(limit, max_pos) if max_pos else limit) - ids.shape[-1]
+            if speculative is not None:  # the assisted options that asked for it (transformers may re-apply
+                gc.prompt_lookup_num_tokens = None  # the model's own generation config's values)
+                gc.assistant_early_exit = None
             reason = engine.check(gc, model_kwargs)
             if reason is None:
                 log_once("generate-fast", "hf-accel: generate runs the fast decode path "
@@ -213,7 +221,8 @@ def uninstall(model) -> None:
     engine = model.__dict__.pop("_hf_accel_engine", None)
     if engine is not None:
         engine.release()
-    model.__dict__.pop("_hf_accel_spec_engines", None)
+    for spec in model.__dict__.pop("_hf_accel_spec_engines", {}).values():
+        spec.close()  # reverts a draft model it accelerated
     model.__dict__.pop("_hf_accel_spec_stats", None)
 
 

@@ -46,6 +46,8 @@ class SpeculativeConfig:
     min_ngram: int = 1
 
     def __post_init__(self):
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if (self.method == "draft_model") != (self.draft_model is not None):

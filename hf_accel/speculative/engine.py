@@ -169,8 +169,11 @@ class SpeculativeEngine:
         self.model = fast.model
         self.config = config
         self.draft_fast = None
+        self.draft_accelerated_here = False
         n_layers = len(self.model.model.layers)
         if config.method == "early_exit":
+            if n_layers < 2:
+                raise ValueError("early-exit drafting needs a model with at least 2 layers")
             self.exit_layer = config.exit_layer or max(1, n_layers // 2)
             if self.exit_layer >= n_layers:
                 raise ValueError(f"exit_layer must be < the model's {n_layers} layers, got {self.exit_layer}")
@@ -185,7 +188,8 @@ class SpeculativeEngine:
         from hf_accel.integrations.patch import accelerate_model, is_accelerated
 
         check_draft(self.model, draft)
-        if not is_accelerated(draft):
+        self.draft_accelerated_here = not is_accelerated(draft)
+        if self.draft_accelerated_here:
             accelerate_model(draft)
         engine = getattr(draft, "_hf_accel_engine", None)
         if engine is None:
@@ -199,8 +203,6 @@ class SpeculativeEngine:
     # -- eligibility ----------------------------------------------------------------------------------
     def check(self, gc, batch: int = 1) -> str | None:
         """Why this call cannot decode speculatively (None if it can); the caller then runs the plain fast path."""
-        if batch > 256:
-            return f"batch {batch} > 256 (the commit kernel handles 256 rows)"
         if (gc.min_length or 0) > 0 or (gc.min_new_tokens or 0) > 0:
             return "min_length / min_new_tokens (their logits processor depends on each position's length)"
         eos = gc.eos_token_id
@@ -220,6 +222,10 @@ class SpeculativeEngine:
         if k == 0:
             drafts = torch.zeros(b, 0, dtype=torch.long, device=dev)
             valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)
+            if self.config.method == "draft_model":
+                # keep the draft's cache complete through plain rounds (a draft round re-feeds only the
+                # last two committed tokens): feed it those two now, as a draft round would
+                self._draft_refeed(st, ctx)
         elif self.config.method == "prompt_lookup":
             drafts, valid = prompt_lookup(st.tokens, st.lengths, st.starts, k, self.config.max_ngram,
                                           self.config.min_ngram, use_kernel=ctx["kernels"])
@@ -228,11 +234,8 @@ class SpeculativeEngine:
                                               ctx["key_mask"], k, ctx["warp"], ctx["do_sample"])
             valid = torch.ones_like(drafts, dtype=torch.bool)
         else:  # draft model: re-feed the last two committed tokens (fills the gap after k accepted drafts)
-            # (rows of the batch bucket that hold no sequence have length 1: clamp their indices)
-            idx = torch.stack([st.lengths - 2, st.lengths - 1], dim=1).clamp(min=0)
-            pos = (st.lengths - 2 - st.starts).clamp(min=0)[:, None] + torch.arange(2, device=dev)
-            drafts, draft_probs = draft_chain(ctx["draft2"], st.tokens.gather(1, idx), pos,
-                                              (st.lengths - 2).clamp(min=0).to(torch.int32), ctx["draft_block_table"],
+            ids2, pos2, lens2 = self._refeed_inputs(st)
+            drafts, draft_probs = draft_chain(ctx["draft2"], ids2, pos2, lens2, ctx["draft_block_table"],
                                               ctx["draft_key_mask"], k, ctx["warp"], ctx["do_sample"],
                                               next_step=ctx["draft1"])
             valid = torch.ones_like(drafts, dtype=torch.bool)
@@ -245,9 +248,23 @@ class SpeculativeEngine:
             out, n = rejection_sample(drafts, valid, draft_probs, probs)
         else:
             out, n = logits.argmax(dim=-1), None  # greedy: the commit counts the matching prefix
-        commit = commit_tokens if ctx["kernels"] else commit_tokens_ref
+        commit = commit_tokens if ctx["kernels"] and b <= 256 else commit_tokens_ref  # one program: <= 256 rows
         commit(out, n, drafts, valid, st.tokens, st.lengths, st.remaining, st.active, st.eos, st.info, st.totals,
                count_step=k > 0)
+
+    @staticmethod
+    def _refeed_inputs(st: _State):
+        """The draft model's first input of a round: the last two committed tokens [b, 2], their positions and
+        the cache length before them. Its cache then holds every committed token but the newest, whatever
+        the last round accepted. (Rows of the batch bucket that hold no sequence have length 1: clamped.)"""
+        idx = torch.stack([st.lengths - 2, st.lengths - 1], dim=1).clamp(min=0)
+        pos = (st.lengths - 2 - st.starts).clamp(min=0)[:, None] + torch.arange(2, device=st.lengths.device)
+        return st.tokens.gather(1, idx), pos, (st.lengths - 2).clamp(min=0).to(torch.int32)
+
+    def _draft_refeed(self, st: _State, ctx) -> None:
+        ids2, pos2, lens2 = self._refeed_inputs(st)
+        ctx["draft2"].forward_tokens(ids2, pos2, lens2, ctx["draft_block_table"], ctx["draft_key_mask"],
+                                     last_only=True)
 
     def _run_round(self, k: int, st: _State, ctx, key, replay: bool = True) -> bool:
         """One round (a CUDA-graph replay once captured; with ``replay=False`` only the capture, leaving
@@ -405,6 +422,17 @@ class SpeculativeEngine:
             if draft_cache is not None:
                 draft_cache.release()
 
+    def close(self) -> None:
+        """Drop captured graphs and states; revert the draft model if this engine accelerated it."""
+        self.graphs.clear()
+        self.states.clear()
+        if self.draft_accelerated_here and self.config.draft_model is not None:
+            from hf_accel.integrations.patch import is_accelerated, revert_model
+
+            if is_accelerated(self.config.draft_model):
+                revert_model(self.config.draft_model)
+        self.draft_accelerated_here = False
+
     def _draft_cost(self) -> float:
         """Prior time of one drafted token relative to a plain decode step (replaced by measurements)."""
         if self.config.method == "prompt_lookup":
@@ -440,9 +468,12 @@ def check_draft(target, draft) -> None:
 def engine_for(model, fast, config: SpeculativeConfig) -> SpeculativeEngine:
     """The model's cached :class:`SpeculativeEngine` for this method (and draft model), or a new one."""
     engines = model.__dict__.setdefault("_hf_accel_spec_engines", {})
-    key = (config.method, id(config.draft_model) if config.draft_model is not None else None)
+    key = (config.method, id(config.draft_model) if config.draft_model is not None else None, config.exit_layer)
     engine = engines.get(key)
     if engine is None:
+        if config.method == "draft_model":  # keep one draft model referenced (and accelerated) at a time
+            for old in [k for k in engines if k[0] == "draft_model"]:
+                engines.pop(old).close()
         engine = engines[key] = SpeculativeEngine(fast, config)
         log_once(f"spec:{key}", f"hf-accel: speculative decoding with {config.method}"
                  + (f" (exit layer {engine.exit_layer})" if config.method == "early_exit" else ""))

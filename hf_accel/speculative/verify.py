@@ -65,6 +65,8 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_valid: torch.Tensor, draf
         (out [batch, k + 1] int64, num_accepted [batch] int64) as in :func:`greedy_accept`.
     """
     b, k = draft_tokens.shape
+    if k == 0:  # nothing drafted: plain sampling from p_0
+        return sample(target_probs), torch.zeros(b, dtype=torch.long, device=target_probs.device)
     p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)

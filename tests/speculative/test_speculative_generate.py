@@ -363,3 +363,97 @@ def test_smollm2_greedy_identical(method, smollm2, monkeypatch):
             revert_model(model)
         assert torch.equal(out, plain), "\n".join(tokenizer.batch_decode(torch.cat([plain, out])))
         assert stats["verify_steps"] > 0 and stats["accepted_tokens"] > 0, stats
+
+
+# --- plain rounds between verify steps (what the adaptive draft length does when it backs off) -------------
+
+
+@pytest.fixture
+def alternating_k(monkeypatch):
+    """The chooser alternates one verify step with k = 3 and a burst of three plain rounds."""
+    calls = []
+
+    def choose(self, max_remaining):
+        calls.append(len(calls))
+        return (3, 1) if len(calls) % 2 else (0, 3)
+
+    monkeypatch.setattr(_KChooser, "choose", choose)
+    return calls
+
+
+@pytest.mark.parametrize("method", ["draft_model-copy", "early_exit", "prompt_lookup"])
+def test_plain_rounds_keep_greedy_and_the_draft_cache(method, tiny, alternating_k):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=24, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=spec_arg(method, model, num_draft_tokens=3,
+                                                                       exit_layer=LAYERS - 1 if method == "early_exit"
+                                                                       else None))
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=24, eos_token_id=None)
+    assert torch.equal(out, stock)
+    stats = speculative_stats(ours)
+    assert stats["backed_off_steps"] > 0 and stats["verify_steps"] > 0
+    if method == "draft_model-copy":
+        # the draft is the target: its cache stayed complete through the plain rounds, so it never errs
+        assert stats["acceptance_rate"] == 1.0, stats
+
+
+@pytest.mark.parametrize("method", ["early_exit", "draft_model", "prompt_lookup"])
+def test_sampling_with_plain_rounds(method, tiny, alternating_k):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ours = accelerate_model(copy.deepcopy(model), speculative=spec_arg(method, model, num_draft_tokens=3))
+    outs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            outs.append(ours.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.8, top_k=20,
+                                      top_p=0.95, max_new_tokens=12, eos_token_id=None, pad_token_id=tiny.PAD))
+    new = outs[0][:, ids.shape[1]:]
+    assert new.shape == (3, 12) and ((new >= 0) & (new < model.config.vocab_size)).all()
+    assert not torch.equal(outs[0], outs[1])
+    assert speculative_stats(ours)["backed_off_steps"] > 0
+
+
+# --- per-call assisted arguments ---------------------------------------------------------------------------------
+
+
+def test_per_call_assisted_arguments_follow_each_call(tiny, hf_log):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model))
+    for layer in (1, 3, 2):
+        assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, assistant_early_exit=layer), stock)
+    exits = sorted(e.exit_layer for e in ours._hf_accel_spec_engines.values())
+    assert exits == [1, 2, 3]
+    # an exit layer at or past the last layer: transformers' own loop, as stock does it
+    assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD, eos_token_id=None, assistant_early_exit=LAYERS),
+                       greedy(model, ids[:1], mask[:1], tiny.PAD, eos_token_id=None))
+    assert _messages(hf_log, f"assistant_early_exit={LAYERS} is not below the model's {LAYERS} layers")
+    # prompt lookup from the model's own generation config takes hf-accel's path too
+    ours.generation_config.prompt_lookup_num_tokens = 3
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), stock)
+    assert speculative_stats(ours)["method"] == "prompt_lookup"
+
+
+def test_assistant_models_are_not_kept_and_are_reverted(tiny):
+    import gc
+    import weakref
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ours = accelerate_model(copy.deepcopy(model))
+    refs = []
+    for _ in range(3):
+        draft = truncated(model, 2)
+        refs.append(weakref.ref(draft))
+        greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, assistant_model=draft)
+        assert hf_accel.is_accelerated(draft)
+    last = draft
+    del draft
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, False]  # only the last draft is still referenced
+    assert not any(hf_accel.is_accelerated(r()) for r in refs[:2] if r() is not None)
+    revert_model(ours)
+    assert not hf_accel.is_accelerated(last)  # accelerated by hf-accel as a draft, reverted with the target

@@ -102,3 +102,12 @@ def test_identical_draft_and_target_accept_everything():
     drafts = torch.stack([sample(q[:, 0]), sample(q[:, 1])], 1)
     out, n = rejection_sample(drafts, torch.ones(500, 2, dtype=torch.bool), q, p.expand(500, 3, VOCAB).contiguous())
     assert (n == 2).all() and torch.equal(out[:, :2], drafts)
+
+
+def test_nothing_drafted_samples_from_the_first_position():
+    p, _ = _dists(10)
+    torch.manual_seed(11)
+    empty = torch.zeros(DRAWS, 0, dtype=torch.long)
+    out, n = rejection_sample(empty, empty.bool(), None, p[:1].expand(DRAWS, 1, VOCAB).contiguous())
+    assert out.shape == (DRAWS, 1) and (n == 0).all()
+    assert goodness_of_fit_p(out[:, 0], p[0]) > P_MIN
