@@ -140,7 +140,7 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
                     from hf_accel.speculative.engine import engine_for
 
                     spec = engine_for(model, engine, speculative)
-                    spec_reason = spec.check(gc, model_kwargs["input_ids"].shape[0])
+                    spec_reason = spec.check(gc)
                     if spec_reason is None:
                         out = spec.generate(gc, model_kwargs)
                         model._hf_accel_spec_stats = spec.last_stats

@@ -201,7 +201,7 @@ class SpeculativeEngine:
         return engine
 
     # -- eligibility ----------------------------------------------------------------------------------
-    def check(self, gc, batch: int = 1) -> str | None:
+    def check(self, gc) -> str | None:
         """Why this call cannot decode speculatively (None if it can); the caller then runs the plain fast path."""
         if (gc.min_length or 0) > 0 or (gc.min_new_tokens or 0) > 0:
             return "min_length / min_new_tokens (their logits processor depends on each position's length)"
