@@ -115,7 +115,8 @@ class DecodeStep:
         self.graph = None
         self.graph_greedy = None
         self.greedy = None
-        self.graphs: dict = {}  # extra captured programs (e.g. a draft chain), keyed by their owner
+        self.graphs: dict = {}  # extra captured programs (DecodeStep.replay), keyed by their owner
+        self.prefill_buffers: dict = {}  # static inputs of the bucketed prefill, keyed by padded length
         self.use_graph = use_graph and dev.type == "cuda"
         cfg = model.config
         self.num_heads = cfg.num_attention_heads

@@ -289,14 +289,14 @@ class FastEngine:
         vocab] float32."""
         length = _bucket(prompt_len, 16)
         key = ("prefill", length)
-        bufs = step.graphs.get(("prefill-buffers", length))
+        bufs = step.prefill_buffers.get(length)
         if bufs is None:
             dev = step.input_ids.device
             bufs = {"ids": torch.zeros(step.batch, length, dtype=torch.long, device=dev),
                     "pos": torch.zeros(step.batch, length, dtype=torch.long, device=dev),
                     "zeros": torch.zeros(step.batch, dtype=torch.int32, device=dev),
                     "index": torch.zeros(1, dtype=torch.long, device=dev)}
-            step.graphs[("prefill-buffers", length)] = bufs
+            step.prefill_buffers[length] = bufs
         bufs["ids"].zero_()
         bufs["ids"][:batch, :prompt_len] = input_ids
         tail = torch.arange(1, length - prompt_len + 1, device=input_ids.device)

@@ -294,6 +294,18 @@ class SpeculativeEngine:
     # -- generate -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, gc, model_kwargs) -> torch.Tensor:
+        """Speculative ``generate`` for a call the fast path accepted (``FastEngine.check``) and
+        :meth:`check` allows.
+
+        Args:
+            gc: the call's prepared ``GenerationConfig``.
+            model_kwargs: ``input_ids`` [batch, prompt_len] int64 (left padded), optional ``attention_mask``
+                [batch, prompt_len] and ``streamer`` (batch 1).
+
+        Returns:
+            [batch, prompt_len + new] int64 — prompt and new tokens, ``pad_token_id`` after a row's EOS, as
+            transformers returns them; ``self.last_stats`` holds the counters (see ``speculative_stats``).
+        """
         fast, model, cfg = self.fast, self.model, self.config
         input_ids = model_kwargs["input_ids"].to(model.device)
         streamer = model_kwargs.get("streamer")

@@ -344,23 +344,22 @@ def test_smollm2_greedy_identical(method, smollm2, monkeypatch):
     # SmolLM2 was not trained for early exits: its first 8 layers' drafts are never accepted, 27 of 30 are
     # accepted ~20% of the time, enough to exercise acceptance
     draft = truncated(model, 27) if method == "draft_model" else None
+    spec = SpeculativeConfig(method, draft_model=draft, num_draft_tokens=4, adaptive=False,
+                             exit_layer=27 if method == "early_exit" else None)
+
+    def accelerated_generate(enc, speculative=None):
+        """(sequences, speculative stats) from the shared model accelerated for one call, then reverted."""
+        accelerate_model(model, speculative=speculative)
+        try:
+            with torch.no_grad():
+                return model.generate(**enc, **kwargs), speculative_stats(model)
+        finally:
+            revert_model(model)
+
     for batch in (1, 3):
         enc = tokenizer(texts[:batch], return_tensors="pt", padding=True)
-        accelerate_model(model)
-        try:
-            with torch.no_grad():
-                plain = model.generate(**enc, **kwargs)
-        finally:
-            revert_model(model)
-        spec = SpeculativeConfig(method, draft_model=draft, num_draft_tokens=4, adaptive=False,
-                                 exit_layer=27 if method == "early_exit" else None)
-        accelerate_model(model, speculative=spec)
-        try:
-            with torch.no_grad():
-                out = model.generate(**enc, **kwargs)
-            stats = speculative_stats(model)
-        finally:
-            revert_model(model)
+        plain, _ = accelerated_generate(enc)
+        out, stats = accelerated_generate(enc, spec)
         assert torch.equal(out, plain), "\n".join(tokenizer.batch_decode(torch.cat([plain, out])))
         assert stats["verify_steps"] > 0 and stats["accepted_tokens"] > 0, stats
 
