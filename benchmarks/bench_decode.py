@@ -7,6 +7,12 @@ backend on contiguous K/V. Metric: TB/s of K+V bytes read (2*B*S*H_kv*D*2 bytes 
 of the 4.27 TB/s device-copy ceiling. A small sweep of our tiling (BLOCK_N, warps, stages, splits) runs
 in the same process; every configuration is checked against SDPA before it is timed.
 
+Timing: each call is captured once in a CUDA graph and the graph replayed (``triton.testing.do_bench``,
+median, L2 flushed between replays), for SDPA as for ours: the decode step runs attention inside a CUDA
+graph, and an eager Python launch of a Triton kernel plus its merge kernel costs tens of microseconds of
+host time, about as long as the whole B1 S32k read. ``--eager`` times eager calls instead (the method of
+the results before 2026-12-01).
+
 Part 2 (memory): 64 requests of random lengths 100-2000 tokens (seed 0), SmolLM2-135M's KV shape
 (30 layers, 3 KV heads, head_dim 64, bf16): bytes allocated by a PagedCache's blocks vs a padded
 DynamicCache / StaticCache holding the same batch (tensors really allocated; bytes from the tensors).
@@ -32,9 +38,26 @@ SHAPES = [(1, 32768), (16, 8192), (64, 2048)]
 H, H_KV, D, BLOCK = 32, 8, 128, 16
 
 
-def bench_bandwidth(rows, quick=False):
+def _timer(eager: bool):
     import triton.testing as tt
+
+    def time_ms(fn):
+        if eager:
+            return tt.do_bench(fn, warmup=25, rep=100)
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return tt.do_bench(graph.replay, warmup=25, rep=100)
+
+    return time_ms
+
+
+def bench_bandwidth(rows, quick=False, eager=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    time_ms = _timer(eager)
 
     table = []
     for B, S in SHAPES:
@@ -72,19 +95,16 @@ def bench_bandwidth(rows, quick=False):
                     fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
                     err = (fn().transpose(1, 2).float() - ref).abs().max().item()
                     assert err < 2e-2, f"{name} error {err}"
-                    ms = tt.do_bench(fn, warmup=25, rep=100)
+                    ms = time_ms(fn)
                 table.append((B, S, name, "", record(name, ms)))
             except (RuntimeError, AssertionError) as e:
                 print(f"{name} unavailable at B{B} S{S}: {str(e).splitlines()[0][:120]}")
 
         best = None
-        configs = [(64, 4, 2, None)] if quick else list(itertools.product((32, 64, 128), (4, 8), (2, 3), (None, "2x")))
+        configs = [(64, 4, 2, None)] if quick else list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4),
+                                                                          (None, 16, 32, 64, 128, 256)))
         for block_n, warps, stages, splits in configs:
-            n_splits = None
-            if splits == "2x":
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                n_splits = max(1, min(-(-4 * sms // (B * H_KV)), S // 256))
-            kw = dict(num_splits=n_splits, block_n=block_n, num_warps=warps, num_stages=stages)
+            kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
             try:
                 out = paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw)
             except Exception as e:  # a tiling the compiler rejects (e.g. out of shared memory)
@@ -92,13 +112,12 @@ def bench_bandwidth(rows, quick=False):
                 continue
             err = (out.float() - ref).abs().max().item()
             assert err < 2e-2, f"ours {kw} error {err}"
-            ms = tt.do_bench(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw),
-                             warmup=25, rep=100)
-            tag = f"n{block_n}w{warps}s{stages}{'-splits' + splits if splits else ''}"
+            ms = time_ms(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw))
+            tag = f"n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}"
             tbs = record("ours-sweep", ms, {"config": tag})
             if best is None or tbs > best[0]:
                 best = (tbs, tag, ms)
-        ms = tt.do_bench(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S), warmup=25, rep=100)
+        ms = time_ms(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S))
         table.append((B, S, "ours (default)", "", record("ours", ms)))
         if best:
             table.append((B, S, "ours (best of sweep)", best[1], best[0]))
@@ -168,12 +187,19 @@ def bench_memory(rows):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="no tiling sweep")
+    ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
+    ap.add_argument("--skip-memory", action="store_true", help="bandwidth part only")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     rows = []
-    table = bench_bandwidth(rows, quick=args.quick)
+    table = bench_bandwidth(rows, quick=args.quick, eager=args.eager)
+    if args.skip_memory:
+        write_results("bench_decode", rows, {"timing": "eager" if args.eager else "cuda_graph"})
+        for B, S, prov, cfg, tbs in table:
+            print(f"B{B:<3}S{S:<9}{prov:24}{cfg:22}{tbs:8.2f}{100 * tbs / COPY_CEILING_TBS:8.1f}")
+        return
     mem, used = bench_memory(rows)
-    write_results("bench_decode", rows)
+    write_results("bench_decode", rows, {"timing": "eager" if args.eager else "cuda_graph"})
     print(f"\n{'shape':14}{'provider':24}{'config':22}{'TB/s':>8}{'% ceil':>8}")
     for B, S, prov, cfg, tbs in table:
         print(f"B{B:<3}S{S:<9}{prov:24}{cfg:22}{tbs:8.2f}{100 * tbs / COPY_CEILING_TBS:8.1f}")

@@ -14,7 +14,9 @@ Triton compilation), greedy agreement with stock sdpa (bf16; not required to be 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,7 +66,13 @@ def run_model(name, model, ids, mask, new_tokens, rows, table, weight_bytes, pro
 
 def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, weight_bytes, shape, ref):
     bs = ids.shape[0]
-    if provider == "ours":
+    from hf_accel.engine import decode_step
+
+    fused_rows = decode_step.FUSED_LINEAR_MAX_ROWS
+    if provider == "ours-unfused-linear":
+        # A/B of the fused norm/linear/SwiGLU kernels: the same engine with RMSNorm + cuBLAS + SwiGLU.
+        decode_step.FUSED_LINEAR_MAX_ROWS = 0
+    if provider.startswith("ours"):
         hf_accel.accelerate_model(model)
     else:
         model.set_attn_implementation(provider.removeprefix("hf-"))
@@ -96,8 +104,9 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
                      "value": value})
     table.append((name, bs, provider, tok_s, ttft * 1e3, per_step * 1e3, 100 * floor / per_step, first - warm))
     print(table[-1], flush=True)
-    if provider == "ours":
+    if provider.startswith("ours"):
         hf_accel.revert_model(model)
+    decode_step.FUSED_LINEAR_MAX_ROWS = fused_rows
     return ref
 
 
@@ -123,7 +132,8 @@ def main():
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
-    ap.add_argument("--providers", default="hf-eager,hf-sdpa,ours")
+    ap.add_argument("--providers", default="hf-eager,hf-sdpa,ours",
+                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear")
     args = ap.parse_args()
     providers = args.providers.split(",")
     rows, table = [], []
@@ -153,10 +163,13 @@ def main():
             enc = tok([text] * bs, return_tensors="pt").to(dev)
             run_model("smollm2-135m", model, enc["input_ids"], enc["attention_mask"], 128 if not args.tiny else 8,
                       rows, table, wbytes, providers)
-    write_results("bench_generate", rows)
-    print(f"\n{'model':18}{'bs':>4}  {'provider':10}{'tok/s':>10}{'TTFT ms':>10}{'step ms':>9}{'% floor':>9}{'1st-call s':>11}")
+    if args.tiny or dev != "cuda":
+        # A smoke test's numbers never go to benchmarks/results/.
+        os.environ.setdefault("OUT", tempfile.mkdtemp(prefix="bench_generate-"))
+    write_results("bench_generate" if not args.tiny else "bench_generate-tiny", rows)
+    print(f"\n{'model':18}{'bs':>4}  {'provider':20}{'tok/s':>10}{'TTFT ms':>10}{'step ms':>9}{'% floor':>9}{'1st-call s':>11}")
     for name, bs, prov, tok_s, ttft, step, pct, first in table:
-        print(f"{name:18}{bs:>4}  {prov:10}{tok_s:10.1f}{ttft:10.1f}{step:9.2f}{pct:9.1f}{first:11.2f}")
+        print(f"{name:18}{bs:>4}  {prov:20}{tok_s:10.1f}{ttft:10.1f}{step:9.2f}{pct:9.1f}{first:11.2f}")
 
 
 if __name__ == "__main__":

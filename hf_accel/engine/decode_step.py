@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from hf_accel.kernels import fused_linear as _fl
+from hf_accel.kernels.fused_linear import fused_linear
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from hf_accel.kernels.rms_norm import rms_norm
@@ -57,6 +59,28 @@ def fused_supported(model) -> str | None:
             return "a q_norm that is not an RMSNorm"
     if inner.layers[0].self_attn.head_dim % 2:
         return "odd head_dim"
+    return None
+
+
+#: Token rows (batch x q_len) up to which the fused step runs its matmuls through
+#: :func:`~hf_accel.kernels.fused_linear.fused_linear` (norm / SwiGLU fused in) instead of RMSNorm + cuBLAS +
+#: SwiGLU kernels; 0 turns that off. See the class docstring for the measurement behind it.
+FUSED_LINEAR_MAX_ROWS = 16
+
+
+def fused_linear_supported(model, merged) -> str | None:
+    """Why the fused step cannot use :func:`fused_linear` for this model (None if it can): it needs the
+    merged projections, plain ``nn.Linear`` o_proj / down_proj / lm_head and norms in the model's dtype."""
+    if merged is None:
+        return "projections not merged"
+    inner = model.model
+    dtype = inner.embed_tokens.weight.dtype
+    linears = [model.lm_head] + [m for ly in inner.layers for m in (ly.self_attn.o_proj, ly.mlp.down_proj)]
+    if any(type(m) is not torch.nn.Linear or m.weight.dtype != dtype for m in linears):
+        return "an o_proj, down_proj or lm_head that is not a plain nn.Linear in the model dtype"
+    norms = [inner.norm] + [n for ly in inner.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)]
+    if any(n.weight.dtype != dtype for n in norms):
+        return "a norm weight in another dtype than the model"
     return None
 
 
@@ -126,10 +150,20 @@ class DecodeStep:
         self.scaling = attn0.scaling
         # fused=None: on CUDA when supported. fused=True on CPU runs the Triton kernels (interpreter; tests).
         self.fused = (dev.type == "cuda" if fused is None else fused) and fused_supported(model) is None
-        self.merged = merged  # list of MergedLayer (fused step only) or None
+        self.merged = merged  # list of MergedLayer (fused step only) or None; sets small_linear
         rows = q_len * (self.num_heads // self.num_kv_heads)
         row_blocks = triton.cdiv(rows, 16 if rows <= 16 else (32 if rows <= 32 else 64))
         self.num_splits = default_num_splits(batch * self.num_kv_heads * row_blocks, self.capacity, dev)
+
+    @property
+    def merged(self):
+        return self._merged
+
+    @merged.setter
+    def merged(self, value) -> None:
+        self._merged = value
+        # Whether steps of few rows take the fused norm/linear/SwiGLU kernels (needs merged projections).
+        self.small_linear = self.fused and fused_linear_supported(self.model, value) is None
 
     # -- the step ---------------------------------------------------------------------------------
     def forward_tokens(self, input_ids, position_ids, cache_lens, block_table, key_mask,
@@ -166,18 +200,29 @@ class DecodeStep:
         max_seq = block_table.shape[1] * self.block_size
         splits = num_splits if num_splits is not None else (self.num_splits if t == self.q_len else None)
         residual, delta = hidden, None
+        small = self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, _fl.MAX_ROWS)
         for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm
-            if delta is None:
-                x = rms_norm(residual, ln.weight, ln.variance_epsilon)
-            else:
-                x, residual = rms_norm(delta, ln.weight, ln.variance_epsilon, residual)
             mw = self.merged[layer_idx] if self.merged is not None else None
-            if mw is not None:
-                q, k, v = torch.nn.functional.linear(x, mw.qkv_weight, mw.qkv_bias).split(mw.qkv_split, dim=1)
+            if small:
+                # Residual add + RMSNorm + Q/K/V in one kernel (hf_accel.kernels.fused_linear).
+                if delta is None:
+                    qkv = fused_linear(residual, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
+                                       eps=ln.variance_epsilon)
+                else:
+                    qkv, residual = fused_linear(delta, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
+                                                 eps=ln.variance_epsilon, residual=residual)
+                q, k, v = qkv.split(mw.qkv_split, dim=1)
             else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+                if delta is None:
+                    x = rms_norm(residual, ln.weight, ln.variance_epsilon)
+                else:
+                    x, residual = rms_norm(delta, ln.weight, ln.variance_epsilon, residual)
+                if mw is not None:
+                    q, k, v = torch.nn.functional.linear(x, mw.qkv_weight, mw.qkv_bias).split(mw.qkv_split, dim=1)
+                else:
+                    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
             pools = self.cache.layers[layer_idx]
             q_norm = getattr(attn, "q_norm", None)
             q = rope_and_cache(q, k, v, cos, sin, pools.keys, pools.values, slot_mapping,
@@ -186,8 +231,14 @@ class DecodeStep:
                                q_norm.variance_epsilon if q_norm is not None else 1e-6)
             o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
                                 seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits)
-            delta = attn.o_proj(o.view(n, h * d))
             ln = layer.post_attention_layernorm
+            if small:
+                delta = fused_linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias)
+                act, residual = fused_linear(delta, mw.gate_up_weight, norm_weight=ln.weight, eps=ln.variance_epsilon,
+                                             residual=residual, swiglu=True)
+                delta = fused_linear(act, mlp.down_proj.weight, bias=mlp.down_proj.bias)
+                continue
+            delta = attn.o_proj(o.view(n, h * d))
             x, residual = rms_norm(delta, ln.weight, ln.variance_epsilon, residual)
             if mw is not None:
                 gate_up = torch.nn.functional.linear(x, mw.gate_up_weight)
@@ -199,8 +250,14 @@ class DecodeStep:
             delta, residual = delta[rows], residual[rows]
         elif last_only:
             delta, residual = delta.view(b, t, -1)[:, -1], residual.view(b, t, -1)[:, -1]
-        hidden, _ = rms_norm(delta.contiguous(), inner.norm.weight, inner.norm.variance_epsilon, residual.contiguous())
-        logits = model.lm_head(hidden).float()
+        norm = inner.norm
+        if small and delta.shape[0] <= _fl.MAX_ROWS:
+            logits, _ = fused_linear(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
+                                     norm_weight=norm.weight, eps=norm.variance_epsilon,
+                                     residual=residual.contiguous(), out_dtype=torch.float32)
+        else:
+            hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
+            logits = model.lm_head(hidden).float()
         return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
 
     def _forward_modules(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only):

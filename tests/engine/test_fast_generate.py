@@ -154,6 +154,8 @@ def test_greedy_identical_to_stock_fused_step(model_type, case, tiny, decode_ste
     assert torch.equal(out, stock), f"{model_type} {case}\nstock:\n{stock}\nours:\n{out}"
     assert len(decode_steps) == 6 and all(decode_steps)
     assert all(step.fused for step in ours._hf_accel_engine.steps.values())
+    # Decode steps (<= 16 rows) ran the fused norm/linear/SwiGLU kernels, not RMSNorm + F.linear.
+    assert all(step.small_linear for step in ours._hf_accel_engine.steps.values())
     assert bucketed == [ids.shape[1]] and ids.shape[1] not in (16, 32)  # padded: 11 -> 16
 
 

@@ -1,0 +1,161 @@
+"""Decode-time matmuls of a llama layer: hf-accel's fused norm/linear/SwiGLU kernel vs RMSNorm + cuBLAS + SwiGLU.
+
+Shapes: the SmolLM2-135M layer (hidden 576, 9/3 heads of 64, intermediate 1536, vocab 49152) and the
+Llama-3-8B layer (4096, 32/8 heads of 128, 14336, vocab 128256), bf16, 1 / 8 / 16 / 32 token rows.
+
+Timing is what a captured decode step sees: each measurement is one CUDA graph that runs the kernel(s) over
+``copies`` distinct weight sets back to back (30 for SmolLM2 — its real layer count —, 2-4 for 8B so the
+weights do not sit in the 50 MB L2), replayed with ``triton.testing.do_bench`` (median); the reported time is
+per weight set. Rows:
+
+* ``sweep``: one matmul kind (qkv with norm prologue, o, gate/up with norm + SwiGLU, down, lm_head with
+  norm and a float32 output) per tiling config: us and weight TB/s;
+* ``layer``: the four matmuls of a layer plus its norms and SwiGLU, old sequence (``rms_norm`` ->
+  ``F.linear`` -> ... -> ``swiglu`` -> ``F.linear``, 7 kernels) vs fused (4 kernels, default tiles and the
+  best tiles of the sweep).
+
+    python benchmarks/bench_fused_linear.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+from hf_accel.kernels.fused_linear import fused_linear  # noqa: E402
+from hf_accel.kernels.rms_norm import rms_norm  # noqa: E402
+from hf_accel.kernels.swiglu import swiglu  # noqa: E402
+
+MODELS = {
+    "smollm2-135m": dict(hidden=576, q=576, kv=192, inter=1536, vocab=49152, copies=30),
+    "llama3-8b": dict(hidden=4096, q=4096, kv=1024, inter=14336, vocab=128256, copies=2),
+}
+
+
+def _weights(cfg, copies):
+    h = cfg["hidden"]
+    dt = torch.bfloat16
+    mk = lambda o, i: (torch.randn(o, i, device="cuda") / i**0.5).to(dt)  # noqa: E731
+    return [dict(qkv=mk(cfg["q"] + 2 * cfg["kv"], h), o=mk(h, cfg["q"]), gate_up=mk(2 * cfg["inter"], h),
+                 down=mk(h, cfg["inter"]), n1=(1 + 0.1 * torch.randn(h, device="cuda")).to(dt),
+                 n2=(1 + 0.1 * torch.randn(h, device="cuda")).to(dt)) for _ in range(copies)]
+
+
+def _graph_time(fn, copies):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ms = triton.testing.do_bench(g.replay, warmup=5, rep=25)
+    return ms * 1e3 / copies  # us per weight set
+
+
+def _kinds(cfg, rows, ws, lm):
+    """(name, weight bytes, fused call(w, tiles), old call(w)) per matmul kind."""
+    h = cfg["hidden"]
+    dt = torch.bfloat16
+    x = torch.randn(rows, h, device="cuda", dtype=dt)
+    r = torch.randn(rows, h, device="cuda", dtype=dt)
+    o_in = torch.randn(rows, cfg["q"], device="cuda", dtype=dt)
+    a_in = torch.randn(rows, cfg["inter"], device="cuda", dtype=dt)
+    return [
+        ("qkv_norm", lambda w, t: fused_linear(x, w["qkv"], norm_weight=w["n1"], residual=r, **t),
+         lambda w: torch.nn.functional.linear(rms_norm(x, w["n1"], 1e-5, r)[0], w["qkv"]), "qkv"),
+        ("o", lambda w, t: fused_linear(o_in, w["o"], **t), lambda w: torch.nn.functional.linear(o_in, w["o"]), "o"),
+        ("gate_up_norm_swiglu",
+         lambda w, t: fused_linear(x, w["gate_up"], norm_weight=w["n2"], residual=r, swiglu=True, **t),
+         lambda w: (lambda gu: swiglu(gu[:, : cfg["inter"]], gu[:, cfg["inter"]:]))(
+             torch.nn.functional.linear(rms_norm(x, w["n2"], 1e-5, r)[0], w["gate_up"])), "gate_up"),
+        ("down", lambda w, t: fused_linear(a_in, w["down"], **t), lambda w: torch.nn.functional.linear(a_in, w["down"]),
+         "down"),
+        ("lm_head_norm_f32",
+         lambda w, t: fused_linear(x, lm["w"], norm_weight=lm["n"], residual=r, out_dtype=torch.float32, **t),
+         lambda w: torch.nn.functional.linear(rms_norm(x, lm["n"], 1e-5, r)[0], lm["w"]).float(), "lm"),
+    ]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="4 tiling configs")
+    ap.add_argument("--full", action="store_true", help="36 tiling configs")
+    ap.add_argument("--rows", default="1,8,16,32")
+    ap.add_argument("--models", default=",".join(MODELS))
+    args = ap.parse_args()
+    if args.quick:
+        grid = list(itertools.product([16, 32], [128, 256], [4], [4]))
+    elif args.full:
+        grid = list(itertools.product([16, 32, 64], [64, 128, 256], [4, 8], [3, 5]))
+    else:
+        grid = list(itertools.product([16, 32, 64], [128, 256], [4], [3, 5]))
+    results = []
+    summary = []
+    for model in args.models.split(","):
+        cfg = MODELS[model]
+        ws = _weights(cfg, cfg["copies"])
+        lm = dict(w=(torch.randn(cfg["vocab"], cfg["hidden"], device="cuda") / cfg["hidden"]**0.5).to(torch.bfloat16),
+                  n=torch.ones(cfg["hidden"], device="cuda", dtype=torch.bfloat16))
+        for rows in [int(v) for v in args.rows.split(",")]:
+            shape = dict(model=model, rows=rows, dtype="bfloat16")
+            best = {}
+            for name, fused, old, wkey in _kinds(cfg, rows, ws, lm):
+                sets = [ws[0]] if wkey == "lm" else ws
+                nbytes = (lm["w"] if wkey == "lm" else ws[0][wkey]).numel() * 2
+                # correctness of the fused call (default tiles) against the reference sequence
+                got = fused(sets[0], {})
+                got = got[0] if isinstance(got, tuple) else got
+                ref = old(sets[0]).to(got.dtype)
+                err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+                t_old = _graph_time(lambda: [old(w) for w in sets], len(sets))
+                t_def = _graph_time(lambda: [fused(w, {}) for w in sets], len(sets))
+                results += [dict(bench="fused_linear", provider="old", shape={**shape, "kind": name}, metric="latency",
+                                 unit="us", value=t_old),
+                            dict(bench="fused_linear", provider="fused-default", shape={**shape, "kind": name},
+                                 metric="latency", unit="us", value=t_def, rel_err=err)]
+                cand = []
+                for bn, bk, nw, ns in grid:
+                    tiles = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                    try:
+                        t = _graph_time(lambda: [fused(w, tiles) for w in sets], len(sets))
+                    except Exception as e:  # noqa: BLE001 (out of shared memory etc.: record and go on)
+                        results.append(dict(bench="fused_linear", provider="fused-sweep",
+                                            shape={**shape, "kind": name, "config": f"n{bn}k{bk}w{nw}s{ns}"},
+                                            metric="error", unit="text", value=type(e).__name__))
+                        continue
+                    cand.append((t, f"n{bn}k{bk}w{nw}s{ns}", tiles))
+                    results.append(dict(bench="fused_linear", provider="fused-sweep",
+                                        shape={**shape, "kind": name, "config": f"n{bn}k{bk}w{nw}s{ns}"},
+                                        metric="latency", unit="us", value=t))
+                t_best, c_best, tiles_best = min(cand)
+                best[name] = tiles_best
+                results.append(dict(bench="fused_linear", provider="fused-best", shape={**shape, "kind": name,
+                                    "config": c_best}, metric="latency", unit="us", value=t_best))
+                summary.append(f"{model:14s} rows {rows:3d} {name:20s} old {t_old:8.2f} us  fused-default {t_def:8.2f} "
+                               f"best {t_best:8.2f} ({c_best}, {nbytes / t_best / 1e6:.2f} TB/s)  err {err:.1e}")
+                print(summary[-1], flush=True)
+            # whole layer (4 matmuls + norms + SwiGLU): old vs fused default vs fused best tiles
+            kinds = _kinds(cfg, rows, ws, lm)[:4]
+            t_old = _graph_time(lambda: [k[2](w) for w in ws for k in kinds], len(ws))
+            t_def = _graph_time(lambda: [k[1](w, {}) for w in ws for k in kinds], len(ws))
+            t_best = _graph_time(lambda: [k[1](w, best[k[0]]) for w in ws for k in kinds], len(ws))
+            for prov, t in (("old", t_old), ("fused-default", t_def), ("fused-best", t_best)):
+                results.append(dict(bench="fused_linear", provider=prov, shape={**shape, "kind": "layer"},
+                                    metric="latency", unit="us", value=t))
+            summary.append(f"{model:14s} rows {rows:3d} LAYER old {t_old:8.2f} us  fused-default {t_def:8.2f}  "
+                           f"fused-best {t_best:8.2f}")
+            print(summary[-1], flush=True)
+    write_results("bench_fused_linear", results)
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Small-batch linear layers with the decode step's neighbours fused in: RMSNorm (+ residual add) as a
+prologue, SwiGLU or a float32 cast as an epilogue.
+
+At decode time a layer's matmuls see 1-16 token rows, so each one is a matrix-vector product whose time is
+the weight read plus a few microseconds of launch and ramp-up; the RMSNorm and SwiGLU kernels between
+them cost as much again in launches while moving almost no bytes. Here every program of the matmul
+recomputes the norm of its (few, short) input rows on the fly, so a llama layer runs
+
+    qkv = norm_linear(x, input_norm, W_qkv)               # residual add + RMSNorm + Q/K/V projection
+    ... RoPE + cache write, paged attention ...
+    d = linear(o, W_o)
+    a = norm_linear(d, post_norm, W_gate_up, swiglu)       # residual add + RMSNorm + gate/up + SiLU*up
+    d = linear(a, W_down)
+
+four matmul kernels and no separate norm or activation kernel. Rounding follows transformers' modules
+step by step (residual sum, normalised value, norm-weight product, projection output and SiLU are each
+rounded to the model dtype as ``LlamaRMSNorm`` / ``LlamaMLP`` round them); only the order of the float32
+accumulation differs from cuBLAS.
+
+RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization". SwiGLU: Shazeer 2020, "GLU
+Variants Improve Transformer". Fusing the norm into the following GEMM's prologue is the approach of
+FlashInfer's and TensorRT-LLM's decode kernels; this is our own Triton implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: Most token rows the kernel takes (one row tile: every weight is read once). Larger inputs belong to
+#: cuBLAS, whose tensor-core tiles win once the matmul is no longer a pure weight stream.
+MAX_ROWS = 32
+
+
+@triton.jit
+def _fused_linear_kernel(
+    X, R, NormW, W, Bias, Y, ROut,
+    M, N, K, up_offset,
+    stride_xm, stride_rm, stride_wn, stride_ym, stride_rom,
+    eps,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    dt = X.dtype.element_ty
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    x_rows = X + rows[:, None].to(tl.int64) * stride_xm
+    r_rows = R + rows[:, None].to(tl.int64) * stride_rm
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        # Pass 1: mean square of each row (of x + residual when given, rounded to the dtype first).
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xm = row_ok[:, None] & (offs_k[None, :] < K)
+            x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+            if RESIDUAL:
+                r = tl.load(r_rows + offs_k[None, :], mask=xm, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+                if pid_n == 0:
+                    tl.store(ROut + rows[:, None].to(tl.int64) * stride_rom + offs_k[None, :], x, mask=xm)
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+        rstd = tl.rsqrt(ss / K + eps)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            xm = row_ok[:, None]
+            wm = n_ok[:, None]
+        else:
+            xm = row_ok[:, None] & (offs_k[None, :] < K)
+            wm = n_ok[:, None] & (offs_k[None, :] < K)
+        x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+        if NORM:
+            if RESIDUAL:
+                r = tl.load(r_rows + offs_k[None, :], mask=xm, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+            nw = tl.load(NormW + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+        w = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)
+        if IEEE_DOT:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+        if SWIGLU:
+            wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=wm, other=0.0)
+            if IEEE_DOT:
+                acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee")
+            else:
+                acc_up += tl.dot(x, tl.trans(wu))
+
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(dt)
+    if SWIGLU:
+        g = out.to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt)
+        out = (s.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
+    y_ptrs = Y + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _tiles(rows: int, n: int, k: int, block_n: int | None, block_k: int | None):
+    block_m = 16 if rows <= 16 else 32  # tl.dot's smallest M is 16; rows <= MAX_ROWS
+    if block_k is None:
+        block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
+    if block_n is None:
+        block_n = 32 if n >= 2048 else 16
+    return block_m, block_n, block_k
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    out_dtype: torch.dtype | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 4,
+):
+    """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows, in one kernel.
+
+    ``g`` is the identity, or with ``norm_weight`` transformers' RMSNorm of ``x`` (of ``x + residual``
+    when ``residual`` is given, that sum being returned too); ``f`` is the identity, or with ``swiglu``
+    ``silu(gate) * up`` where ``weight`` stacks the gate rows over the up rows.
+
+    Args:
+        x: [rows, hidden], fp16/bf16/fp32, rows <= :data:`MAX_ROWS`, contiguous last dimension.
+        weight: [out_features, hidden] (``[2 * intermediate, hidden]`` with ``swiglu``), x's dtype,
+            contiguous last dimension.
+        bias: optional [out_features] (not with ``swiglu``).
+        norm_weight: optional [hidden] RMSNorm weight, x's dtype.
+        eps: the norm's variance epsilon.
+        residual: optional [rows, hidden] added to ``x`` before the norm (needs ``norm_weight``).
+        swiglu: gate/up epilogue; the output has ``out_features // 2`` columns.
+        out_dtype: output dtype (default x's); the value is rounded to x's dtype first either way, so
+            ``torch.float32`` gives the same numbers as ``F.linear(...).float()``.
+        block_n, block_k, num_warps, num_stages: tiling overrides (benchmark sweeps).
+
+    Returns:
+        ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
+
+    Raises:
+        ValueError: more than :data:`MAX_ROWS` rows, shape/dtype mismatches, or a combination the kernel
+            does not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``).
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [rows, hidden] and weight [out, hidden]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    rows, k = x.shape
+    if rows > MAX_ROWS:
+        raise ValueError(f"fused_linear takes at most {MAX_ROWS} rows, got {rows}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need a contiguous last dimension")
+    if weight.dtype != x.dtype or (norm_weight is not None and norm_weight.dtype != x.dtype):
+        raise ValueError(f"dtypes differ: x {x.dtype}, weight {weight.dtype}, "
+                         f"norm_weight {None if norm_weight is None else norm_weight.dtype}")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
+    if residual is not None:
+        if norm_weight is None:
+            raise ValueError("residual needs norm_weight (the sum feeds the norm)")
+        if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    out_features = weight.shape[0]
+    if swiglu:
+        if bias is not None:
+            raise ValueError("bias is not supported with swiglu")
+        if out_features % 2:
+            raise ValueError(f"swiglu needs an even number of weight rows, got {out_features}")
+        out_features //= 2
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    y = torch.empty(rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else y
+    if rows == 0:
+        return (y, r_out) if residual is not None else y
+    block_m, block_n, block_k = _tiles(rows, out_features, k, block_n, block_k)
+    r_in = residual if residual is not None else x
+    grid = (triton.cdiv(out_features, block_n),)
+    _fused_linear_kernel[grid](
+        x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y, r_out,
+        rows, out_features, k, out_features if swiglu else 0,
+        x.stride(0), r_in.stride(0), weight.stride(0), y.stride(0), r_out.stride(0),
+        eps,
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        IEEE_DOT=x.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return (y, r_out) if residual is not None else y
+
+
+def fused_linear_ref(x, weight, *, bias=None, norm_weight=None, eps=1e-6, residual=None, swiglu=False,
+                     out_dtype=None):
+    """PyTorch reference of :func:`fused_linear`: transformers' RMSNorm, ``F.linear`` and SiLU * up."""
+    r_out = None
+    if norm_weight is not None:
+        if residual is not None:
+            x = residual + x
+            r_out = x
+        xf = x.to(torch.float32)
+        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = torch.nn.functional.linear(x, weight, bias)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    if out_dtype is not None:
+        y = y.to(out_dtype)
+    return (y, r_out) if residual is not None else y
