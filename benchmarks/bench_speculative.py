@@ -252,6 +252,8 @@ def speculative_arg(provider: str, draft, args):
     options = {}
     if args.num_draft_tokens is not None:
         options["num_draft_tokens"] = args.num_draft_tokens
+    if args.fixed_k:
+        options["adaptive"] = False
     if args.exit_layer is not None and method == "early_exit":
         options["exit_layer"] = args.exit_layer
     if not options:
@@ -469,6 +471,8 @@ def parse_args(argv):
     ap.add_argument("--draft-layers", type=int, default=None, help="layers of the truncated draft (8; tiny 2)")
     ap.add_argument("--num-draft-tokens", type=int, default=None,
                     help="passed as SpeculativeConfig(num_draft_tokens=...) (default: the library's)")
+    ap.add_argument("--fixed-k", action="store_true",
+                    help="SpeculativeConfig(adaptive=False): every round drafts num_draft_tokens")
     ap.add_argument("--exit-layer", type=int, default=None,
                     help="passed as SpeculativeConfig(exit_layer=...) to early_exit (default: the library's)")
     ap.add_argument("--dtype", default=None, help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
@@ -559,7 +563,7 @@ def main(argv=None) -> int:
              "bs1_prompts": args.bs1_prompts, "providers": args.providers, "categories": args.categories,
              "draft": f"{draft_name} (layer-truncated copy of the target; no real smaller model with its "
                       f"tokenizer is available offline)", "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS,
-             "num_draft_tokens": args.num_draft_tokens, "exit_layer": args.exit_layer, "eos_token_ids": eos_ids,
+             "num_draft_tokens": args.num_draft_tokens, "fixed_k": args.fixed_k, "exit_layer": args.exit_layer, "eos_token_ids": eos_ids,
              "prompt_tokens": prompt_tokens, "samples_ours_bs1": samples}
     if not args.tiny:
         from hf_accel.evaluation.texts import pydoc_topics_fingerprint

@@ -10,10 +10,13 @@ no work between replays; slots are computed on the device from the cache length.
 
 Two variants of the same step:
 
-- *fused* (CUDA, standard llama-family blocks): one Triton kernel for residual add + RMSNorm, one for
-  RoPE (+ Qwen3's per-head q/k norm) + writing K/V into the cache, one for the SwiGLU gate, the paged
-  decode kernel, and cuBLAS matmuls with Q/K/V and gate/up merged (:mod:`.merged_weights`): about 10
-  kernels per layer instead of ~35, each rounding where transformers rounds;
+- *fused* (CUDA, standard llama-family blocks): one Triton kernel for RoPE (+ Qwen3's per-head q/k
+  norm) + writing K/V into the cache, the paged decode kernel, and matmuls with Q/K/V and gate/up merged
+  (:mod:`.merged_weights`). For steps of few token rows on small models the matmuls are
+  :func:`~hf_accel.kernels.fused_linear.fused_linear` calls with the residual add + RMSNorm and the SwiGLU
+  gate fused in (7 kernels per layer with the split-KV merge); otherwise cuBLAS with separate residual
+  add + RMSNorm and SwiGLU kernels (10). Either way ~35 kernels of transformers' layer become a few, each
+  rounding where transformers rounds;
 - *modules* (CPU, or anything non-standard): the model's own modules (RMSNorm, rotary embedding,
   projections, MLP) with hf-accel's ``reshape_and_cache`` + ``paged_attention``.
 
@@ -62,10 +65,15 @@ def fused_supported(model) -> str | None:
     return None
 
 
-#: Token rows (batch x q_len) up to which the fused step runs its matmuls through
-#: :func:`~hf_accel.kernels.fused_linear.fused_linear` (norm / SwiGLU fused in) instead of RMSNorm + cuBLAS +
-#: SwiGLU kernels; 0 turns that off. See the class docstring for the measurement behind it.
+#: Token rows (batch x q_len) up to which the fused step runs a layer's matmuls through
+#: :func:`~hf_accel.kernels.fused_linear.fused_linear` (norm / SwiGLU fused in, 4 kernels) instead of
+#: RMSNorm + cuBLAS + SwiGLU (7 kernels); 0 turns that off. H200, bf16, one layer inside a CUDA graph
+#: (``bench_fused_linear-20261201.json``): SmolLM2 (hidden 576) 19.4 vs 22.3 us at 1 row, 20.8 vs 22.2 at
+#: 16, but 24.2 vs 22.4 at 32 rows; Llama-3-8B (hidden 4096) 142 vs 131 us at 1 row (cuBLAS streams the
+#: large q/k/v and gate/up matrices faster), hence also :data:`FUSED_LINEAR_MAX_HIDDEN`. The LM head stays on
+#: cuBLAS (SmolLM2 30.3 vs 32.3 us).
 FUSED_LINEAR_MAX_ROWS = 16
+FUSED_LINEAR_MAX_HIDDEN = 2048
 
 
 def fused_linear_supported(model, merged) -> str | None:
@@ -73,11 +81,13 @@ def fused_linear_supported(model, merged) -> str | None:
     merged projections, plain ``nn.Linear`` o_proj / down_proj / lm_head and norms in the model's dtype."""
     if merged is None:
         return "projections not merged"
+    if model.config.hidden_size > FUSED_LINEAR_MAX_HIDDEN:
+        return f"hidden size {model.config.hidden_size} > {FUSED_LINEAR_MAX_HIDDEN} (cuBLAS is faster there)"
     inner = model.model
     dtype = inner.embed_tokens.weight.dtype
-    linears = [model.lm_head] + [m for ly in inner.layers for m in (ly.self_attn.o_proj, ly.mlp.down_proj)]
+    linears = [m for ly in inner.layers for m in (ly.self_attn.o_proj, ly.mlp.down_proj)]
     if any(type(m) is not torch.nn.Linear or m.weight.dtype != dtype for m in linears):
-        return "an o_proj, down_proj or lm_head that is not a plain nn.Linear in the model dtype"
+        return "an o_proj or down_proj that is not a plain nn.Linear in the model dtype"
     norms = [inner.norm] + [n for ly in inner.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)]
     if any(n.weight.dtype != dtype for n in norms):
         return "a norm weight in another dtype than the model"
@@ -251,13 +261,8 @@ class DecodeStep:
         elif last_only:
             delta, residual = delta.view(b, t, -1)[:, -1], residual.view(b, t, -1)[:, -1]
         norm = inner.norm
-        if small and delta.shape[0] <= _fl.MAX_ROWS:
-            logits, _ = fused_linear(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
-                                     norm_weight=norm.weight, eps=norm.variance_epsilon,
-                                     residual=residual.contiguous(), out_dtype=torch.float32)
-        else:
-            hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
-            logits = model.lm_head(hidden).float()
+        hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
+        logits = model.lm_head(hidden).float()
         return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
 
     def _forward_modules(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("prompt_lookup", "early_exit", "draft_model")
-_DEFAULT_DRAFT_TOKENS = {"prompt_lookup": 16, "early_exit": 4, "draft_model": 4}
+_DEFAULT_DRAFT_TOKENS = {"prompt_lookup": 15, "early_exit": 4, "draft_model": 4}
 
 
 @dataclass
@@ -14,17 +14,19 @@ class SpeculativeConfig:
     """Speculative decoding options of :func:`hf_accel.accelerate_model` (``speculative=...``).
 
     Attributes:
-        method: ``"prompt_lookup"`` (drafts copied from the most recent earlier occurrence of the last
-            n-gram in prompt + output; Saxena 2023, "Prompt Lookup Decoding"), ``"early_exit"``
+        method: ``"prompt_lookup"`` (drafts copied from what followed the first earlier occurrence of
+            the last n-gram in prompt + output; Saxena 2023, "Prompt Lookup Decoding"), ``"early_exit"``
             (self-speculative: the first ``exit_layer`` decoder layers + the model's own final norm and LM
             head draft on the same KV cache; Elhoushi et al. 2024, LayerSkip §4; Zhang et al. 2023,
             "Draft & Verify") or ``"draft_model"`` (a smaller causal LM with the same vocabulary;
             Leviathan et al. 2023; Chen et al. 2023).
         draft_model: the draft for ``"draft_model"``: a transformers causal LM of a type hf-accel
             supports, on the target's device, with the target's ``vocab_size``. It is accelerated too.
-        num_draft_tokens: the largest number of tokens drafted per verify step (k). Default 16 for prompt
-            lookup (drafting is free, and verifying 17 tokens of SmolLM2 at bs1 on an H200 took 1.007 ms against
-            0.967 ms for one: ``profile_speculative_round-20261201.json``), 4 for the model-based drafts.
+        num_draft_tokens: the largest number of tokens drafted per verify step (k). Default 15 for prompt
+            lookup: drafting is free, and verifying 17 tokens of SmolLM2 at bs1 on an H200 took 1.007 ms
+            against 0.967 ms for one (``profile_speculative_round-20261201.json``); 15 drafts + 1 make the 16
+            token rows up to which a small model's verify pass runs the fused small-batch matmuls
+            (:data:`hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS`). 4 for the model-based drafts.
         adaptive: choose k per verify step from the measured acceptance and step times (down to 0: plain
             decoding, "backed off", with an occasional probe); with ``False`` k stays ``num_draft_tokens``.
         exit_layer: layers of the early-exit draft; default half of the model's layers. Models trained
