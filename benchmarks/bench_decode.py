@@ -54,7 +54,7 @@ def _timer(eager: bool):
     return time_ms
 
 
-def bench_bandwidth(rows, quick=False, eager=False):
+def bench_bandwidth(rows, quick=False, eager=False, configs=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     time_ms = _timer(eager)
@@ -101,10 +101,11 @@ def bench_bandwidth(rows, quick=False, eager=False):
                 print(f"{name} unavailable at B{B} S{S}: {str(e).splitlines()[0][:120]}")
 
         best = None
-        configs = [(64, 4, 2, None)] if quick else list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4),
-                                                                          (None, 16, 32, 64, 128, 256)))
-        for block_n, warps, stages, splits in configs:
-            kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+        if configs is None:
+            configs = [(64, 4, 2, None, 0)] if quick else list(itertools.product(
+                (32, 64, 128), (4, 8), (2, 3, 4), (None, 16, 32, 64, 128, 256), (0,)))
+        for block_n, warps, stages, splits, k_rows in configs:
+            kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, k_rows=bool(k_rows))
             try:
                 out = paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw)
             except Exception as e:  # a tiling the compiler rejects (e.g. out of shared memory)
@@ -113,7 +114,7 @@ def bench_bandwidth(rows, quick=False, eager=False):
             err = (out.float() - ref).abs().max().item()
             assert err < 2e-2, f"ours {kw} error {err}"
             ms = time_ms(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw))
-            tag = f"n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}"
+            tag = f"n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}{'-krows' if k_rows else ''}"
             tbs = record("ours-sweep", ms, {"config": tag})
             if best is None or tbs > best[0]:
                 best = (tbs, tag, ms)
@@ -189,10 +190,15 @@ def main():
     ap.add_argument("--quick", action="store_true", help="no tiling sweep")
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     ap.add_argument("--skip-memory", action="store_true", help="bandwidth part only")
+    ap.add_argument("--configs", default=None,
+                    help="sweep only these: 'block_n,warps,stages,splits|None,k_rows(0/1);...'")
     args = ap.parse_args()
+    configs = None
+    if args.configs:
+        configs = [tuple(None if v == "None" else int(v) for v in c.split(",")) for c in args.configs.split(";")]
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     rows = []
-    table = bench_bandwidth(rows, quick=args.quick, eager=args.eager)
+    table = bench_bandwidth(rows, quick=args.quick, eager=args.eager, configs=configs)
     if args.skip_memory:
         write_results("bench_decode", rows, {"timing": "eager" if args.eager else "cuda_graph"})
         for B, S, prov, cfg, tbs in table:

@@ -49,6 +49,7 @@ def _paged_attention_kernel(
     HAS_KEY_MASK: tl.constexpr,
     SPLIT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -86,8 +87,13 @@ def _paged_attention_kernel(
         phys = tl.load(BlockTable + b64 * stride_tb + (offs_n // block_size) * stride_tn, mask=n_valid, other=0)
         phys = phys.to(tl.int64)
         slot = offs_n % block_size
-        k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
-                    + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+        if K_ROWS:
+            # K tile loaded as stored (token rows, head_dim contiguous) and transposed for the dot.
+            k = tl.trans(tl.load(KCache + phys[:, None] * stride_kb + slot[:, None] * stride_ks + kh_off
+                                 + offs_d[None, :] * stride_kd, mask=n_valid[:, None] & d_valid[None, :], other=0.0))
+        else:
+            k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
+                        + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
         if IEEE_DOT:
             s = tl.dot(q, k, input_precision="ieee")
         else:
@@ -196,6 +202,7 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    k_rows: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -215,6 +222,8 @@ def paged_attention(
         out: optional [batch, q_len, num_heads, head_dim] output buffer.
         block_n, num_warps, num_stages: kernel tiling overrides (benchmark sweeps); keys per tile
             (power of 2 >= 16), default 64 (32 for head_dim > 128).
+        k_rows: load each K tile as stored ([keys, head_dim]) and transpose it in registers, instead of
+            loading it transposed (benchmark sweeps).
 
     Returns:
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
@@ -276,7 +285,7 @@ def paged_attention(
         q_len, head_dim, num_kv_heads, block_size, tokens_per_split,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
-        IEEE_DOT=query.dtype == torch.float32,
+        IEEE_DOT=query.dtype == torch.float32, K_ROWS=bool(k_rows),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
