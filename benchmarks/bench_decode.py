@@ -7,11 +7,13 @@ backend on contiguous K/V. Metric: TB/s of K+V bytes read (2*B*S*H_kv*D*2 bytes 
 of the 4.27 TB/s device-copy ceiling. A small sweep of our tiling (BLOCK_N, warps, stages, splits) runs
 in the same process; every configuration is checked against SDPA before it is timed.
 
-Timing: each call is captured once in a CUDA graph and the graph replayed (``triton.testing.do_bench``,
-median, L2 flushed between replays), for SDPA as for ours: the decode step runs attention inside a CUDA
-graph, and an eager Python launch of a Triton kernel plus its merge kernel costs tens of microseconds of
-host time, about as long as the whole B1 S32k read. ``--eager`` times eager calls instead (the method of
-the results before 2026-12-01).
+Timing: ``REPS`` (10) back-to-back calls are captured in one CUDA graph and the graph replayed
+(``triton.testing.do_bench``, median, L2 flushed between replays); time per call = replay / ``REPS``, for
+SDPA as for ours. This is how the decode step runs attention (inside a CUDA graph, next to other kernels):
+an eager Python launch of a Triton kernel plus its merge kernel costs tens of microseconds of host time,
+and one graph launch ~10 us, each about as long as the whole B1 S32k read. Every shape's K/V (134-537 MB)
+is larger than the 50 MB L2, so consecutive calls in the graph read from HBM. ``--eager`` times single
+eager calls instead (the method of the results before 2026-12-01).
 
 Part 2 (memory): 64 requests of random lengths 100-2000 tokens (seed 0), SmolLM2-135M's KV shape
 (30 layers, 3 KV heads, head_dim 64, bf16): bytes allocated by a PagedCache's blocks vs a padded
@@ -36,6 +38,7 @@ from hf_accel.kernels.paged_attention import paged_attention  # noqa: E402
 COPY_CEILING_TBS = 4.27
 SHAPES = [(1, 32768), (16, 8192), (64, 2048)]
 H, H_KV, D, BLOCK = 32, 8, 128, 16
+REPS = 10  # calls per captured graph
 
 
 def _timer(eager: bool):
@@ -48,8 +51,9 @@ def _timer(eager: bool):
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fn()
-        return tt.do_bench(graph.replay, warmup=25, rep=100)
+            for _ in range(REPS):
+                fn()
+        return tt.do_bench(graph.replay, warmup=10, rep=100) / REPS
 
     return time_ms
 

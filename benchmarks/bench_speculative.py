@@ -10,7 +10,7 @@ in three categories of 8 prompts each:
   return the complete code", add type hints, ...);
 * ``open-ended``: "Write a short story about ..." and the like (little to copy from the prompt).
 
-Shapes: for each category, batch size 1 (each of the first ``--bs1-prompts`` prompts on its own, run one
+Shapes: for each category, batch size 1 (each of the first ``--bs1-prompts``, default all 8, prompts on its own, run one
 after the other) and batch size 8 (the 8 prompts of the category in one left-padded batch,
 ``padding_side="left"``). Greedy (``do_sample=False``), ``max_new_tokens`` 128, the model's own EOS
 (``<|im_end|>``) left in place, so rows stop when the model stops.
@@ -464,7 +464,7 @@ def parse_args(argv):
     ap.add_argument("--skip-draft", action="store_true", help="leave out ours-draft_model")
     ap.add_argument("--categories", default=",".join(CATEGORIES), help="comma list of prompt categories")
     ap.add_argument("--batch-sizes", default="1,8", help="comma list; bs > 1 uses that many prompts (at most 8)")
-    ap.add_argument("--bs1-prompts", type=int, default=2, help="prompts run one by one for batch size 1")
+    ap.add_argument("--bs1-prompts", type=int, default=8, help="prompts run one by one for batch size 1")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (16 with --tiny)")
     ap.add_argument("--repeats", type=int, default=None, help="timed passes of hf-accel providers (default 3, tiny 1)")
     ap.add_argument("--hf-repeats", type=int, default=1, help="timed passes of the slow stock hf-* providers")
