@@ -18,8 +18,9 @@ rounded to the model dtype as ``LlamaRMSNorm`` / ``LlamaMLP`` round them); only 
 accumulation differs from cuBLAS.
 
 RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization". SwiGLU: Shazeer 2020, "GLU
-Variants Improve Transformer". Fusing the norm into the following GEMM's prologue is the approach of
-FlashInfer's and TensorRT-LLM's decode kernels; this is our own Triton implementation.
+Variants Improve Transformer". The matmul is a Triton tile loop (``tl.dot`` over a 16- or 32-row tile, float32
+accumulation); where it pays is measured in ``benchmarks/bench_fused_linear.py`` and decided in
+:data:`hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS` / ``FUSED_LINEAR_MAX_HIDDEN``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def _inputs(rows, hidden, out, dtype, seed=0):
     return x, r, w, nw, b
 
 
-@pytest.mark.parametrize("rows,hidden,out", [(1, 64, 48), (3, 96, 80), (16, 40, 16)])
+@pytest.mark.parametrize("rows,hidden,out", [(1, 64, 48), (3, 96, 80), (16, 40, 16), (20, 333, 40)])
 @pytest.mark.parametrize("mode", ["plain", "bias", "norm", "norm_residual", "norm_residual_swiglu", "norm_f32"])
 def test_matches_reference_fp32(rows, hidden, out, mode):
     x, r, w, nw, b = _inputs(rows, hidden, out, torch.float32)
