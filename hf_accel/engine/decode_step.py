@@ -75,6 +75,11 @@ def fused_supported(model) -> str | None:
 FUSED_LINEAR_MAX_ROWS = 16
 FUSED_LINEAR_MAX_HIDDEN = 2048
 
+#: Pipeline stages of the paged attention kernel inside the step: 3, the setting every end-to-end number
+#: (``bench_generate``, ``bench_speculative``) was measured with; the kernel's standalone default for split
+#: grids is now 2 (faster in ``bench_decode``), not yet measured end to end.
+DECODE_ATTENTION_STAGES = 3
+
 
 def fused_linear_supported(model, merged) -> str | None:
     """Why the fused step cannot use :func:`fused_linear` for this model (None if it can): it needs the
@@ -240,7 +245,8 @@ class DecodeStep:
                                attn.k_norm.weight if q_norm is not None else None,
                                q_norm.variance_epsilon if q_norm is not None else 1e-6)
             o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
-                                seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits)
+                                seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits,
+                                num_stages=DECODE_ATTENTION_STAGES)
             ln = layer.post_attention_layernorm
             if small:
                 delta = fused_linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias)
@@ -292,8 +298,10 @@ class DecodeStep:
             pools = self.cache.layers[layer_idx]
             write(k, v, pools.keys, pools.values, slot_mapping)
             kwargs = dict(causal=True, sm_scale=self.scaling)
-            if on_cuda and t == self.q_len:
-                kwargs["num_splits"] = self.num_splits
+            if on_cuda:
+                kwargs["num_stages"] = DECODE_ATTENTION_STAGES
+                if t == self.q_len:
+                    kwargs["num_splits"] = self.num_splits
             o = attend(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table, seq_lens, max_seq,
                        key_mask, **kwargs)
             hidden = hidden + attn.o_proj(o.reshape(n, h * d))

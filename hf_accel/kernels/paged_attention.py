@@ -201,7 +201,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     k_rows: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
@@ -221,7 +221,10 @@ def paged_attention(
         num_splits: KV partitions (FlashDecoding); default chosen from the grid size and ``max_seq_len``.
         out: optional [batch, q_len, num_heads, head_dim] output buffer.
         block_n, num_warps, num_stages: kernel tiling overrides (benchmark sweeps); keys per tile
-            (power of 2 >= 16), default 64 (32 for head_dim > 128).
+            (power of 2 >= 16), default 64 (32 for head_dim > 128); pipeline stages default 2 when the KV
+            length is split, 3 otherwise (H200, GQA 32/8, D128, times in CUDA graphs, two runs:
+            ``bench_decode-graph-sweep-20261201.json`` and ``bench_decode-20261201-9c13f98.json``: B1 S32k
+            3.26 vs 3.09 TB/s, B16 S8k 3.78 vs 3.52 with 2 stages; B64 S2k, unsplit, 4.01 vs 2.84 with 3).
         k_rows: load each K tile as stored ([keys, head_dim]) and transpose it in registers, instead of
             loading it transposed (benchmark sweeps).
 
@@ -276,6 +279,8 @@ def paged_attention(
     else:
         part_out, part_lse = out, seq_lens  # unused
         p_strides, l_strides = (0, 0, 0, 0), (0, 0, 0)
+    if num_stages is None:
+        num_stages = 2 if split else 3
     grid = (m_blocks, batch * num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
