@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import sys
 
 EXIT_USAGE = 2
@@ -68,9 +70,20 @@ def _run_generate(args) -> int:
         raise CLIError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if args.speculative and args.draft_model:
         raise CLIError("give either --speculative or --draft-model, not both")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.json_out is not None:
+        parent = os.path.dirname(os.path.abspath(args.json_out))
+        if not os.path.isdir(parent):
+            raise CLIError(f"--json {args.json_out}: folder {parent} does not exist")
+    for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
+        if path is not None and not os.path.exists(path):
+            raise CLIError(f"{flag} {path!r} does not exist")
+    device = args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise CLIError(f"--device must be cpu, cuda or cuda:N (got {device!r})")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CLIError(f"--device {device} requested but no CUDA GPU is available")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model, tokenizer = _load(args.model, dtype, device, "model")
     speculative = args.speculative

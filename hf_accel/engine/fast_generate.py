@@ -141,6 +141,10 @@ class FastEngine:
         ids = model_kwargs.get("input_ids")
         if ids is None or ids.dim() != 2 or ids.shape[1] == 0:
             return "no non-empty 2-D input_ids"
+        mask = model_kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and mask.shape == ids.shape and not bool(mask[:, -1].all()):
+            # transformers warns about it in its own loop; the fast path assumes left padding
+            return "right-padded batch (decoder-only models need padding_side='left')"
         if self._max_new(gc, ids.shape[1]) <= 0:
             return "the prompt is not shorter than max_length"  # transformers raises its own error
         sw = getattr(self.model.config, "sliding_window", None)

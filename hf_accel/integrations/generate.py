@@ -95,11 +95,14 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     rest = {k: v for k, v in kwargs.items() if k not in _ASSISTED}
     import copy
 
-    # the options may come from the model's own generation config: pass a copy without them
-    gc = copy.deepcopy(rest.get("generation_config") or model.generation_config)
-    gc.prompt_lookup_num_tokens = None
-    gc.assistant_early_exit = None
-    rest["generation_config"] = gc
+    # A caller's generation config may carry the options too: pass a copy without them. (The model's own
+    # generation config is not passed along: transformers would warn about a generation_config given with
+    # generation kwargs; _try_fast clears the options it re-applies.)
+    if rest.get("generation_config") is not None:
+        gc = copy.deepcopy(rest["generation_config"])
+        gc.prompt_lookup_num_tokens = None
+        gc.assistant_early_exit = None
+        rest["generation_config"] = gc
     return config, rest, None
 
 

@@ -376,3 +376,22 @@ def test_smollm2_text_streamer_and_pipeline(smollm2, decode_steps, hf_log, capsy
     text = tokenizer.decode(ours[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     assert printed == stock_printed and printed.strip() == text.strip() and text.strip()
     assert reply == stock_reply and reply.strip()
+
+
+def test_right_padded_batch_falls_back_to_stock(tiny, hf_log):
+    """A right-padded batch (a user mistake transformers warns about) is not decoded on the fast path,
+    which assumes left padding: transformers' loop runs it, same tokens as stock, and the reason is logged."""
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=3)
+    # move each row's padding to the right
+    lengths = mask.sum(1)
+    right_ids = torch.full_like(ids, tiny.PAD)
+    right_mask = torch.zeros_like(mask)
+    for r, n in enumerate(lengths.tolist()):
+        right_ids[r, :n] = ids[r, ids.shape[1] - n:]
+        right_mask[r, :n] = 1
+    assert not bool(right_mask[:, -1].all()), "the batch must have a right-padded row"
+    stock = _generate(model, right_ids, right_mask, tiny.PAD, max_new_tokens=6)
+    ours = _accelerated(model)
+    assert torch.equal(_generate(ours, right_ids, right_mask, tiny.PAD, max_new_tokens=6), stock)
+    assert _messages(hf_log, "right-padded batch")

@@ -14,6 +14,11 @@ from hf_accel.cli import EXIT_USAGE, main
     (["generate", "--prompt", "   "], "--prompt is empty"),
     (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["generate", "--prompt", "hi", "--speculative", "prompt_lookup", "--draft-model", "x"], "not both"),
+    # checked before any model is loaded
+    (["generate", "--prompt", "hi", "--device", "tpu"], "--device must be cpu, cuda or cuda:N (got 'tpu')"),
+    (["generate", "--prompt", "hi", "--device", ""], "--device must be cpu, cuda or cuda:N (got '')"),
+    (["generate", "--prompt", "hi", "--json", "/nonexistent-dir/x.json"], "folder /nonexistent-dir does not exist"),
+    (["generate", "--prompt", "hi", "--draft-model", "/nonexistent-model"], "--draft-model '/nonexistent-model' does"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == EXIT_USAGE

@@ -197,7 +197,9 @@ def test_sampling_keeps_the_distribution(method, tiny):
 
 
 @pytest.mark.parametrize("option", ["assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"])
-def test_assisted_generation_arguments_take_the_speculative_path(option, tiny, hf_log):
+def test_assisted_generation_arguments_take_the_speculative_path(option, tiny, hf_log, monkeypatch):
+    import transformers.generation.utils as gen_utils
+
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny, lengths=(10,))
     value = {"assistant_model": truncated(model, 2), "prompt_lookup_num_tokens": 4, "assistant_early_exit": 2}[option]
@@ -205,8 +207,12 @@ def test_assisted_generation_arguments_take_the_speculative_path(option, tiny, h
     stock_assisted = greedy(model, ids, mask, tiny.PAD, eos_token_id=None, **{option: value})
     assert torch.equal(stock_assisted, stock_plain)
     ours = accelerate_model(copy.deepcopy(model))
+    warned = []
+    monkeypatch.setattr(gen_utils.logger, "warning_once", lambda msg, *a, **k: warned.append(str(msg)))
     out = greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, **{option: value})
     assert torch.equal(out, stock_plain)
+    # hf-accel's own handling must not trigger transformers' "generation_config together with kwargs" warning
+    assert not [w for w in warned if "together with generation-related" in w], warned
     stats = speculative_stats(ours)
     assert stats is not None and stats["verify_steps"] + stats["backed_off_steps"] > 0
     # batch > 1 (transformers' own assisted generation refuses it)
