@@ -41,6 +41,9 @@ import hf_accel.speculative.engine as eng  # noqa: E402
 from hf_accel.kernels.ngram_lookup import ngram_lookup_ref  # noqa: E402
 from hf_accel.speculative.engine import _KChooser, _candidates  # noqa: E402
 
+sys.path.insert(0, str(ROOT))
+from study_prompt_lookup import commit_count  # noqa: E402
+
 CATEGORIES = ("grounded-text", "grounded-code", "open-ended")
 DATA = ROOT / "results" / "study_prompt_lookup-cpu-20261201.json"
 EOS = {2}  # <|im_end|> of SmolLM2-Instruct (generation_config.eos_token_id); checked in main()
@@ -103,20 +106,18 @@ def variant(prior: float = 1 / 3, shrink: float = 2.0, decay: float = 0.9, fit_t
         per draft for prompt lookup, from the smallest measured k, so a k never tried stays overpriced);
     explore_every: every n-th drafting round uses k_max (positions past the chosen k are censored);
     ks: other candidates; fixed: adaptive=False (k = k_max always)."""
+    shrink_, decay_ = shrink, decay
+
     class V(_KChooser):
+        prior_hazard = prior
+        shrink = shrink_
+        decay = decay_
+
         def __init__(self, k_max, adaptive, draft_cost):
             super().__init__(k_max, adaptive and not fixed, draft_cost)
             if ks is not None and self.adaptive:
                 self.ks = list(ks)
             self.n_spec = 0
-
-        def expected_tokens(self, k: int) -> float:
-            total, survive, hazard = 1.0, 1.0, prior
-            for m in range(k):
-                hazard = (self.fails[m] + shrink * hazard) / (self.trials[m] + shrink)
-                survive *= 1.0 - hazard
-                total += survive
-            return total
 
         def time(self, k: int) -> float:
             if fit_time and k > 0 and k not in self.times:
@@ -134,19 +135,6 @@ def variant(prior: float = 1 / 3, shrink: float = 2.0, decay: float = 0.9, fit_t
                     return self.k_max, 1
             return k, r
 
-        def update(self, k, accepted_hist, seconds):
-            if k > 0 and any(accepted_hist):
-                self.trials = [decay * t for t in self.trials]
-                self.fails = [decay * f for f in self.fails]
-                for v, c in enumerate(accepted_hist[: k + 1]):
-                    if c:
-                        for m in range(min(v, k - 1) + 1):
-                            self.trials[m] += c
-                        if v < k:
-                            self.fails[v] += c
-            if seconds is not None:
-                old = self.times.get(k)
-                self.times[k] = seconds if old is None else 0.7 * old + 0.3 * seconds
     V.__name__ = name
     return V
 
@@ -200,14 +188,8 @@ def oracle(prompt, cont, table, tm: str, ks) -> dict:
         res = None
         for k in ks:
             n = min(table[j - 1], k) if k > 0 else 0
-            out = cont[j: j + k + 1]
-            count = n + 1
-            for i in range(count):
-                if out[i] in EOS:
-                    count = i + 1
-                    break
-            count = min(count, rem)
-            fin = any(t in EOS for t in out[:count]) or rem - count <= 0
+            count, fin = commit_count(cont[j: j + k + 1], n, rem, EOS)
+            fin = fin or rem - count <= 0
             tail = (0.0, j + count) if fin else best(j + count, rem - count)
             v = round_ms(tm, k) + tail[0]
             if res is None or v < res[0]:
@@ -249,14 +231,7 @@ def simulate(prompt, cont, table, policy_cls, tm: str, ahead: int = 1, none_firs
                     plain_rounds += 1
                 continue  # a finished row: the round runs, commits nothing, counts nothing
             n = min(table[j - 1], k) if k > 0 else 0
-            out = cont[j: j + k + 1]
-            count = n + 1
-            for i in range(count):
-                if out[i] in EOS:
-                    count = i + 1
-                    break
-            count = min(count, remaining)
-            finished = any(t in EOS for t in out[:count])
+            count, finished = commit_count(cont[j: j + k + 1], n, remaining, EOS)
             j += count
             remaining -= count
             active = not finished and remaining > 0

@@ -132,6 +132,19 @@ def _hits(seq: np.ndarray, length: int, n: int) -> np.ndarray:
     return np.flatnonzero((win == suffix).all(axis=1))
 
 
+def commit_count(out, n: int, remaining: int, eos) -> tuple[int, bool]:
+    """Tokens a verify step commits, as ``commit_tokens`` does: the ``n`` accepted drafts and the target's
+    next token (``out`` = the target's tokens from this position), cut after an EOS and at ``remaining``;
+    and whether the row finished on an EOS."""
+    count = n + 1
+    for i in range(count):
+        if out[i] in eos:
+            count = i + 1
+            break
+    count = min(count, remaining)
+    return count, any(t in eos for t in out[:count])
+
+
 def replay(prompt: list[int], cont: list[int], max_new: int, eos: set[int], k: int, proposer) -> dict:
     """The engine's rounds for one row, bs1: returns counters."""
     p = len(prompt)
@@ -148,13 +161,7 @@ def replay(prompt: list[int], cont: list[int], max_new: int, eos: set[int], k: i
         n = 0
         while n < len(drafts) and drafts[n] == out[n]:
             n += 1
-        count = n + 1
-        for i in range(count):
-            if out[i] in eos:
-                count = i + 1
-                break
-        count = min(count, remaining)
-        finished = any(t in eos for t in out[:count])
+        count, finished = commit_count(out, n, remaining, eos)
         length += count
         remaining -= count
         active = not finished and remaining > 0

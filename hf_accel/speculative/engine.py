@@ -57,6 +57,10 @@ class _KChooser:
     (the hazard falls along a copied span), which a single per-draft rate would miss. The expected tokens
     of a round with k drafts is ``1 + sum_{m=1..k} prod_{i<m} (1 - h(i))``."""
 
+    prior_hazard = 1.0 / 3.0  # before any round is seen
+    shrink = _SHRINK
+    decay = _DECAY
+
     def __init__(self, k_max: int, adaptive: bool, draft_cost: float):
         self.k_max = k_max
         self.adaptive = adaptive
@@ -68,11 +72,11 @@ class _KChooser:
         self.since_probe = 0
 
     def expected_tokens(self, k: int) -> float:
-        total, survive, hazard = 1.0, 1.0, 1.0 / 3.0
+        total, survive, hazard = 1.0, 1.0, self.prior_hazard
         for m in range(k):
-            # shrunk towards the previous position's hazard (1/3 before any data), so positions never
+            # shrunk towards the previous position's hazard (the prior before any data), so positions never
             # examined yet inherit what the last examined one showed
-            hazard = (self.fails[m] + _SHRINK * hazard) / (self.trials[m] + _SHRINK)
+            hazard = (self.fails[m] + self.shrink * hazard) / (self.trials[m] + self.shrink)
             survive *= 1.0 - hazard
             total += survive
         return total
@@ -108,8 +112,8 @@ class _KChooser:
     def update(self, k: int, accepted_hist: list[int], seconds: float | None) -> None:
         """``accepted_hist[v]``: rows that accepted exactly v of the round's k drafts."""
         if k > 0 and any(accepted_hist):
-            self.trials = [_DECAY * t for t in self.trials]
-            self.fails = [_DECAY * f for f in self.fails]
+            self.trials = [self.decay * t for t in self.trials]
+            self.fails = [self.decay * f for f in self.fails]
             for v, c in enumerate(accepted_hist[: k + 1]):
                 if c:
                     for m in range(min(v, k - 1) + 1):
