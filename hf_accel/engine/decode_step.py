@@ -83,7 +83,8 @@ DECODE_ATTENTION_STAGES = 3
 
 def fused_linear_supported(model, merged) -> str | None:
     """Why the fused step cannot use :func:`fused_linear` for this model (None if it can): it needs the
-    merged projections, plain ``nn.Linear`` o_proj / down_proj / lm_head and norms in the model's dtype."""
+    merged projections, a hidden size <= :data:`FUSED_LINEAR_MAX_HIDDEN`, plain ``nn.Linear`` o_proj /
+    down_proj and norms in the model's dtype."""
     if merged is None:
         return "projections not merged"
     if model.config.hidden_size > FUSED_LINEAR_MAX_HIDDEN:
