@@ -31,7 +31,9 @@ _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exi
 CACHE_KWARG = "cache" if "cache" in getattr(_gen_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
-def _skip_reason(model, args, kwargs) -> str | None:
+def _skip_reason(model, args, kwargs, assisted_handled: bool = False) -> str | None:
+    """Why ``generate`` keeps transformers' own loop and cache (None: hf-accel's path may run).
+    ``assisted_handled``: the call's assisted-generation options were turned into a speculative config."""
     gen_config = kwargs.get("generation_config") or model.generation_config
     if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
         return "the caller passed its own cache"
@@ -41,9 +43,9 @@ def _skip_reason(model, args, kwargs) -> str | None:
         return "use_cache=False"
     if (kwargs.get("num_beams") or getattr(gen_config, "num_beams", 1) or 1) > 1:
         return "beam search"
-    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") or getattr(
+    if not assisted_handled and (kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") or getattr(
         gen_config, "prompt_lookup_num_tokens", None
-    ) or kwargs.get("assistant_early_exit") or getattr(gen_config, "assistant_early_exit", None):
+    ) or kwargs.get("assistant_early_exit") or getattr(gen_config, "assistant_early_exit", None)):
         return "assisted generation"
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     if input_ids is None or input_ids.dim() != 2:
@@ -97,7 +99,8 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
 
     # A caller's generation config may carry the options too: pass a copy without them. (The model's own
     # generation config is not passed along: transformers would warn about a generation_config given with
-    # generation kwargs; _try_fast clears the options it re-applies.)
+    # generation kwargs. Its options are ignored by _skip_reason(assisted_handled=True) and cleared by
+    # _try_fast after transformers re-applies them.)
     if rest.get("generation_config") is not None:
         gc = copy.deepcopy(rest["generation_config"])
         gc.prompt_lookup_num_tokens = None
@@ -164,7 +167,7 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
     :func:`_skip_reason` applies."""
     call_spec, rest, assisted_reason = assisted_config(model, kwargs)
     if call_spec is not None and engine is not None:
-        reason = _skip_reason(model, args, rest)
+        reason = _skip_reason(model, args, rest, assisted_handled=True)
         out = None if reason is not None else _try_fast(model, engine, args, rest, speculative=call_spec)
         if out is not None:
             return out
