@@ -106,10 +106,10 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None):
 
         best = None
         if configs is None:
-            configs = [(64, 4, 2, None, 0)] if quick else list(itertools.product(
-                (32, 64, 128), (4, 8), (2, 3, 4), (None, 16, 32, 64, 128, 256), (0,)))
-        for block_n, warps, stages, splits, k_rows in configs:
-            kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, k_rows=bool(k_rows))
+            configs = [(64, 4, 2, None)] if quick else list(itertools.product(
+                (32, 64, 128), (4, 8), (2, 3, 4), (None, 16, 32, 64, 128, 256)))
+        for block_n, warps, stages, splits in configs:
+            kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
             try:
                 out = paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw)
             except Exception as e:  # a tiling the compiler rejects (e.g. out of shared memory)
@@ -118,7 +118,7 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None):
             err = (out.float() - ref).abs().max().item()
             assert err < 2e-2, f"ours {kw} error {err}"
             ms = time_ms(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw))
-            tag = f"n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}{'-krows' if k_rows else ''}"
+            tag = f"n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}"
             tbs = record("ours-sweep", ms, {"config": tag})
             if best is None or tbs > best[0]:
                 best = (tbs, tag, ms)
@@ -195,7 +195,7 @@ def main():
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     ap.add_argument("--skip-memory", action="store_true", help="bandwidth part only")
     ap.add_argument("--configs", default=None,
-                    help="sweep only these: 'block_n,warps,stages,splits|None,k_rows(0/1);...'")
+                    help="sweep only these: 'block_n,warps,stages,splits|None;...'")
     args = ap.parse_args()
     configs = None
     if args.configs:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from hf_accel.kernels import fused_linear as _fl
+from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
 from hf_accel.kernels.fused_linear import fused_linear
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
@@ -216,7 +216,7 @@ class DecodeStep:
         max_seq = block_table.shape[1] * self.block_size
         splits = num_splits if num_splits is not None else (self.num_splits if t == self.q_len else None)
         residual, delta = hidden, None
-        small = self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, _fl.MAX_ROWS)
+        small = self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
         for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm

@@ -29,6 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.rms_norm import rms_norm_ref
+from hf_accel.kernels.swiglu import swiglu_ref
+
 #: Most token rows the kernel takes (one row tile: every weight is read once). Larger inputs belong to
 #: cuBLAS, whose tensor-core tiles win once the matmul is no longer a pure weight stream.
 MAX_ROWS = 32
@@ -224,18 +227,16 @@ def fused_linear(
 
 def fused_linear_ref(x, weight, *, bias=None, norm_weight=None, eps=1e-6, residual=None, swiglu=False,
                      out_dtype=None):
-    """PyTorch reference of :func:`fused_linear`: transformers' RMSNorm, ``F.linear`` and SiLU * up."""
+    """PyTorch reference of :func:`fused_linear`: transformers' RMSNorm (:func:`~.rms_norm.rms_norm_ref`),
+    ``F.linear`` and SiLU * up (:func:`~.swiglu.swiglu_ref`)."""
     r_out = None
     if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps, residual)
         if residual is not None:
-            x = residual + x
-            r_out = x
-        xf = x.to(torch.float32)
-        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+            x, r_out = x
     y = torch.nn.functional.linear(x, weight, bias)
     if swiglu:
-        gate, up = y.chunk(2, dim=-1)
-        y = torch.nn.functional.silu(gate) * up
+        y = swiglu_ref(*y.chunk(2, dim=-1))
     if out_dtype is not None:
         y = y.to(out_dtype)
     return (y, r_out) if residual is not None else y

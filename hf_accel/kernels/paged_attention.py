@@ -49,7 +49,6 @@ def _paged_attention_kernel(
     HAS_KEY_MASK: tl.constexpr,
     SPLIT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    K_ROWS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -87,13 +86,8 @@ def _paged_attention_kernel(
         phys = tl.load(BlockTable + b64 * stride_tb + (offs_n // block_size) * stride_tn, mask=n_valid, other=0)
         phys = phys.to(tl.int64)
         slot = offs_n % block_size
-        if K_ROWS:
-            # K tile loaded as stored (token rows, head_dim contiguous) and transposed for the dot.
-            k = tl.trans(tl.load(KCache + phys[:, None] * stride_kb + slot[:, None] * stride_ks + kh_off
-                                 + offs_d[None, :] * stride_kd, mask=n_valid[:, None] & d_valid[None, :], other=0.0))
-        else:
-            k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
-                        + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+        k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
+                    + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
         if IEEE_DOT:
             s = tl.dot(q, k, input_precision="ieee")
         else:
@@ -202,7 +196,6 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    k_rows: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -225,8 +218,6 @@ def paged_attention(
             length is split, 3 otherwise (H200, GQA 32/8, D128, times in CUDA graphs, two runs:
             ``bench_decode-graph-sweep-20261201.json`` and ``bench_decode-20261201-9c13f98.json``: B1 S32k
             3.26 vs 3.09 TB/s, B16 S8k 3.78 vs 3.52 with 2 stages; B64 S2k, unsplit, 4.01 vs 2.84 with 3).
-        k_rows: load each K tile as stored ([keys, head_dim]) and transpose it in registers, instead of
-            loading it transposed (benchmark sweeps).
 
     Returns:
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
@@ -290,7 +281,7 @@ def paged_attention(
         q_len, head_dim, num_kv_heads, block_size, tokens_per_split,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
-        IEEE_DOT=query.dtype == torch.float32, K_ROWS=bool(k_rows),
+        IEEE_DOT=query.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

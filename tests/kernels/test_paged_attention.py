@@ -270,9 +270,3 @@ def test_argument_errors(bad):
     with pytest.raises(ValueError):
         paged_attention(q, kc, vc, table, lens, max_len, mask)
 
-
-@pytest.mark.parametrize("q_len,num_splits", [(1, 1), (3, 2)])
-def test_k_rows_tile_load_matches_reference(q_len, num_splits):
-    """The alternative K-tile load (as stored, transposed in registers) gives the same attention."""
-    case = Case([q_len + 20, 45, 33], 8, 2, q_len, 16, seed=5 + q_len)
-    case.check(num_splits=num_splits, block_n=16, k_rows=True)
