@@ -105,21 +105,30 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None):
                 print(f"{name} unavailable at B{B} S{S}: {str(e).splitlines()[0][:120]}")
 
         best = None
-        if configs is None:
-            configs = [(64, 4, 2, None)] if quick else list(itertools.product(
-                (32, 64, 128), (4, 8), (2, 3, 4), (None, 16, 32, 64, 128, 256)))
-        for block_n, warps, stages, splits in configs:
-            kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+        shape_configs = configs
+        if shape_configs is None:
+            shape_configs = [("gather", 64, 4, 2, None, 0)] if quick else (
+                [("gather", n, w, st, sp, fm) for n, w, st, sp, fm in itertools.product(
+                    (64,), (4,), (2, 3), (None,), (0, 1))]
+                + [("tma", 16, w, st, sp, fm) for w, st, sp, fm in itertools.product(
+                    (2, 4), (3, 4, 6), (None, 32, 128) if B == 1 else (None,), (0, 1))])
+        for variant, block_n, warps, stages, splits, fused in shape_configs:
+            kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, variant=variant,
+                      fused_merge=bool(fused))
             try:
                 out = paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw)
             except Exception as e:  # a tiling the compiler rejects (e.g. out of shared memory)
-                print(f"config {kw} failed: {type(e).__name__}")
+                print(f"config {kw} failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
                 continue
             err = (out.float() - ref).abs().max().item()
             assert err < 2e-2, f"ours {kw} error {err}"
             ms = time_ms(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw))
-            tag = f"n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}"
+            out2 = paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw)  # after many replays
+            assert (out2.float() - ref).abs().max().item() < 2e-2, f"ours {kw} wrong after timing"
+            tag = (f"{variant}-n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}"
+                   f"{'-fused' if fused else ''}")
             tbs = record("ours-sweep", ms, {"config": tag})
+            print(f"B{B} S{S} {tag:34} {tbs:6.2f} TB/s  {ms * 1e3:7.1f} us", flush=True)
             if best is None or tbs > best[0]:
                 best = (tbs, tag, ms)
         ms = time_ms(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S))
@@ -195,11 +204,12 @@ def main():
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     ap.add_argument("--skip-memory", action="store_true", help="bandwidth part only")
     ap.add_argument("--configs", default=None,
-                    help="sweep only these: 'block_n,warps,stages,splits|None;...'")
+                    help="sweep only these: 'variant,block_n,warps,stages,splits|None,fused;...'")
     args = ap.parse_args()
     configs = None
     if args.configs:
-        configs = [tuple(None if v == "None" else int(v) for v in c.split(",")) for c in args.configs.split(";")]
+        configs = [(c.split(",")[0], *(None if v == "None" else int(v) for v in c.split(",")[1:]))
+                   for c in args.configs.split(";")]
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     rows = []
     table = bench_bandwidth(rows, quick=args.quick, eager=args.eager, configs=configs)
