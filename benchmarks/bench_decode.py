@@ -108,13 +108,15 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None):
         shape_configs = configs
         if shape_configs is None:
             shape_configs = [("gather", 64, 4, 2, None, 0)] if quick else (
-                [("gather", n, w, st, sp, fm) for n, w, st, sp, fm in itertools.product(
-                    (64,), (4,), (2, 3), (None,), (0, 1))]
-                + [("tma", 16, w, st, sp, fm) for w, st, sp, fm in itertools.product(
-                    (2, 4), (3, 4, 6), (None, 32, 128) if B == 1 else (None,), (0, 1))])
-        for variant, block_n, warps, stages, splits, fused in shape_configs:
+                [("gather", 64, 4, st, None, pf) for st, pf in ((2, 0), (3, 0), (2, 2), (3, 2), (1, 2))]
+                + [("gather", 64, 8, st, None, 2) for st in (1, 2)]
+                + [("gather", 64, 4, 2, sp, pf) for sp in ((32, 96, 128) if B == 1 else ()) for pf in (0, 2)]
+                + [("tma", 16, w, st, sp, 0) for w, st, sp in itertools.product(
+                    (1, 2), (6, 8, 12), (None, 128) if B == 1 else (None,))])
+        for variant, block_n, warps, stages, splits, opts in shape_configs:
+            # opts bits: 1 = in-kernel split merge, 2 = register prefetch of the next K/V tile
             kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, variant=variant,
-                      fused_merge=bool(fused))
+                      fused_merge=bool(opts & 1), prefetch=bool(opts & 2))
             try:
                 out = paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw)
             except Exception as e:  # a tiling the compiler rejects (e.g. out of shared memory)
@@ -126,7 +128,7 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None):
             out2 = paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw)  # after many replays
             assert (out2.float() - ref).abs().max().item() < 2e-2, f"ours {kw} wrong after timing"
             tag = (f"{variant}-n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}"
-                   f"{'-fused' if fused else ''}")
+                   f"{'-fused' if opts & 1 else ''}{'-prefetch' if opts & 2 else ''}")
             tbs = record("ours-sweep", ms, {"config": tag})
             print(f"B{B} S{S} {tag:34} {tbs:6.2f} TB/s  {ms * 1e3:7.1f} us", flush=True)
             if best is None or tbs > best[0]:
@@ -204,7 +206,7 @@ def main():
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     ap.add_argument("--skip-memory", action="store_true", help="bandwidth part only")
     ap.add_argument("--configs", default=None,
-                    help="sweep only these: 'variant,block_n,warps,stages,splits|None,fused;...'")
+                    help="sweep only these: 'variant,block_n,warps,stages,splits|None,opts;...' (opts: 1 fused merge, 2 prefetch)")
     args = ap.parse_args()
     configs = None
     if args.configs:

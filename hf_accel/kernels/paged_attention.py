@@ -128,6 +128,19 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, offs_n, n_valid, row_valid, q_p
 
 
 @triton.jit
+def _gather_kv(KCache, VCache, phys, offs_n, end, offs_d, d_valid, kh_off, vh_off, block_size,
+               stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd):
+    """K tile [BLOCK_D, BLOCK_N] and V tile [BLOCK_N, BLOCK_D] of logical keys ``offs_n`` (0 past ``end``)."""
+    n_valid = offs_n < end
+    slot = offs_n % block_size
+    k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
+                + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+    v = tl.load(VCache + phys[:, None] * stride_vb + slot[:, None] * stride_vs + vh_off
+                + offs_d[None, :] * stride_vd, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, KCache, VCache, BlockTable, SeqLens, KeyMask, Out, PartOut, PartLse, Locks,
     sm_scale_log2,
@@ -150,6 +163,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Pointer-gather variant: every key row of a ``BLOCK_N`` tile is addressed through its block's id."""
     pid_m = tl.program_id(0)
@@ -182,16 +196,29 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kh_off = kv_head.to(tl.int64) * stride_kh
     vh_off = kv_head.to(tl.int64) * stride_vh
+    table = BlockTable + b64 * stride_tb
+    offs_t = tl.arange(0, BLOCK_N)
+    # block ids of the first tile; each iteration loads the next tile's ids (and with PREFETCH its K/V
+    # too) before computing on the current one, so the dependent id -> K/V load chain overlaps compute
+    phys = tl.load(table + ((start + offs_t) // block_size) * stride_tn, mask=start + offs_t < end,
+                   other=0).to(tl.int64)
+    if PREFETCH:
+        k_nxt, v_nxt = _gather_kv(KCache, VCache, phys, start + offs_t, end, offs_d, d_valid, kh_off, vh_off,
+                                  block_size, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd)
     for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = start_n + offs_t
         n_valid = offs_n < end
-        phys = tl.load(BlockTable + b64 * stride_tb + (offs_n // block_size) * stride_tn, mask=n_valid, other=0)
-        phys = phys.to(tl.int64)
-        slot = offs_n % block_size
-        k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
-                    + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-        v = tl.load(VCache + phys[:, None] * stride_vb + slot[:, None] * stride_vs + vh_off
-                    + offs_d[None, :] * stride_vd, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        cur = phys
+        nxt_n = offs_n + BLOCK_N
+        phys = tl.load(table + (nxt_n // block_size) * stride_tn, mask=nxt_n < end, other=0).to(tl.int64)
+        if PREFETCH:
+            k, v = k_nxt, v_nxt
+            k_nxt, v_nxt = _gather_kv(KCache, VCache, phys, nxt_n, end, offs_d, d_valid, kh_off, vh_off,
+                                      block_size, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                                      stride_vd)
+        else:
+            k, v = _gather_kv(KCache, VCache, cur, offs_n, end, offs_d, d_valid, kh_off, vh_off, block_size,
+                              stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd)
         km = n_valid
         if HAS_KEY_MASK:
             km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
@@ -260,8 +287,10 @@ def _paged_attention_tma_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     col = kv_head * HEAD_DIM
     table = BlockTable + b64 * stride_tb
+    nxt = tl.load(table + (start // BLOCK_SIZE) * stride_tn, mask=start < end, other=0)
     for start_n in range(start, end, BLOCK_SIZE):
-        phys = tl.load(table + (start_n // BLOCK_SIZE) * stride_tn)
+        phys = nxt  # this block's id was loaded one iteration ahead
+        nxt = tl.load(table + (start_n // BLOCK_SIZE + 1) * stride_tn, mask=start_n + BLOCK_SIZE < end, other=0)
         offs_n = start_n + tl.arange(0, BLOCK_SIZE)
         n_valid = offs_n < end
         k = k_desc.load([phys * BLOCK_SIZE, col])  # [BLOCK_SIZE, HEAD_DIM]
@@ -338,6 +367,7 @@ def paged_attention(
     num_stages: int | None = None,
     variant: str | None = None,
     fused_merge: bool | None = None,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -451,7 +481,7 @@ def paged_attention(
             *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
             *out.stride(), *p_strides, *l_strides,
             q_len, head_dim, num_kv_heads, block_size, tokens_per_split, num_splits,
-            BLOCK_N=block_n, BLOCK_D=block_d, **common,
+            BLOCK_N=block_n, BLOCK_D=block_d, PREFETCH=bool(prefetch), **common,
         )
     if split and not fused_merge:
         out_rows = out.view(batch * q_len * num_heads, head_dim) if out.is_contiguous() else None

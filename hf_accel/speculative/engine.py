@@ -20,6 +20,11 @@ expected tokens per round is ``(1 - a^(k+1)) / (1 - a)`` (Leviathan et al. 2023,
 round uses the k in ``{0, 1, 2, 4, ..., k_max}`` with the most expected tokens per second, with round
 times measured on this machine (a prior until measured). ``k = 0`` is plain decoding ("backed off"); every
 16th backed-off round probes the best ``k > 0`` again so the estimate can recover.
+
+*A draft model while backed off.* Plain rounds do not run the draft model: its paged cache lags behind
+the committed tokens and is caught up by one forward over a fixed window of the last committed tokens
+right before the next round that drafts (:meth:`SpeculativeEngine._catch_up_inputs` says why the window
+is exact).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.kernels.commit_tokens import commit_tokens, commit_tokens_ref
 from hf_accel.speculative.verify import rejection_sample, sample
 
-_PROBE_EVERY = 16  # plain rounds between probes while backed off
+_PROBE_EVERY = 16  # plain rounds between probes while backed off (also the most plain rounds in a row)
 _PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
 _DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
 _SHRINK = 2.0  # pseudo-rounds of the previous position's hazard in each position's estimate
@@ -55,9 +60,13 @@ class _KChooser:
     first m were accepted), estimated from the rounds' histograms of accepted counts (censored at the k
     used; recent rounds weigh more). Drafts copied by prompt lookup tend to be all right or wrong at once
     (the hazard falls along a copied span), which a single per-draft rate would miss. The expected tokens
-    of a round with k drafts is ``1 + sum_{m=1..k} prod_{i<m} (1 - h(i))``."""
+    of a round with k drafts is ``1 + sum_{m=1..k} prod_{i<m} (1 - h(i))``.
+
+    Never more than :attr:`max_plain_run` plain rounds in a row: the window that catches a draft model's
+    cache up after plain rounds is sized by it."""
 
     prior_hazard = 1.0 / 3.0  # before any round is seen
+    max_plain_run = _PROBE_EVERY
     shrink = _SHRINK
     decay = _DECAY
 
@@ -96,16 +105,17 @@ class _KChooser:
 
     def choose(self, max_remaining: int) -> tuple[int, int]:
         """(k, rounds): the draft length of the next rounds and how many to run before the next host sync
-        (several plain rounds back to back while backed off, at most ``max_remaining``)."""
+        (several plain rounds back to back while backed off, at most ``max_remaining``, and never past
+        the next probe: so at most ``max_plain_run`` plain rounds between two rounds with k > 0)."""
         if not self.adaptive:
             return self.k_max, 1
         best = self._best(self.ks)
         if best > 0:
             return best, 1
-        if self.since_probe >= _PROBE_EVERY:
+        if self.since_probe >= self.max_plain_run:
             self.since_probe = 0
             return self._best(self.ks[1:]), 1
-        rounds = max(1, min(_PLAIN_BURST, max_remaining))
+        rounds = max(1, min(_PLAIN_BURST, max_remaining, self.max_plain_run - self.since_probe))
         self.since_probe += rounds
         return 0, rounds
 
@@ -223,13 +233,9 @@ class SpeculativeEngine:
         pos0 = st.lengths - 1 - st.starts
         x0 = st.tokens.gather(1, (st.lengths - 1)[:, None])
         draft_probs = None
-        if k == 0:
+        if k == 0:  # plain round; a draft model's cache lags until _catch_up_draft
             drafts = torch.zeros(b, 0, dtype=torch.long, device=dev)
             valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)
-            if self.config.method == "draft_model":
-                # keep the draft's cache complete through plain rounds (a draft round re-feeds only the
-                # last two committed tokens): feed it those two now, as a draft round would
-                self._draft_refeed(st, ctx)
         elif self.config.method == "prompt_lookup":
             drafts, valid = prompt_lookup(st.tokens, st.lengths, st.starts, k, self.config.max_ngram,
                                           self.config.min_ngram, use_kernel=ctx["kernels"])
@@ -257,26 +263,59 @@ class SpeculativeEngine:
                count_step=k > 0)
 
     @staticmethod
-    def _refeed_inputs(st: _State):
+    def _window_inputs(st: _State, width: int, end: torch.Tensor):
+        """Draft-model input over the ``width`` committed tokens before index ``end`` [b] of each row: ids [b,
+        width] int64, their rotary positions [b, width] int64 and the cache length before them [b] int32.
+
+        The window starts at ``end - width`` clamped at 0; a row with fewer tokens then also feeds tokens at
+        and past ``end`` (pad past its length), whose K/V land in slots past the row's length, masked out
+        and overwritten before they are read, like rejected drafts. Positions in the left padding are
+        clamped at 0 (masked keys). Rows of the batch bucket that hold no sequence have length 1."""
+        first = (end - width).clamp(min=0)
+        idx = first[:, None] + torch.arange(width, device=end.device)
+        pos = (idx - st.starts[:, None]).clamp(min=0)
+        return st.tokens.gather(1, idx), pos, first.to(torch.int32)
+
+    @classmethod
+    def _refeed_inputs(cls, st: _State):
         """The draft model's first input of a round: the last two committed tokens [b, 2], their positions and
         the cache length before them. Its cache then holds every committed token but the newest, whatever
-        the last round accepted. (Rows of the batch bucket that hold no sequence have length 1: clamped.)"""
-        idx = torch.stack([st.lengths - 2, st.lengths - 1], dim=1).clamp(min=0)
-        pos = (st.lengths - 2 - st.starts).clamp(min=0)[:, None] + torch.arange(2, device=st.lengths.device)
-        return st.tokens.gather(1, idx), pos, (st.lengths - 2).clamp(min=0).to(torch.int32)
+        the last round accepted: a round that drafted accepts n of k drafts and commits n + 1 tokens, and
+        its draft steps wrote K/V of all but the last draft, so at least the committed tokens but the two
+        newest are in the draft's cache after the round."""
+        return cls._window_inputs(st, 2, st.lengths)
 
-    def _draft_refeed(self, st: _State, ctx) -> None:
-        ids2, pos2, lens2 = self._refeed_inputs(st)
-        ctx["draft2"].forward_tokens(ids2, pos2, lens2, ctx["draft_block_table"], ctx["draft_key_mask"],
-                                     last_only=True)
+    @classmethod
+    def catch_up_width(cls, max_plain_run: int) -> int:
+        """Width of :meth:`_catch_up_inputs`' window: ``max_plain_run + 1``."""
+        return max_plain_run + 1
 
-    def _run_round(self, k: int, st: _State, ctx, key, replay: bool = True) -> bool:
-        """One round (a CUDA-graph replay once captured; with ``replay=False`` only the capture, leaving
-        ``st`` as it was). Returns True if the graph was captured now."""
+    @classmethod
+    def _catch_up_inputs(cls, st: _State, width: int):
+        """Catch-up input of a draft model whose cache lagged through plain rounds: the ``width`` committed
+        tokens before the newest (ids [b, width] int64, positions, cache length before them [b] int32).
+
+        Exact for every row, whatever its own gap: after a round that drafted (or after the prefill), the
+        draft's cache holds at least the committed tokens but the two newest (see :meth:`_refeed_inputs`);
+        each of the at most ``R = max_plain_run`` plain rounds since commits at most one token per row, so
+        at most the ``R + 2`` newest tokens are missing. The window (``R + 1`` tokens ending at the
+        newest-but-one) covers all but the newest, which the next round's re-feed writes. Rewriting K/V of
+        tokens already cached, at the same positions, writes the same values."""
+        return cls._window_inputs(st, width, st.lengths - 1)
+
+    def _catch_up_draft(self, st: _State, ctx) -> None:
+        """One draft-model forward over :meth:`_catch_up_inputs` (device work only; writes the draft's cache)."""
+        ids, pos, lens = self._catch_up_inputs(st, ctx["catch_up_width"])
+        ctx["draft_catch_up"].forward_tokens(ids, pos, lens, ctx["draft_block_table"], ctx["draft_key_mask"],
+                                             last_only=True)
+
+    def _run_graph(self, gkey, fn, st: _State, ctx, replay: bool = True) -> bool:
+        """``fn()`` (device work on ``st`` and the caches) as a CUDA-graph replay once captured under ``gkey``;
+        with ``replay=False`` only the capture, leaving ``st`` as it was. Returns True if captured now."""
         if not ctx["use_graph"]:
-            self._round(k, st, ctx)
+            fn()
             return False
-        graph = self.graphs.get((*key, k))
+        graph = self.graphs.get(gkey)
         captured = graph is None
         if captured:
             saved = st.snapshot()
@@ -284,16 +323,25 @@ class SpeculativeEngine:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile / pick kernels outside the graph; the state is restored after
-                    self._round(k, st, ctx)
+                    fn()
                     st.restore(saved)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._round(k, st, ctx)
-            self.graphs[(*key, k)] = graph
+                fn()
+            self.graphs[gkey] = graph
         if replay:
             graph.replay()
         return captured
+
+    def _run_round(self, k: int, st: _State, ctx, key, replay: bool = True) -> bool:
+        """One round (a CUDA-graph replay once captured; with ``replay=False`` only the capture, leaving
+        ``st`` as it was). Returns True if the graph was captured now."""
+        return self._run_graph((*key, k), lambda: self._round(k, st, ctx), st, ctx, replay)
+
+    def _run_catch_up(self, st: _State, ctx, key, replay: bool = True) -> bool:
+        """:meth:`_catch_up_draft` (a CUDA-graph replay once captured, as :meth:`_run_round`)."""
+        return self._run_graph((*key, "catch_up"), lambda: self._catch_up_draft(st, ctx), st, ctx, replay)
 
     # -- generate -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -324,6 +372,12 @@ class SpeculativeEngine:
 
         k_max = cfg.num_draft_tokens
         lookahead = k_max + 1
+        # a draft model that may back off catches up over a window of this width (its positions and slots
+        # must fit in every row's reserved blocks, for short generations too)
+        width = self.catch_up_width(_KChooser.max_plain_run)
+        catch_up = cfg.method == "draft_model"
+        if catch_up:
+            lookahead = max(lookahead, width - prompt_len - max_new)
         step, logits = fast.start(input_ids, attention_mask, max_new, lookahead=lookahead)
         cache = fast.cache
         draft_cache = None
@@ -345,6 +399,9 @@ class SpeculativeEngine:
                     raise RuntimeError("draft and target decode steps have different batch buckets")
                 ctx.update(draft_block_table=dstep.block_table, draft_key_mask=dstep.key_mask,
                            draft1=dstep, draft2=dfast._step_for(batch, dstep.max_blocks, q_len=2))
+                if catch_up:
+                    ctx.update(catch_up_width=width,
+                               draft_catch_up=dfast._step_for(batch, dstep.max_blocks, q_len=width))
             caches = (self.fast.cache, self.draft_fast.cache if self.draft_fast is not None else None)
             if self._graph_cache is None or any(a is not b for a, b in zip(caches, self._graph_cache)):
                 self.graphs.clear()  # graphs point at the pools of these caches and at the states
@@ -373,6 +430,11 @@ class SpeculativeEngine:
             if ctx["use_graph"]:  # capture every draft length the chooser may pick now, not mid-generation
                 for k in chooser.ks:
                     self._run_round(k, st, ctx, key, replay=False)
+                if catch_up and 0 in chooser.ks:
+                    self._run_catch_up(st, ctx, key, replay=False)
+            # plain rounds since the last round that drafted; a draft model's cache lags by at most that many
+            # tokens (+ 2) and is caught up before the next round that drafts
+            plain_run = 0
             ks: dict[int, int] = {}
             running, max_remaining = bool(st.active.any()), max_new - 1
             # On the GPU the host queues the next round before reading the previous one's counters (one
@@ -388,6 +450,13 @@ class SpeculativeEngine:
                 before = st.lengths[:batch].clone() if streamer is not None else None
                 t0 = time.perf_counter()
                 captured = False
+                if k == 0:
+                    plain_run += rounds
+                    assert plain_run <= chooser.max_plain_run, "plain rounds past the draft's catch-up window"
+                else:
+                    if catch_up and plain_run:  # counted in this round's time
+                        captured |= self._run_catch_up(st, ctx, key)
+                    plain_run = 0
                 for _ in range(rounds):
                     captured |= self._run_round(k, st, ctx, key)
                 pinned[slot].copy_(st.info, non_blocking=ctx["use_graph"])
