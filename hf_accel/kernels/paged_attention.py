@@ -163,7 +163,6 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """Pointer-gather variant: every key row of a ``BLOCK_N`` tile is addressed through its block's id."""
     pid_m = tl.program_id(0)
@@ -196,29 +195,12 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kh_off = kv_head.to(tl.int64) * stride_kh
     vh_off = kv_head.to(tl.int64) * stride_vh
-    table = BlockTable + b64 * stride_tb
-    offs_t = tl.arange(0, BLOCK_N)
-    # block ids of the first tile; each iteration loads the next tile's ids (and with PREFETCH its K/V
-    # too) before computing on the current one, so the dependent id -> K/V load chain overlaps compute
-    phys = tl.load(table + ((start + offs_t) // block_size) * stride_tn, mask=start + offs_t < end,
-                   other=0).to(tl.int64)
-    if PREFETCH:
-        k_nxt, v_nxt = _gather_kv(KCache, VCache, phys, start + offs_t, end, offs_d, d_valid, kh_off, vh_off,
-                                  block_size, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd)
     for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + offs_t
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
-        cur = phys
-        nxt_n = offs_n + BLOCK_N
-        phys = tl.load(table + (nxt_n // block_size) * stride_tn, mask=nxt_n < end, other=0).to(tl.int64)
-        if PREFETCH:
-            k, v = k_nxt, v_nxt
-            k_nxt, v_nxt = _gather_kv(KCache, VCache, phys, nxt_n, end, offs_d, d_valid, kh_off, vh_off,
-                                      block_size, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                                      stride_vd)
-        else:
-            k, v = _gather_kv(KCache, VCache, cur, offs_n, end, offs_d, d_valid, kh_off, vh_off, block_size,
-                              stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd)
+        phys = tl.load(BlockTable + b64 * stride_tb + (offs_n // block_size) * stride_tn, mask=n_valid, other=0)
+        k, v = _gather_kv(KCache, VCache, phys.to(tl.int64), offs_n, end, offs_d, d_valid, kh_off, vh_off,
+                          block_size, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd)
         km = n_valid
         if HAS_KEY_MASK:
             km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
@@ -367,7 +349,6 @@ def paged_attention(
     num_stages: int | None = None,
     variant: str | None = None,
     fused_merge: bool | None = None,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -481,7 +462,7 @@ def paged_attention(
             *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
             *out.stride(), *p_strides, *l_strides,
             q_len, head_dim, num_kv_heads, block_size, tokens_per_split, num_splits,
-            BLOCK_N=block_n, BLOCK_D=block_d, PREFETCH=bool(prefetch), **common,
+            BLOCK_N=block_n, BLOCK_D=block_d, **common,
         )
     if split and not fused_merge:
         out_rows = out.view(batch * q_len * num_heads, head_dim) if out.is_contiguous() else None
