@@ -285,8 +285,8 @@ class SpeculativeEngine:
         newest are in the draft's cache after the round."""
         return cls._window_inputs(st, 2, st.lengths)
 
-    @classmethod
-    def catch_up_width(cls, max_plain_run: int) -> int:
+    @staticmethod
+    def catch_up_width(max_plain_run: int) -> int:
         """Width of :meth:`_catch_up_inputs`' window: ``max_plain_run + 1``."""
         return max_plain_run + 1
 
