@@ -29,120 +29,8 @@ from hf_accel.kernels.attention import _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, a
 
 
 @triton.jit
-def _merge_row(PartOut, PartLse, out_ptrs, part_row, lse_row, stride_ps, stride_ls, num_splits, head_dim,
-               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CG: tl.constexpr):
-    """Merge one query row's split partials: ``out = sum_s 2^(lse_s - lse) * out_s`` (log2 domain)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_valid = offs_s < num_splits
-    if CG:  # written by other programs of this launch: read through L2, never a stale L1 line
-        lse = tl.load(PartLse + offs_s * stride_ls + lse_row, mask=s_valid, other=float("-inf"),
-                      cache_modifier=".cg")
-        parts = tl.load(PartOut + offs_s[:, None] * stride_ps + part_row + offs_d[None, :],
-                        mask=s_valid[:, None] & (offs_d[None, :] < head_dim), other=0.0, cache_modifier=".cg")
-    else:
-        lse = tl.load(PartLse + offs_s * stride_ls + lse_row, mask=s_valid, other=float("-inf"))
-        parts = tl.load(PartOut + offs_s[:, None] * stride_ps + part_row + offs_d[None, :],
-                        mask=s_valid[:, None] & (offs_d[None, :] < head_dim), other=0.0)
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptrs + offs_d, out.to(out_ptrs.dtype.element_ty), mask=offs_d < head_dim)
-
-
-@triton.jit
-def _finish(acc, m_i, l_i, q_pos, q_head, row_valid, offs_d, d_valid, b64, pid_m, pid_s, kv_head, lock_id,
-            q_len, head_dim, num_splits,
-            Out, PartOut, PartLse, Locks,
-            stride_ob, stride_om, stride_oh, stride_od,
-            stride_ps, stride_pb, stride_pm, stride_ph,
-            stride_ls, stride_lb, stride_lm,
-            GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-            SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr):
-    """Epilogue of both kernels. Unsplit: normalise and store. Split: store the partial output (normalised
-    within the split) and its log2-sum-exp2 (-inf where nothing was seen); with ``FUSED_MERGE`` the last
-    program of this (sequence, KV head, row block) to finish merges all splits' partials itself, instead
-    of a second kernel (the threadfence-reduction pattern: a barrier so that every thread's stores precede
-    one release/acquire counter increment; the counter is reset to 0 for the next launch)."""
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    io_mask = row_valid[:, None] & d_valid[None, :]
-    if SPLIT:
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        p_ptrs = (PartOut + pid_s * stride_ps + b64 * stride_pb + q_pos[:, None].to(tl.int64) * stride_pm
-                  + q_head[:, None].to(tl.int64) * stride_ph + offs_d[None, :])
-        tl.store(p_ptrs, out, mask=io_mask)
-        tl.store(PartLse + pid_s * stride_ls + b64 * stride_lb + q_pos.to(tl.int64) * stride_lm + q_head,
-                 lse, mask=row_valid)
-        if FUSED_MERGE:
-            tl.debug_barrier()
-            arrived = tl.atomic_add(Locks + lock_id, 1, sem="acq_rel")
-            if arrived == num_splits - 1:
-                n_rows = tl.minimum(BLOCK_M, q_len * GROUP - pid_m * BLOCK_M)
-                for r in range(0, n_rows):
-                    row = pid_m * BLOCK_M + r
-                    qp = (row // GROUP).to(tl.int64)
-                    qh = (kv_head * GROUP + row % GROUP).to(tl.int64)
-                    _merge_row(PartOut, PartLse,
-                               Out + b64 * stride_ob + qp * stride_om + qh * stride_oh,
-                               b64 * stride_pb + qp * stride_pm + qh * stride_ph,
-                               b64 * stride_lb + qp * stride_lm + qh,
-                               stride_ps, stride_ls, num_splits, head_dim, BLOCK_S, BLOCK_D, True)
-                tl.atomic_xchg(Locks + lock_id, 0)
-    else:
-        o_ptrs = (Out + b64 * stride_ob + q_pos[:, None].to(tl.int64) * stride_om
-                  + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od)
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=io_mask)
-
-
-@triton.jit
-def _online_softmax_step(q, k, v, m_i, l_i, acc, offs_n, n_valid, row_valid, q_pos, causal_shift, km,
-                         sm_scale_log2, IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
-                         IEEE_DOT: tl.constexpr):
-    """One K/V tile of FlashAttention-2's online softmax. ``k``: [BLOCK_D, BLOCK_N]; ``v``: [BLOCK_N, BLOCK_D]
-    (rows of invalid keys must be finite: they are zeroed by the caller or masked at load)."""
-    if IEEE_DOT:
-        s = tl.dot(q, k, input_precision="ieee")
-    else:
-        s = tl.dot(q, k)
-    s = s * sm_scale_log2
-    allowed = n_valid[None, :] & row_valid[:, None]
-    if IS_CAUSAL:
-        allowed = allowed & (offs_n[None, :] <= (q_pos[:, None] + causal_shift))
-    if HAS_KEY_MASK:
-        allowed = allowed & (km[None, :] != 0)
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if IEEE_DOT:
-        acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc += tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _gather_kv(KCache, VCache, phys, offs_n, end, offs_d, d_valid, kh_off, vh_off, block_size,
-               stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd):
-    """K tile [BLOCK_D, BLOCK_N] and V tile [BLOCK_N, BLOCK_D] of logical keys ``offs_n`` (0 past ``end``)."""
-    n_valid = offs_n < end
-    slot = offs_n % block_size
-    k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
-                + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-    v = tl.load(VCache + phys[:, None] * stride_vb + slot[:, None] * stride_vs + vh_off
-                + offs_d[None, :] * stride_vd, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-    return k, v
-
-
-@triton.jit
 def _paged_attention_kernel(
-    Q, KCache, VCache, BlockTable, SeqLens, KeyMask, Out, PartOut, PartLse, Locks,
+    Q, KCache, VCache, BlockTable, SeqLens, KeyMask, Out, PartOut, PartLse,
     sm_scale_log2,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -152,19 +40,16 @@ def _paged_attention_kernel(
     stride_ob, stride_om, stride_oh, stride_od,
     stride_ps, stride_pb, stride_pm, stride_ph,
     stride_ls, stride_lb, stride_lm,
-    q_len, head_dim, num_kv_heads, block_size, tokens_per_split, num_splits,
+    q_len, head_dim, num_kv_heads, block_size, tokens_per_split,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr,
     SPLIT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
-    """Pointer-gather variant: every key row of a ``BLOCK_N`` tile is addressed through its block's id."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -199,97 +84,51 @@ def _paged_attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
         phys = tl.load(BlockTable + b64 * stride_tb + (offs_n // block_size) * stride_tn, mask=n_valid, other=0)
-        k, v = _gather_kv(KCache, VCache, phys.to(tl.int64), offs_n, end, offs_d, d_valid, kh_off, vh_off,
-                          block_size, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd)
-        km = n_valid
+        phys = phys.to(tl.int64)
+        slot = offs_n % block_size
+        k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
+                    + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+        if IEEE_DOT:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * sm_scale_log2
+        allowed = n_valid[None, :] & row_valid[:, None]
+        if IS_CAUSAL:
+            allowed = allowed & (offs_n[None, :] <= (q_pos[:, None] + causal_shift))
         if HAS_KEY_MASK:
             km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, offs_n, n_valid, row_valid, q_pos,
-                                             causal_shift, km, sm_scale_log2, IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT)
+            allowed = allowed & (km[None, :] != 0)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(VCache + phys[:, None] * stride_vb + slot[:, None] * stride_vs + vh_off
+                    + offs_d[None, :] * stride_vd, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        if IEEE_DOT:
+            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
 
-    _finish(acc, m_i, l_i, q_pos, q_head, row_valid, offs_d, d_valid, b64, pid_m, pid_s, kv_head,
-            pid_bh * tl.num_programs(0) + pid_m, q_len, head_dim, num_splits,
-            Out, PartOut, PartLse, Locks,
-            stride_ob, stride_om, stride_oh, stride_od, stride_ps, stride_pb, stride_pm, stride_ph,
-            stride_ls, stride_lb, stride_lm, GROUP, BLOCK_M, BLOCK_D, BLOCK_S, SPLIT, FUSED_MERGE)
-
-
-@triton.jit
-def _paged_attention_tma_kernel(
-    Q, k_desc, v_desc, BlockTable, SeqLens, KeyMask, Out, PartOut, PartLse, Locks,
-    sm_scale_log2,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_tb, stride_tn,
-    stride_mb, stride_mn,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_ps, stride_pb, stride_pm, stride_ph,
-    stride_ls, stride_lb, stride_lm,
-    q_len, num_kv_heads, tokens_per_split, num_splits,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
-    SPLIT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-):
-    """Tensor-descriptor (TMA) variant: one tile = one cache block, [BLOCK_SIZE, HEAD_DIM] of K and of V
-    copied by the bulk tensor copy engine from the pools seen as [num_blocks * block_size,
-    num_kv_heads * head_dim]; key rows past the sequence are masked (scores) and zeroed (values)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    b = pid_bh // num_kv_heads
-    kv_head = pid_bh % num_kv_heads
-    b64 = b.to(tl.int64)
-    seq_len = tl.load(SeqLens + b)
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_pos = rows // GROUP
-    q_head = kv_head * GROUP + rows % GROUP
-    row_valid = q_pos < q_len
-    offs_d = tl.arange(0, HEAD_DIM)
-    d_valid = offs_d < HEAD_DIM
-    q = tl.load(Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
-                + q_pos[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_valid[:, None], other=0.0)
-
-    causal_shift = seq_len - q_len
-    start = pid_s * tokens_per_split
-    end = tl.minimum(seq_len, start + tokens_per_split)
-    if IS_CAUSAL:
-        last_pos = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
-        end = tl.minimum(end, last_pos + causal_shift + 1)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    col = kv_head * HEAD_DIM
-    table = BlockTable + b64 * stride_tb
-    nxt = tl.load(table + (start // BLOCK_SIZE) * stride_tn, mask=start < end, other=0)
-    for start_n in range(start, end, BLOCK_SIZE):
-        phys = nxt  # this block's id was loaded one iteration ahead
-        nxt = tl.load(table + (start_n // BLOCK_SIZE + 1) * stride_tn, mask=start_n + BLOCK_SIZE < end, other=0)
-        offs_n = start_n + tl.arange(0, BLOCK_SIZE)
-        n_valid = offs_n < end
-        k = k_desc.load([phys * BLOCK_SIZE, col])  # [BLOCK_SIZE, HEAD_DIM]
-        v = v_desc.load([phys * BLOCK_SIZE, col])
-        v = tl.where(n_valid[:, None], v, 0.0)
-        km = n_valid
-        if HAS_KEY_MASK:
-            km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
-        m_i, l_i, acc = _online_softmax_step(q, tl.trans(k), v, m_i, l_i, acc, offs_n, n_valid, row_valid,
-                                             q_pos, causal_shift, km, sm_scale_log2, IS_CAUSAL, HAS_KEY_MASK,
-                                             IEEE_DOT)
-
-    _finish(acc, m_i, l_i, q_pos, q_head, row_valid, offs_d, d_valid, b64, pid_m, pid_s, kv_head,
-            pid_bh * tl.num_programs(0) + pid_m, q_len, HEAD_DIM, num_splits,
-            Out, PartOut, PartLse, Locks,
-            stride_ob, stride_om, stride_oh, stride_od, stride_ps, stride_pb, stride_pm, stride_ph,
-            stride_ls, stride_lb, stride_lm, GROUP, BLOCK_M, HEAD_DIM, BLOCK_S, SPLIT, FUSED_MERGE)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    io_mask = row_valid[:, None] & d_valid[None, :]
+    if SPLIT:
+        # Partial output (normalised within the split) and its log2-sum-exp2; -inf where nothing was seen.
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        p_ptrs = (PartOut + pid_s * stride_ps + b64 * stride_pb + q_pos[:, None].to(tl.int64) * stride_pm
+                  + q_head[:, None].to(tl.int64) * stride_ph + offs_d[None, :])
+        tl.store(p_ptrs, out, mask=io_mask)
+        tl.store(PartLse + pid_s * stride_ls + b64 * stride_lb + q_pos.to(tl.int64) * stride_lm + q_head,
+                 lse, mask=row_valid)
+    else:
+        o_ptrs = (Out + b64 * stride_ob + q_pos[:, None].to(tl.int64) * stride_om
+                  + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -303,8 +142,18 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)  # flat (b, m, h) row
-    _merge_row(PartOut, PartLse, Out + r * stride_or, r * stride_pr, r, stride_ps, stride_ls, num_splits,
-               head_dim, BLOCK_S, BLOCK_D, False)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_valid = offs_s < num_splits
+    lse = tl.load(PartLse + offs_s * stride_ls + r, mask=s_valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    parts = tl.load(PartOut + offs_s[:, None] * stride_ps + r * stride_pr + offs_d[None, :],
+                    mask=s_valid[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + r * stride_or + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
 
 
 def _check(query, key_cache, value_cache, block_table, seq_lens, key_mask):
@@ -347,8 +196,6 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    variant: str | None = None,
-    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -425,46 +272,19 @@ def paged_attention(
         p_strides, l_strides = (0, 0, 0, 0), (0, 0, 0)
     if num_stages is None:
         num_stages = 2 if split else 3
-    if variant is None:
-        variant = "gather"
-    if variant not in ("gather", "tma"):
-        raise ValueError(f"variant must be 'gather' or 'tma', got {variant!r}")
-    if variant == "tma":
-        why = tma_unsupported(query, key_cache, value_cache)
-        if why:
-            raise ValueError(f"variant='tma' is not supported here: {why}")
-    if fused_merge is None:
-        fused_merge = False
-    locks = seq_lens  # unused unless the merge is fused
-    m_blocks_total = m_blocks * batch * num_kv_heads
-    if split and fused_merge:
-        locks = _split_locks(query.device, m_blocks_total)
-        if locks is None:  # capturing a CUDA graph before the counters exist: merge with the second kernel
-            fused_merge, locks = False, seq_lens
-    block_s = triton.next_power_of_2(num_splits)
     grid = (m_blocks, batch * num_kv_heads, num_splits)
-    common = dict(GROUP=group, BLOCK_M=block_m, BLOCK_S=block_s, IS_CAUSAL=bool(causal),
-                  HAS_KEY_MASK=key_mask is not None, SPLIT=split, FUSED_MERGE=bool(split and fused_merge),
-                  IEEE_DOT=query.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
-    if variant == "tma":
-        k_desc, v_desc = _descriptors(key_cache, value_cache)
-        _paged_attention_tma_kernel[grid](
-            query, k_desc, v_desc, block_table, seq_lens, mask_arg, out, part_out, part_lse, locks,
-            sm_scale * _LOG2E,
-            *query.stride(), *block_table.stride(), *stride_m, *out.stride(), *p_strides, *l_strides,
-            q_len, num_kv_heads, tokens_per_split, num_splits,
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **common,
-        )
-    else:
-        _paged_attention_kernel[grid](
-            query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse, locks,
-            sm_scale * _LOG2E,
-            *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
-            *out.stride(), *p_strides, *l_strides,
-            q_len, head_dim, num_kv_heads, block_size, tokens_per_split, num_splits,
-            BLOCK_N=block_n, BLOCK_D=block_d, **common,
-        )
-    if split and not fused_merge:
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
+        sm_scale * _LOG2E,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
+        *out.stride(), *p_strides, *l_strides,
+        q_len, head_dim, num_kv_heads, block_size, tokens_per_split,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
+        IEEE_DOT=query.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
         out_rows = out.view(batch * q_len * num_heads, head_dim) if out.is_contiguous() else None
         target = out_rows if out_rows is not None else torch.empty(batch * q_len * num_heads, head_dim,
                                                                    dtype=out.dtype, device=out.device)
@@ -472,57 +292,11 @@ def paged_attention(
             part_out, part_lse, target,
             part_out.stride(0), head_dim, part_lse.stride(0), target.stride(0),
             num_splits, head_dim,
-            BLOCK_S=block_s, BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
         )
         if out_rows is None:
             out.copy_(target.view(batch, q_len, num_heads, head_dim))
     return out
-
-
-_LOCKS: dict = {}
-
-
-def _split_locks(device: torch.device, n: int) -> torch.Tensor | None:
-    """Per-device int32 arrival counters of the fused split merge (zero between launches: the merging
-    program resets its own). Grown outside CUDA-graph capture only; None if capture needs a larger one."""
-    key = (device.type, device.index)
-    buf = _LOCKS.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _LOCKS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
-
-
-def tma_unsupported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:
-    """Why the tensor-descriptor (TMA) kernel cannot read these pools (None if it can): it needs contiguous
-    pools with 16-byte aligned rows, ``head_dim`` a power of 2 between 16 and 256 elements of >= 16 bytes,
-    ``block_size`` a power of 2 between 8 and 256, and a GPU of compute capability >= 9.0 (or Triton's
-    interpreter)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return "this Triton has no tensor descriptors"
-    if query.is_cuda and torch.cuda.get_device_capability(query.device)[0] < 9:
-        return "tensor-descriptor loads need compute capability >= 9.0"
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        return "the K/V pools are not contiguous"
-    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256 or head_dim * key_cache.element_size() < 16:
-        return f"head_dim {head_dim} is not a power of 2 in [16, 256] of >= 16 bytes"
-    if block_size & (block_size - 1) or not 8 <= block_size <= 256:
-        return f"block_size {block_size} is not a power of 2 in [8, 256]"
-    if key_cache.data_ptr() % 16 or value_cache.data_ptr() % 16:
-        return "the K/V pools are not 16-byte aligned"
-    return None
-
-
-def _descriptors(key_cache: torch.Tensor, value_cache: torch.Tensor):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    return tuple(TensorDescriptor.from_tensor(c.view(num_blocks * block_size, num_kv_heads * head_dim),
-                                              [block_size, head_dim]) for c in (key_cache, value_cache))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, row: int) -> torch.Tensor:
