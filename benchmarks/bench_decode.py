@@ -165,8 +165,11 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None):
         if configs is None:
             configs = [(64, 4, 2, None)] if quick else list(itertools.product(
                 (32, 64, 128), (4, 8), (2, 3, 4), (None, 16, 32, 64, 128, 256)))
-        for block_n, warps, stages, splits in configs:
+        for block_n, warps, stages, splits, *rest in configs:
+            chunk = rest[0] if rest else None  # chunk_tokens (0: block ids loaded by each tile)
             kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+            if chunk is not None:
+                kw["chunk_tokens"] = chunk
             try:
                 out = paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw)
             except Exception as e:  # a tiling the compiler rejects (e.g. out of shared memory)
@@ -176,6 +179,9 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None):
             assert err < 2e-2, f"ours {kw} error {err}"
             ms = time_ms(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw))
             tag = f"n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}"
+            if chunk is not None:
+                tag += f"-chunk{chunk}" if chunk else "-ids-in-loop"
+            print(f"B{B} S{S} {tag:34} {nbytes / (ms * 1e-3) / 1e12:6.2f} TB/s", flush=True)
             tbs = record("ours-sweep", ms, {"config": tag})
             if best is None or tbs > best[0]:
                 best = (tbs, tag, ms)
@@ -252,7 +258,7 @@ def main():
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     ap.add_argument("--skip-memory", action="store_true", help="bandwidth part only")
     ap.add_argument("--configs", default=None,
-                    help="sweep only these: 'block_n,warps,stages,splits|None;...'")
+                    help="sweep only these: 'block_n,warps,stages,splits|None[,chunk_tokens];...'")
     args = ap.parse_args()
     configs = None
     if args.configs:
