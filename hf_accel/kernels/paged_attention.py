@@ -29,6 +29,44 @@ from hf_accel.kernels.attention import _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, a
 
 
 @triton.jit
+def _attend_tile(q, KCache, VCache, KeyMask, phys, offs_n, end, m_i, l_i, acc, offs_d, d_valid, row_valid, q_pos,
+                 causal_shift, kh_off, vh_off, block_size, sm_scale_log2, b64,
+                 stride_ks, stride_kb, stride_kd, stride_vb, stride_vs, stride_vd, stride_mb, stride_mn,
+                 IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """One ``BLOCK_N`` tile of keys ``offs_n`` (valid below ``end``; key row n in block ``phys[n]``, slot
+    ``n % block_size``) folded into the online softmax (m_i, l_i, acc) of FlashAttention-2."""
+    n_valid = offs_n < end
+    slot = offs_n % block_size
+    k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
+                + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+    if IEEE_DOT:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * sm_scale_log2
+    allowed = n_valid[None, :] & row_valid[:, None]
+    if IS_CAUSAL:
+        allowed = allowed & (offs_n[None, :] <= (q_pos[:, None] + causal_shift))
+    if HAS_KEY_MASK:
+        km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
+        allowed = allowed & (km[None, :] != 0)
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = tl.load(VCache + phys[:, None] * stride_vb + slot[:, None] * stride_vs + vh_off
+                + offs_d[None, :] * stride_vd, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+    if IEEE_DOT:
+        acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, KCache, VCache, BlockTable, SeqLens, KeyMask, Out, PartOut, PartLse,
     sm_scale_log2,
@@ -50,7 +88,6 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     CHUNK_BLOCKS: tl.constexpr,
-    IDS_IN_LOOP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -83,57 +120,36 @@ def _paged_attention_kernel(
     kh_off = kv_head.to(tl.int64) * stride_kh
     vh_off = kv_head.to(tl.int64) * stride_vh
     table = BlockTable + b64 * stride_tb
-    if IDS_IN_LOOP:
-        chunk_tokens = tokens_per_split
-    else:
-        chunk_tokens = CHUNK_BLOCKS * block_size
-    # The split is walked in chunks of CHUNK_BLOCKS cache blocks: a chunk's block ids are loaded once,
-    # before its tile loop, and each tile picks its ids from registers (tl.gather). The tile loop then
-    # holds no load that feeds another load's address, so Triton's software pipeliner can keep
-    # num_stages - 1 K/V tiles in flight; with the id load inside the loop it keeps one (single-buffered
-    # K/V, measured on the H200 from the TTGIR).
-    for chunk_start in range(start, end, chunk_tokens):
-        chunk_end = tl.minimum(end, chunk_start + chunk_tokens)
-        first_block = chunk_start // block_size
-        offs_b = first_block + tl.arange(0, CHUNK_BLOCKS)
-        if not IDS_IN_LOOP:
-            ids = tl.load(table + offs_b * stride_tn, mask=offs_b * block_size < chunk_end, other=0)
-        for start_n in range(chunk_start, chunk_end, BLOCK_N):
+    if CHUNK_BLOCKS == 0:
+        # each tile loads its own block ids: Triton's pipeliner then puts the id load one stage ahead of
+        # K/V and keeps a single K/V buffer (small shared memory, more programs per SM)
+        for start_n in range(start, end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < chunk_end
-            if IDS_IN_LOOP:
-                phys = tl.load(table + (offs_n // block_size) * stride_tn, mask=n_valid, other=0).to(tl.int64)
-            else:
+            phys = tl.load(table + (offs_n // block_size) * stride_tn, mask=offs_n < end, other=0)
+            m_i, l_i, acc = _attend_tile(
+                q, KCache, VCache, KeyMask, phys.to(tl.int64), offs_n, end, m_i, l_i, acc, offs_d, d_valid,
+                row_valid, q_pos, causal_shift, kh_off, vh_off, block_size, sm_scale_log2, b64,
+                stride_ks, stride_kb, stride_kd, stride_vb, stride_vs, stride_vd, stride_mb, stride_mn,
+                IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT)
+    else:
+        # chunks of CHUNK_BLOCKS cache blocks: a chunk's block ids are loaded once, before its tile loop,
+        # and each tile picks its ids from registers (tl.gather); with no load feeding another load's
+        # address in the tile loop, the pipeliner keeps num_stages - 1 K/V tiles in flight
+        chunk_tokens = CHUNK_BLOCKS * block_size
+        for chunk_start in range(start, end, chunk_tokens):
+            chunk_end = tl.minimum(end, chunk_start + chunk_tokens)
+            first_block = chunk_start // block_size
+            offs_b = first_block + tl.arange(0, CHUNK_BLOCKS)
+            ids = tl.load(table + offs_b * stride_tn, mask=offs_b * block_size < chunk_end, other=0)
+            for start_n in range(chunk_start, chunk_end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
                 local = tl.minimum(offs_n // block_size - first_block, CHUNK_BLOCKS - 1)
-                phys = tl.gather(ids, local, 0).to(tl.int64)
-            slot = offs_n % block_size
-            k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
-                        + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-            if IEEE_DOT:
-                s = tl.dot(q, k, input_precision="ieee")
-            else:
-                s = tl.dot(q, k)
-            s = s * sm_scale_log2
-            allowed = n_valid[None, :] & row_valid[:, None]
-            if IS_CAUSAL:
-                allowed = allowed & (offs_n[None, :] <= (q_pos[:, None] + causal_shift))
-            if HAS_KEY_MASK:
-                km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
-                allowed = allowed & (km[None, :] != 0)
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = tl.load(VCache + phys[:, None] * stride_vb + slot[:, None] * stride_vs + vh_off
-                        + offs_d[None, :] * stride_vd, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-            if IEEE_DOT:
-                acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc += tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+                phys = tl.gather(ids, local, 0)
+                m_i, l_i, acc = _attend_tile(
+                    q, KCache, VCache, KeyMask, phys.to(tl.int64), offs_n, chunk_end, m_i, l_i, acc, offs_d,
+                    d_valid, row_valid, q_pos, causal_shift, kh_off, vh_off, block_size, sm_scale_log2, b64,
+                    stride_ks, stride_kb, stride_kd, stride_vb, stride_vs, stride_vd, stride_mb, stride_mn,
+                    IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -295,8 +311,7 @@ def paged_attention(
     if num_stages is None:
         num_stages = 2 if split else 3
     # cache blocks per chunk of the split whose ids are loaded at once (~1024 tokens; power of 2)
-    ids_in_loop = chunk_tokens == 0  # A/B only: the tile loop loads its own block ids
-    chunk_blocks = triton.next_power_of_2(max(1, triton.cdiv(chunk_tokens or 1, block_size)))
+    chunk_blocks = triton.next_power_of_2(triton.cdiv(chunk_tokens, block_size)) if chunk_tokens else 0
     grid = (m_blocks, batch * num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
@@ -306,7 +321,7 @@ def paged_attention(
         q_len, head_dim, num_kv_heads, block_size, tokens_per_split,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
-        IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, IDS_IN_LOOP=ids_in_loop,
+        IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
