@@ -163,8 +163,8 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None):
 
         best = None
         if configs is None:
-            configs = [(64, 4, 2, None)] if quick else list(itertools.product(
-                (32, 64, 128), (4, 8), (2, 3, 4), (None, 16, 32, 64, 128, 256)))
+            configs = [(64, 4, 3, None, None)] if quick else list(itertools.product(
+                (64,), (4,), (2, 3), (None, 2, 4, 32, 64), (None, 0)))
         for block_n, warps, stages, splits, *rest in configs:
             chunk = rest[0] if rest else None  # chunk_tokens (0: block ids loaded by each tile)
             kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)

@@ -68,10 +68,16 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
     bs = ids.shape[0]
     from hf_accel.engine import decode_step
 
+    from hf_accel.kernels import paged_attention as pa
+
     fused_rows = decode_step.FUSED_LINEAR_MAX_ROWS
+    chunk_tokens = pa.CHUNK_TOKENS
     if provider == "ours-unfused-linear":
         # A/B of the fused norm/linear/SwiGLU kernels: the same engine with RMSNorm + cuBLAS + SwiGLU.
         decode_step.FUSED_LINEAR_MAX_ROWS = 0
+    if provider == "ours-ids-per-tile":
+        # A/B of the paged kernel's block-id chunks: the same engine with ids loaded by each tile.
+        pa.CHUNK_TOKENS = 0
     if provider.startswith("ours"):
         hf_accel.accelerate_model(model)
     else:
@@ -107,6 +113,7 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
     if provider.startswith("ours"):
         hf_accel.revert_model(model)
     decode_step.FUSED_LINEAR_MAX_ROWS = fused_rows
+    pa.CHUNK_TOKENS = chunk_tokens
     return ref
 
 
@@ -133,7 +140,7 @@ def main():
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
     ap.add_argument("--providers", default="hf-eager,hf-sdpa,ours",
-                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear")
+                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile")
     args = ap.parse_args()
     providers = args.providers.split(",")
     rows, table = [], []

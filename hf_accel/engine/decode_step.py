@@ -75,9 +75,8 @@ def fused_supported(model) -> str | None:
 FUSED_LINEAR_MAX_ROWS = 16
 FUSED_LINEAR_MAX_HIDDEN = 2048
 
-#: Pipeline stages of the paged attention kernel inside the step: 3, the setting every end-to-end number
-#: (``bench_generate``, ``bench_speculative``) was measured with; the kernel's standalone default for split
-#: grids is now 2 (faster in ``bench_decode``), not yet measured end to end.
+#: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
+#: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
 
 

@@ -217,6 +217,15 @@ def _check(query, key_cache, value_cache, block_table, seq_lens, key_mask):
     return batch, num_heads, num_kv_heads, q_len, head_dim
 
 
+#: Tokens per chunk of block ids (see ``chunk_tokens``); 2048 measured 1-2% above 1024 at B16 S8k.
+CHUNK_TOKENS = 2048
+#: The chunked kernel is used when the grid has at most this many programs per SM (the shared memory of
+#: its double-buffered K/V lets 3 reside per H200 SM; with more programs the per-tile kernel's 4 win).
+CHUNKED_MAX_PROGRAMS_PER_SM = 3
+#: KV splits target about this many programs per SM (see ``num_splits``).
+SPLIT_PROGRAMS_PER_SM = 2
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -233,7 +242,7 @@ def paged_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -249,13 +258,18 @@ def paged_attention(
         key_mask: optional [batch, >= max_seq_len], bool/int — nonzero = logical key visible (padding).
         causal: bottom-right causal mask per sequence (see module docstring).
         sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
-        num_splits: KV partitions (FlashDecoding); default chosen from the grid size and ``max_seq_len``.
+        num_splits: KV partitions (FlashDecoding); default: about :data:`SPLIT_PROGRAMS_PER_SM` programs per
+            SM in all, each split holding >= 256 keys (1 on CPU).
         out: optional [batch, q_len, num_heads, head_dim] output buffer.
         block_n, num_warps, num_stages: kernel tiling overrides (benchmark sweeps); keys per tile
-            (power of 2 >= 16), default 64 (32 for head_dim > 128); pipeline stages default 2 when the KV
-            length is split, 3 otherwise (H200, GQA 32/8, D128, times in CUDA graphs, two runs:
-            ``bench_decode-graph-sweep-20261201.json`` and ``bench_decode-20261201-9c13f98.json``: B1 S32k
-            3.26 vs 3.09 TB/s, B16 S8k 3.78 vs 3.52 with 2 stages; B64 S2k, unsplit, 4.01 vs 2.84 with 3).
+            (power of 2 >= 16), default 64 (32 for head_dim > 128); pipeline stages default 3.
+        chunk_tokens: how the kernel finds each key's cache block. > 0: the split is walked in chunks of
+            about this many tokens whose block ids are loaded once per chunk (K/V double-buffered with 3
+            stages: ~70 KB of shared memory at D128, 3 programs per H200 SM); 0: each tile loads its own
+            ids (one K/V buffer, ~39 KB, 4 programs per SM). Default: :data:`CHUNK_TOKENS` when the grid
+            fits :data:`CHUNKED_MAX_PROGRAMS_PER_SM` programs per SM, else 0. H200, GQA 32/8, D128, bf16,
+            in CUDA graphs (``bench_decode-20261201-14a8eeb.json``): B1 S32k 3.35 vs 3.20 TB/s and B16 S8k
+            4.15 vs 3.78 chunked; B64 S2k (512 programs, unsplit) 4.02 per tile vs 3.30 chunked.
 
     Returns:
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
@@ -286,9 +300,10 @@ def paged_attention(
         if query.is_cuda:
             sms = torch.cuda.get_device_properties(query.device).multi_processor_count
             programs = batch * num_kv_heads * m_blocks
-            # H200 sweep (benchmarks/results/bench_decode-20261130.json): very small grids (B1, 8 KV heads)
-            # read fastest with ~4 programs per SM (2.56 vs 2.22 TB/s at S32k); mid-size grids with ~2.
-            want = triton.cdiv((4 if programs < 32 else 2) * sms, programs)
+            # ~2 programs per SM (rounded), H200 sweeps bench_decode-20261201-08e2e12 / -14a8eeb.json with
+            # the chunked kernel: B1 S32k 3.35 TB/s with 32 splits (2.80 / 3.18 / 3.26 / 2.74 with
+            # 24 / 40 / 48 / 64); B16 S8k 4.15 with 2 splits (4.12 with 3, 3.30 with 4)
+            want = max(1, (SPLIT_PROGRAMS_PER_SM * sms + programs // 2) // programs)
         else:
             want = 1
         num_splits = max(1, min(want, triton.cdiv(max(max_seq_len, 1), 256)))
@@ -309,8 +324,16 @@ def paged_attention(
         part_out, part_lse = out, seq_lens  # unused
         p_strides, l_strides = (0, 0, 0, 0), (0, 0, 0)
     if num_stages is None:
-        num_stages = 2 if split else 3
-    # cache blocks per chunk of the split whose ids are loaded at once (~1024 tokens; power of 2)
+        num_stages = 3
+    if chunk_tokens is None:
+        chunk_tokens = CHUNK_TOKENS
+        if query.is_cuda:
+            sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+            if m_blocks * batch * num_kv_heads * num_splits > CHUNKED_MAX_PROGRAMS_PER_SM * sms:
+                chunk_tokens = 0
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
+    # cache blocks per chunk whose ids are loaded at once (power of 2; 0 = ids loaded by each tile)
     chunk_blocks = triton.next_power_of_2(triton.cdiv(chunk_tokens, block_size)) if chunk_tokens else 0
     grid = (m_blocks, batch * num_kv_heads, num_splits)
     _paged_attention_kernel[grid](

@@ -179,6 +179,28 @@ def test_row_tiles_odd_block_sizes_and_head_dims(heads, q_len, block_size, head_
     case.check(mask, num_splits=num_splits, block_n=16)
 
 
+@pytest.mark.parametrize("chunk_tokens", [0, 24, 2048], ids=["ids-per-tile", "chunks-of-24", "chunks-of-2048"])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 32), (12, 24), (1, 32)], ids=["b16", "b12-d24", "b1"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_block_id_chunks(chunk_tokens, block_size, head_dim, q_len):
+    """Both ways of finding a key's block: ids loaded per tile, or per chunk of the split and gathered from
+    registers. Chunks of 24 tokens end inside a 16-key tile (block 12) and a split holds several chunks;
+    with block 1 every key has its own block."""
+    seq_lens = [131, 37, q_len + 4]
+    case = Case(seq_lens, 8, 2, q_len, block_size, head_dim=head_dim, seed=block_size + q_len)
+    mask = _left_pad_mask(seq_lens, [5, 0, 1])
+    out, _ = case.check(mask, num_splits=3, block_n=16, chunk_tokens=chunk_tokens)
+    if chunk_tokens:
+        ref, _ = case.check(mask, num_splits=3, block_n=16, chunk_tokens=0)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_negative_chunk_tokens_is_an_error():
+    case = Case([5, 9], 4, 2, 1, 16)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        paged_attention(*case.args(), chunk_tokens=-1)
+
+
 # --- key mask (left padding), fully masked rows -------------------------------------------------------
 
 
