@@ -156,13 +156,14 @@ def test_forced_splits_match_reference(heads, q_len, block_size, num_splits, mon
 
 
 def test_default_splits_on_long_sequence(monkeypatch):
-    """num_splits=None on CPU picks 1; forcing splits with the default tile size still matches."""
+    """num_splits=None picks 1 on CPU and splits this small grid (4 programs) on a GPU; forcing splits with
+    the default tile size still matches."""
     case = Case([300, 129], 8, 2, 1, 16, seed=11)
     spy = SplitSpy(monkeypatch)
     case.check()
-    assert spy.grids == []
+    assert len(spy.grids) == (1 if HAS_CUDA else 0)
     case.check(num_splits=3)
-    assert len(spy.grids) == 1
+    assert len(spy.grids) == (2 if HAS_CUDA else 1)
 
 
 @pytest.mark.parametrize(
