@@ -109,13 +109,13 @@ def _timer(eager: bool):
     return time_ms
 
 
-def bench_bandwidth(rows, quick=False, eager=False, configs=None):
+def bench_bandwidth(rows, quick=False, eager=False, configs=None, shapes=SHAPES):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     time_ms = _timer(eager)
 
     table = []
-    for B, S in SHAPES:
+    for B, S in shapes:
         g = torch.Generator(device="cuda").manual_seed(B * 100003 + S)
         blocks_per_seq = S // BLOCK
         num_blocks = B * blocks_per_seq
@@ -257,6 +257,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="no tiling sweep")
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA-graph replays")
     ap.add_argument("--skip-memory", action="store_true", help="bandwidth part only")
+    ap.add_argument("--shapes", default=None, help="only these (B, S): 'BxS,...', e.g. '1x32768'")
     ap.add_argument("--configs", default=None,
                     help="sweep only these: 'block_n,warps,stages,splits|None[,chunk_tokens];...'")
     args = ap.parse_args()
@@ -265,7 +266,8 @@ def main():
         configs = [tuple(None if v == "None" else int(v) for v in c.split(",")) for c in args.configs.split(";")]
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     rows = []
-    table = bench_bandwidth(rows, quick=args.quick, eager=args.eager, configs=configs)
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]
+    table = bench_bandwidth(rows, quick=args.quick, eager=args.eager, configs=configs, shapes=shapes)
     if args.skip_memory:
         write_results("bench_decode", rows, {"timing": "eager" if args.eager else "cuda_graph"})
         for B, S, prov, cfg, tbs in table:
