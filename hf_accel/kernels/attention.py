@@ -32,6 +32,42 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _dot(a, b, IEEE_DOT: tl.constexpr):
+    """``tl.dot`` in IEEE fp32 when ``IEEE_DOT`` (fp32 inputs), else Triton's default precision."""
+    if IEEE_DOT:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _tile_probs(q, k, offs_n, n_valid, row_valid, q_pos, causal_shift, KeyMask, b64, stride_mb, stride_mn,
+                m_i, l_i, acc, sm_scale_log2,
+                IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """Online-softmax step of one K tile (FlashAttention-2, Algorithm 1, lines 8-10): scores ``q @ k``
+    (``k``: [BLOCK_D, BLOCK_N]) in the log2 domain, masked (key validity, bottom-right causal, key mask),
+    the new running max, the tile's probabilities ``p`` [BLOCK_M, BLOCK_N] fp32, the running sum and the
+    rescaled accumulator. The caller adds ``p @ v``. Rows that have seen no valid key keep m = -inf (0 is
+    used as the shift so exp2 stays finite)."""
+    s = _dot(q, k, IEEE_DOT) * sm_scale_log2
+    allowed = n_valid[None, :] & row_valid[:, None]
+    if IS_CAUSAL:
+        allowed = allowed & (offs_n[None, :] <= (q_pos[:, None] + causal_shift))
+    if HAS_KEY_MASK:
+        km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
+        allowed = allowed & (km[None, :] != 0)
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return p, m_new, l_i, acc
+
+
+@triton.jit
 def _attention_fwd_kernel(
     Q, K, V, Out, KeyMask,
     sm_scale_log2,
@@ -87,33 +123,12 @@ def _attention_fwd_kernel(
         n_valid = offs_n < kv_len
         k = tl.load(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None] * stride_kd,
                     mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-        if IEEE_DOT:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * sm_scale_log2
-        allowed = n_valid[None, :] & row_valid[:, None]
-        if IS_CAUSAL:
-            allowed = allowed & (offs_n[None, :] <= (q_pos[:, None] + causal_shift))
-        if HAS_KEY_MASK:
-            km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
-            allowed = allowed & (km[None, :] != 0)
-        s = tl.where(allowed, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows that have seen no valid key keep m = -inf; use 0 as the shift so exp2 stays finite.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-
+        p, m_new, l_i, acc = _tile_probs(q, k, offs_n, n_valid, row_valid, q_pos, causal_shift, KeyMask, b64,
+                                         stride_mb, stride_mn, m_i, l_i, acc, sm_scale_log2,
+                                         IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT)
         v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
                     mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-        if IEEE_DOT:
-            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
+        acc += _dot(p.to(v.dtype), v, IEEE_DOT)
         m_i = m_new
 
     # Fully-masked rows: l == 0 -> output 0.

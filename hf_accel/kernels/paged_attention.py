@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.attention import _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, attention_ref
+from hf_accel.kernels.attention import _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref
 
 
 @triton.jit
@@ -39,30 +39,12 @@ def _attend_tile(q, KCache, VCache, KeyMask, phys, offs_n, end, m_i, l_i, acc, o
     slot = offs_n % block_size
     k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
                 + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-    if IEEE_DOT:
-        s = tl.dot(q, k, input_precision="ieee")
-    else:
-        s = tl.dot(q, k)
-    s = s * sm_scale_log2
-    allowed = n_valid[None, :] & row_valid[:, None]
-    if IS_CAUSAL:
-        allowed = allowed & (offs_n[None, :] <= (q_pos[:, None] + causal_shift))
-    if HAS_KEY_MASK:
-        km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
-        allowed = allowed & (km[None, :] != 0)
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+    p, m_new, l_i, acc = _tile_probs(q, k, offs_n, n_valid, row_valid, q_pos, causal_shift, KeyMask, b64,
+                                     stride_mb, stride_mn, m_i, l_i, acc, sm_scale_log2,
+                                     IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT)
     v = tl.load(VCache + phys[:, None] * stride_vb + slot[:, None] * stride_vs + vh_off
                 + offs_d[None, :] * stride_vd, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-    if IEEE_DOT:
-        acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc += tl.dot(p.to(v.dtype), v)
+    acc += _dot(p.to(v.dtype), v, IEEE_DOT)
     return m_new, l_i, acc
 
 

@@ -103,6 +103,17 @@ def window() -> int:
     return SpeculativeEngine.catch_up_width(_KChooser.max_plain_run)
 
 
+def force_schedule(monkeypatch, schedule):
+    """Make the chooser return ``schedule``'s (k, rounds) pairs in turn, cyclically."""
+    calls = []
+
+    def choose(self, max_remaining):
+        calls.append(schedule[len(calls) % len(schedule)])
+        return calls[-1]
+
+    monkeypatch.setattr(_KChooser, "choose", choose)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_backed_off_draft_model_runs_no_draft_forward(batch, tiny, monkeypatch):
     """A random draft for a random target: drafts are rejected, the adaptive chooser backs off and
@@ -140,14 +151,7 @@ def test_catch_up_window_covers_the_largest_gap(batch, tiny, monkeypatch):
     ids, mask = prompts(tiny, batch)
     eos = mid_eos(model, ids, mask, tiny.PAD) if batch > 1 else None
     stock = greedy(model, ids, mask, tiny.PAD, eos)
-    schedule = [(3, 1), (0, _PLAIN_BURST), (0, _KChooser.max_plain_run - _PLAIN_BURST)]
-    calls = []
-
-    def choose(self, max_remaining):
-        calls.append(schedule[len(calls) % len(schedule)])
-        return calls[-1]
-
-    monkeypatch.setattr(_KChooser, "choose", choose)
+    force_schedule(monkeypatch, [(3, 1), (0, _PLAIN_BURST), (0, _KChooser.max_plain_run - _PLAIN_BURST)])
     spy = DraftSpy(monkeypatch, draft, copy.deepcopy(draft))
     ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig(
         "draft_model", draft_model=draft, num_draft_tokens=3))
@@ -170,14 +174,7 @@ def test_catch_up_window_past_a_short_row(tiny, monkeypatch):
     with torch.no_grad():
         stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                pad_token_id=tiny.PAD, eos_token_id=None)
-    schedule = [(0, 2), (2, 1)]
-    calls = []
-
-    def choose(self, max_remaining):
-        calls.append(schedule[len(calls) % len(schedule)])
-        return calls[-1]
-
-    monkeypatch.setattr(_KChooser, "choose", choose)
+    force_schedule(monkeypatch, [(0, 2), (2, 1)])
     spy = DraftSpy(monkeypatch, draft, copy.deepcopy(draft))
     ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig(
         "draft_model", draft_model=draft, num_draft_tokens=2))
