@@ -135,6 +135,9 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if seq_len > tl.num_programs(2) * tokens_per_split:
+        # keys past the grid (max_seq_len < this seq_len): NaN rather than attention over a prefix
+        out = tl.full([BLOCK_M, BLOCK_D], float("nan"), dtype=tl.float32)
     io_mask = row_valid[:, None] & d_valid[None, :]
     if SPLIT:
         # Partial output (normalised within the split) and its log2-sum-exp2; -inf where nothing was seen.
@@ -204,6 +207,8 @@ CHUNK_TOKENS = 2048
 #: The chunked kernel is used when the grid has at most this many programs per SM (the shared memory of
 #: its double-buffered K/V lets 3 reside per H200 SM; with more programs the per-tile kernel's 4 win).
 CHUNKED_MAX_PROGRAMS_PER_SM = 3
+#: Most block ids held in registers per chunk (``chunk_tokens`` is capped to this many blocks).
+MAX_CHUNK_BLOCKS = 4096
 #: KV splits target about this many programs per SM (see ``num_splits``).
 SPLIT_PROGRAMS_PER_SM = 2
 
@@ -236,7 +241,8 @@ def paged_attention(
         block_table: [batch, max_blocks_per_seq], int32 — physical block ids in logical order; entries
             past a sequence's last block are never read.
         seq_lens: [batch], int32 — tokens in each sequence's cache, the ``q_len`` new ones included.
-        max_seq_len: host int >= max(seq_lens), sizes the split-KV grid without a device sync.
+        max_seq_len: host int >= max(seq_lens), sizes the split-KV grid without a device sync; rows whose
+            ``seq_lens`` exceeds what that grid covers come out NaN (never attention over a prefix).
         key_mask: optional [batch, >= max_seq_len], bool/int — nonzero = logical key visible (padding).
         causal: bottom-right causal mask per sequence (see module docstring).
         sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
@@ -246,7 +252,7 @@ def paged_attention(
         block_n, num_warps, num_stages: kernel tiling overrides (benchmark sweeps); keys per tile
             (power of 2 >= 16), default 64 (32 for head_dim > 128); pipeline stages default 3.
         chunk_tokens: how the kernel finds each key's cache block. > 0: the split is walked in chunks of
-            about this many tokens whose block ids are loaded once per chunk (K/V double-buffered with 3
+            about this many tokens (at most :data:`MAX_CHUNK_BLOCKS` blocks) whose block ids are loaded once per chunk (K/V double-buffered with 3
             stages: ~70 KB of shared memory at D128, 3 programs per H200 SM); 0: each tile loads its own
             ids (one K/V buffer, ~39 KB, 4 programs per SM). Default: :data:`CHUNK_TOKENS` when the grid
             fits :data:`CHUNKED_MAX_PROGRAMS_PER_SM` programs per SM, else 0. H200, GQA 32/8, D128, bf16,
@@ -257,7 +263,7 @@ def paged_attention(
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
 
     Raises:
-        ValueError: shape/dtype mismatches, head_dim > 256.
+        ValueError: shape/dtype mismatches, head_dim > 256, ``chunk_tokens`` not an int >= 0.
     """
     batch, num_heads, num_kv_heads, q_len, head_dim = _check(query, key_cache, value_cache, block_table,
                                                              seq_lens, key_mask)
@@ -313,10 +319,11 @@ def paged_attention(
             sms = torch.cuda.get_device_properties(query.device).multi_processor_count
             if m_blocks * batch * num_kv_heads * num_splits > CHUNKED_MAX_PROGRAMS_PER_SM * sms:
                 chunk_tokens = 0
-    if chunk_tokens < 0:
-        raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
+    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be an int >= 0, got {chunk_tokens!r}")
     # cache blocks per chunk whose ids are loaded at once (power of 2; 0 = ids loaded by each tile)
-    chunk_blocks = triton.next_power_of_2(triton.cdiv(chunk_tokens, block_size)) if chunk_tokens else 0
+    chunk_blocks = (min(MAX_CHUNK_BLOCKS, triton.next_power_of_2(triton.cdiv(chunk_tokens, block_size)))
+                    if chunk_tokens else 0)
     grid = (m_blocks, batch * num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,

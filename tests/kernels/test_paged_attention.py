@@ -196,10 +196,28 @@ def test_block_id_chunks(chunk_tokens, block_size, head_dim, q_len):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_negative_chunk_tokens_is_an_error():
+@pytest.mark.parametrize("bad", [-1, 2.5, True])
+def test_chunk_tokens_errors(bad):
     case = Case([5, 9], 4, 2, 1, 16)
     with pytest.raises(ValueError, match="chunk_tokens"):
-        paged_attention(*case.args(), chunk_tokens=-1)
+        paged_attention(*case.args(), chunk_tokens=bad)
+
+
+def test_huge_chunk_is_capped():
+    case = Case([40, 9], 4, 2, 1, 1)  # block 1: 10**9 tokens would be 10**9 blocks in registers
+    case.check(chunk_tokens=10**9, block_n=16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+def test_max_seq_len_below_a_row_gives_nan(num_splits):
+    """A max_seq_len smaller than a row's length cannot be checked on the host without a sync: that row
+    comes out NaN (not attention over a prefix of its keys); the other rows stay right."""
+    case = Case([300, 20], 4, 2, 1, 16, seed=3)
+    q, kc, vc, table, lens, _ = case.args()
+    out = paged_attention(q, kc, vc, table, lens, 64, num_splits=num_splits, block_n=16)
+    assert torch.isnan(out[0]).all()
+    ref = paged_attention_ref(q.double(), kc.double(), vc.double(), table, lens)
+    torch.testing.assert_close(out[1].double(), ref[1], rtol=1e-5, atol=1e-5)
 
 
 # --- key mask (left padding), fully masked rows -------------------------------------------------------
