@@ -60,7 +60,7 @@ def _paged_attention_kernel(
     stride_ob, stride_om, stride_oh, stride_od,
     stride_ps, stride_pb, stride_pm, stride_ph,
     stride_ls, stride_lb, stride_lm,
-    q_len, head_dim, num_kv_heads, block_size, tokens_per_split,
+    q_len, head_dim, num_kv_heads, block_size, tokens_per_split, table_len,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -91,7 +91,9 @@ def _paged_attention_kernel(
 
     causal_shift = seq_len - q_len
     start = pid_s * tokens_per_split
-    end = tl.minimum(seq_len, start + tokens_per_split)
+    # keys the grid and the block table cover; a longer seq_len is a caller error, answered with NaN below
+    covered = tl.minimum(tl.num_programs(2) * tokens_per_split, table_len * block_size)
+    end = tl.minimum(tl.minimum(seq_len, start + tokens_per_split), covered)
     if IS_CAUSAL:
         last_pos = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
         end = tl.minimum(end, last_pos + causal_shift + 1)
@@ -117,10 +119,10 @@ def _paged_attention_kernel(
         # chunks of CHUNK_BLOCKS cache blocks: a chunk's block ids are loaded once, before its tile loop,
         # and each tile picks its ids from registers (tl.gather); with no load feeding another load's
         # address in the tile loop, the pipeliner keeps num_stages - 1 K/V tiles in flight
-        chunk_tokens = CHUNK_BLOCKS * block_size
-        for chunk_start in range(start, end, chunk_tokens):
-            chunk_end = tl.minimum(end, chunk_start + chunk_tokens)
-            first_block = chunk_start // block_size
+        # (chunks are aligned to cache blocks: a split may start inside a block)
+        for first_block in range(start // block_size, tl.cdiv(end, block_size), CHUNK_BLOCKS):
+            chunk_start = tl.maximum(start, first_block * block_size)
+            chunk_end = tl.minimum(end, (first_block + CHUNK_BLOCKS) * block_size)
             offs_b = first_block + tl.arange(0, CHUNK_BLOCKS)
             ids = tl.load(table + offs_b * stride_tn, mask=offs_b * block_size < chunk_end, other=0)
             for start_n in range(chunk_start, chunk_end, BLOCK_N):
@@ -135,8 +137,7 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    if seq_len > tl.num_programs(2) * tokens_per_split:
-        # keys past the grid (max_seq_len < this seq_len): NaN rather than attention over a prefix
+    if seq_len > covered:  # NaN rather than attention over a prefix of the keys
         out = tl.full([BLOCK_M, BLOCK_D], float("nan"), dtype=tl.float32)
     io_mask = row_valid[:, None] & d_valid[None, :]
     if SPLIT:
@@ -241,8 +242,9 @@ def paged_attention(
         block_table: [batch, max_blocks_per_seq], int32 — physical block ids in logical order; entries
             past a sequence's last block are never read.
         seq_lens: [batch], int32 — tokens in each sequence's cache, the ``q_len`` new ones included.
-        max_seq_len: host int >= max(seq_lens), sizes the split-KV grid without a device sync; rows whose
-            ``seq_lens`` exceeds what that grid covers come out NaN (never attention over a prefix).
+        max_seq_len: host int >= max(seq_lens), sizes the split-KV grid without a device sync. Rows whose
+            ``seq_lens`` exceeds what that grid or the block table covers come out NaN (never attention
+            over a prefix, never a read past the table).
         key_mask: optional [batch, >= max_seq_len], bool/int — nonzero = logical key visible (padding).
         causal: bottom-right causal mask per sequence (see module docstring).
         sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
@@ -263,7 +265,9 @@ def paged_attention(
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
 
     Raises:
-        ValueError: shape/dtype mismatches, head_dim > 256, ``chunk_tokens`` not an int >= 0.
+        ValueError: shape/dtype mismatches (``out`` included), head_dim > 256, a ``key_mask`` narrower than
+            ``max_seq_len``, ``num_splits`` < 1, ``block_n`` not a power of 2 >= 16, ``chunk_tokens`` not an
+            int >= 0.
     """
     batch, num_heads, num_kv_heads, q_len, head_dim = _check(query, key_cache, value_cache, block_table,
                                                              seq_lens, key_mask)
@@ -273,8 +277,19 @@ def paged_attention(
         raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     group = num_heads // num_kv_heads
+    if key_mask is not None and key_mask.shape[1] < max_seq_len:
+        raise ValueError(f"key_mask has {key_mask.shape[1]} columns, fewer than max_seq_len={max_seq_len}")
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n!r}")
     if out is None:
         out = torch.empty(batch, q_len, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    elif (out.shape != (batch, q_len, num_heads, head_dim) or out.dtype != query.dtype
+          or out.device != query.device):
+        raise ValueError(f"out must be [batch={batch}, q_len={q_len}, num_heads={num_heads}, head_dim={head_dim}] "
+                         f"{query.dtype} on {query.device}; got {tuple(out.shape)} {out.dtype} on {out.device}")
     if batch == 0 or q_len == 0:
         return out
     block_size = key_cache.shape[1]
@@ -330,7 +345,7 @@ def paged_attention(
         sm_scale * _LOG2E,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
         *out.stride(), *p_strides, *l_strides,
-        q_len, head_dim, num_kv_heads, block_size, tokens_per_split,
+        q_len, head_dim, num_kv_heads, block_size, tokens_per_split, block_table.shape[1],
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
         IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks,

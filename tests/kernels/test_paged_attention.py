@@ -181,13 +181,14 @@ def test_row_tiles_odd_block_sizes_and_head_dims(heads, q_len, block_size, head_
 
 
 @pytest.mark.parametrize("chunk_tokens", [0, 24, 2048], ids=["ids-per-tile", "chunks-of-24", "chunks-of-2048"])
-@pytest.mark.parametrize("block_size,head_dim", [(16, 32), (12, 24), (1, 32)], ids=["b16", "b12-d24", "b1"])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 32), (12, 24), (1, 32), (128, 32)],
+                         ids=["b16", "b12-d24", "b1", "b128"])
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_block_id_chunks(chunk_tokens, block_size, head_dim, q_len):
     """Both ways of finding a key's block: ids loaded per tile, or per chunk of the split and gathered from
-    registers. Chunks of 24 tokens end inside a 16-key tile (block 12) and a split holds several chunks;
-    with block 1 every key has its own block."""
-    seq_lens = [131, 37, q_len + 4]
+    registers. Splits of 112 keys start inside a block of 12 or 128; chunks of 24 tokens end inside a
+    16-key tile (block 12) and a split holds several chunks; with block 1 every key has its own block."""
+    seq_lens = [300, 37, q_len + 4]
     case = Case(seq_lens, 8, 2, q_len, block_size, head_dim=head_dim, seed=block_size + q_len)
     mask = _left_pad_mask(seq_lens, [5, 0, 1])
     out, _ = case.check(mask, num_splits=3, block_n=16, chunk_tokens=chunk_tokens)
@@ -208,6 +209,7 @@ def test_huge_chunk_is_capped():
     case.check(chunk_tokens=10**9, block_n=16)
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # the interpreter's max over the NaN row
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
 def test_max_seq_len_below_a_row_gives_nan(num_splits):
     """A max_seq_len smaller than a row's length cannot be checked on the host without a sync: that row
@@ -218,6 +220,35 @@ def test_max_seq_len_below_a_row_gives_nan(num_splits):
     assert torch.isnan(out[0]).all()
     ref = paged_attention_ref(q.double(), kc.double(), vc.double(), table, lens)
     torch.testing.assert_close(out[1].double(), ref[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # the interpreter's max over the NaN row
+def test_seq_len_past_the_block_table_gives_nan():
+    """A seq_lens entry longer than its block table holds: NaN for that row, no read past the table."""
+    case = Case([40, 20], 4, 2, 1, 16, seed=4)
+    q, kc, vc, table, lens, _ = case.args()
+    lens = lens.clone()
+    lens[1] = 16 * table.shape[1] + 5
+    out = paged_attention(q, kc, vc, table, lens, int(lens.max()), block_n=16)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+
+
+@pytest.mark.parametrize("bad", ["out_shape", "out_dtype", "narrow_mask", "splits0", "block_n20", "block_n8"])
+def test_launcher_argument_errors(bad):
+    case = Case([5, 9], 4, 2, 1, 16)
+    kw, mask = {}, None
+    if bad == "out_shape":
+        kw["out"] = torch.empty(2, 1, 4, 16, device=DEVICE)
+    elif bad == "out_dtype":
+        kw["out"] = torch.empty(2, 1, 4, HEAD_DIM, dtype=torch.float16, device=DEVICE)
+    elif bad == "narrow_mask":
+        mask = torch.ones(2, 5, dtype=torch.bool, device=DEVICE)
+    elif bad == "splits0":
+        kw["num_splits"] = 0
+    else:
+        kw["block_n"] = int(bad.removeprefix("block_n"))
+    with pytest.raises(ValueError):
+        paged_attention(*case.args(), mask, **kw)
 
 
 # --- key mask (left padding), fully masked rows -------------------------------------------------------
