@@ -72,6 +72,8 @@ def _run_generate(args) -> int:
         raise CLIError("give either --speculative or --draft-model, not both")
     if args.json_out is not None:
         parent = os.path.dirname(os.path.abspath(args.json_out))
+        if os.path.isdir(args.json_out):
+            raise CLIError(f"--json {args.json_out}: is a folder; give a file path")
         if not os.path.isdir(parent):
             raise CLIError(f"--json {args.json_out}: folder {parent} does not exist")
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):

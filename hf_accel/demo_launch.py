@@ -16,12 +16,25 @@ DEMO_APP_ENV = "HF_ACCEL_DEMO_APP"
 EXIT_USAGE = 2
 
 
+def _port(text: str) -> int:
+    """argparse type of ``--port``: an int in 1..65535."""
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {port}")
+    return port
+
+
 def add_arguments(parser) -> None:
     """The options of ``hf-accel demo`` (the same as ``python demo/app.py``)."""
     parser.add_argument("--model", default=None,
                         help="local HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=7860, help="port (default: 7860)")
+    parser.add_argument("--port", type=_port, default=7860, help="port, 1-65535 (default: 7860)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="initial value of the slider (default: 32 on CPU, 128 on GPU)")

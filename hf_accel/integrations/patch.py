@@ -139,7 +139,7 @@ def accelerate_model(
 
             check_draft(hf_model, spec.draft_model)
     options = {"paged_cache": bool(paged_cache), "fast_decode": bool(fast_decode), "cuda_graphs": bool(cuda_graphs),
-               "block_size": block_size, "speculative": None if spec is None else spec.method}
+               "block_size": block_size, "speculative": None if spec is None else _describe(spec)}
     previous = getattr(hf_model, _STATE_ATTR, None)
     if previous is not None:
         if previous.get("options") != options:
@@ -170,6 +170,16 @@ def accelerate_model(
         "; LoRA adapters merged" if state["lora_merged"] else "",
     )
     return model
+
+
+def _describe(spec) -> str:
+    """A speculative config as compared between ``accelerate_model`` calls (the draft model by identity)."""
+    draft = spec.draft_model
+    fields = [f"method={spec.method!r}", f"num_draft_tokens={spec.num_draft_tokens}", f"adaptive={spec.adaptive}",
+              f"exit_layer={spec.exit_layer}", f"max_ngram={spec.max_ngram}", f"min_ngram={spec.min_ngram}"]
+    if draft is not None:
+        fields.append(f"draft_model={type(draft).__name__}@{id(draft):#x}")
+    return "SpeculativeConfig(" + ", ".join(fields) + ")"
 
 
 def revert_model(model):

@@ -18,11 +18,21 @@ from hf_accel.cli import EXIT_USAGE, main
     (["generate", "--prompt", "hi", "--device", "tpu"], "--device must be cpu, cuda or cuda:N (got 'tpu')"),
     (["generate", "--prompt", "hi", "--device", ""], "--device must be cpu, cuda or cuda:N (got '')"),
     (["generate", "--prompt", "hi", "--json", "/nonexistent-dir/x.json"], "folder /nonexistent-dir does not exist"),
+    (["generate", "--prompt", "hi", "--json", "/"], "--json /: is a folder"),
     (["generate", "--prompt", "hi", "--draft-model", "/nonexistent-model"], "--draft-model '/nonexistent-model' does"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == EXIT_USAGE
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "http"])
+def test_demo_port_out_of_range_is_a_usage_error(port, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--port", port])
+    assert exc.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "argument --port" in err and ("1..65535" in err or "not an integer" in err)
 
 
 @pytest.mark.slow

@@ -258,6 +258,23 @@ def test_streamer_gets_every_committed_token_once(tiny):
     assert any(p.numel() > 1 for p in rec.puts[1:])  # several tokens per verify step
 
 
+def test_accelerating_again_with_other_speculative_options_raises(tiny):
+    """Another draft model or other draft settings on an accelerated model raise (revert first); the same
+    options again are a no-op."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    draft = truncated(model, LAYERS)
+    spec = SpeculativeConfig("draft_model", draft_model=draft, num_draft_tokens=4)
+    ours = accelerate_model(copy.deepcopy(model), speculative=spec)
+    assert accelerate_model(ours, speculative=SpeculativeConfig("draft_model", draft_model=draft,
+                                                                num_draft_tokens=4)) is ours
+    for other in (SpeculativeConfig("draft_model", draft_model=truncated(model, LAYERS), num_draft_tokens=4),
+                  SpeculativeConfig("draft_model", draft_model=draft, num_draft_tokens=2),
+                  SpeculativeConfig("draft_model", draft_model=draft, num_draft_tokens=4, adaptive=False)):
+        with pytest.raises(ValueError, match="already accelerated"):
+            accelerate_model(ours, speculative=other)
+    revert_model(ours)
+
+
 def test_revert_removes_speculation(tiny):
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny)
