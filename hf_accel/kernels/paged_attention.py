@@ -8,7 +8,10 @@ in parallel, each producing a partial output and its log-sum-exp, then merges th
 
 K/V live in block pools [num_blocks, block_size, num_kv_heads, head_dim] addressed through a block
 table (PagedAttention, Kwon et al. 2023, §4.1); a ``BLOCK_N`` tile may span several blocks (each key row
-is gathered through its block's id), so the tile size does not depend on ``block_size``.
+is gathered through its block's id), so the tile size does not depend on ``block_size``. Block ids are
+either loaded by each tile, or once per chunk of ~2048 tokens and picked per tile from registers
+(``tl.gather``): then no load in the tile loop feeds another load's address and Triton's software
+pipeliner double-buffers K/V (``chunk_tokens`` of :func:`paged_attention` says when each is used).
 
 GQA packing: one program owns one KV head and the ``q_len * group`` query rows of its group (row
 ``r`` -> query position ``r // group``, head ``kv_head * group + r % group``), so every K/V block is
