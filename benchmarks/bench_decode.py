@@ -4,8 +4,10 @@ Part 1 (bandwidth): one query token per sequence, GQA 32/8, head_dim 128, bf16, 
 (B16, S8k), (B64, S2k). Ours: ``paged_attention`` on block pools (block_size 16, block table a random
 permutation so blocks are scattered); sdpa-flash: ``scaled_dot_product_attention`` with the flash
 backend on contiguous K/V. Metric: TB/s of K+V bytes read (2*B*S*H_kv*D*2 bytes / median time) and %
-of the 4.27 TB/s device-copy ceiling. A small sweep of our tiling (BLOCK_N, warps, stages, splits) runs
-in the same process; every configuration is checked against SDPA before it is timed.
+of the 4.27 TB/s device-copy ceiling. A small sweep of our tiling (BLOCK_N, warps, stages, splits, block-id
+chunking) runs in the same process; every configuration is checked against SDPA before it is timed. A
+read-only reference kernel (``_read_kv_kernel``) loads the same K/V on the same kind of grid and only sums
+it: what plain loads reach on each shape.
 
 Timing: ``REPS`` (10) back-to-back calls are captured in one CUDA graph and the graph replayed
 (``triton.testing.do_bench``, median, L2 flushed between replays); time per call = replay / ``REPS``, for
@@ -181,8 +183,8 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None, shapes=SHAPES)
             tag = f"n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}"
             if chunk is not None:
                 tag += f"-chunk{chunk}" if chunk else "-ids-in-loop"
-            print(f"B{B} S{S} {tag:34} {nbytes / (ms * 1e-3) / 1e12:6.2f} TB/s", flush=True)
             tbs = record("ours-sweep", ms, {"config": tag})
+            print(f"B{B} S{S} {tag:34} {tbs:6.2f} TB/s", flush=True)
             if best is None or tbs > best[0]:
                 best = (tbs, tag, ms)
         ms = time_ms(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S))

@@ -173,13 +173,18 @@ def accelerate_model(
 
 
 def _describe(spec) -> str:
-    """A speculative config as compared between ``accelerate_model`` calls (the draft model by identity)."""
-    draft = spec.draft_model
-    fields = [f"method={spec.method!r}", f"num_draft_tokens={spec.num_draft_tokens}", f"adaptive={spec.adaptive}",
-              f"exit_layer={spec.exit_layer}", f"max_ngram={spec.max_ngram}", f"min_ngram={spec.min_ngram}"]
-    if draft is not None:
-        fields.append(f"draft_model={type(draft).__name__}@{id(draft):#x}")
-    return "SpeculativeConfig(" + ", ".join(fields) + ")"
+    """A speculative config as compared between ``accelerate_model`` calls: every field, the draft model by
+    identity."""
+    import dataclasses
+
+    parts = []
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        if f.name == "draft_model" and value is not None:
+            parts.append(f"draft_model={type(value).__name__}@{id(value):#x}")
+        else:
+            parts.append(f"{f.name}={value!r}")
+    return "SpeculativeConfig(" + ", ".join(parts) + ")"
 
 
 def revert_model(model):

@@ -302,9 +302,9 @@ def paged_attention(
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
     m_blocks = triton.cdiv(rows, block_m)
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else None
     if num_splits is None:
         if query.is_cuda:
-            sms = torch.cuda.get_device_properties(query.device).multi_processor_count
             programs = batch * num_kv_heads * m_blocks
             # ~2 programs per SM (rounded), H200 sweeps bench_decode-20261201-08e2e12 / -14a8eeb.json with
             # the chunked kernel: B1 S32k 3.35 TB/s with 32 splits (2.80 / 3.18 / 3.26 / 2.74 with
@@ -334,7 +334,6 @@ def paged_attention(
     if chunk_tokens is None:
         chunk_tokens = CHUNK_TOKENS
         if query.is_cuda:
-            sms = torch.cuda.get_device_properties(query.device).multi_processor_count
             if m_blocks * batch * num_kv_heads * num_splits > CHUNKED_MAX_PROGRAMS_PER_SM * sms:
                 chunk_tokens = 0
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 0:
