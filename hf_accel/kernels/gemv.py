@@ -1,0 +1,228 @@
+"""Matrix-vector product for one decode token (``y = W x``), with RMSNorm (+ residual add) as a prologue
+and SwiGLU as an epilogue, built to overlap with the kernels around it.
+
+At batch 1 a decoder layer's projections are weight streams: the time of each is its weight bytes over
+the memory bandwidth plus a fixed cost (launch, ramp-up until enough loads are in flight, the tail of the
+last programs). On a Llama-3-8B-shaped layer the fixed cost is as large as the stream itself for the
+small projections (cuBLAS: q/k/v 2.26 TB/s, o 1.77 TB/s of the 4.27 TB/s copy ceiling). This kernel
+removes what it can of it:
+
+* many small programs (``BLOCK_N`` rows of ``W`` each, the whole ``K``), so every SM gets the same share
+  of rows in one wave;
+* no tensor cores: one row of ``x``, multiplied element-wise into a ``[BLOCK_N, BLOCK_K]`` float32
+  accumulator that is reduced once at the end;
+* *programmatic dependent launch* (Hopper, ``pdl=True``): the kernel asks the next kernel in the stream
+  to be launched at its start (``griddepcontrol.launch_dependents``), then loads its first weight tile
+  (weights are never written by the kernel before it) and only then waits for the previous kernel to
+  finish (``griddepcontrol.wait``) before it reads ``x`` or writes anything. The next projection's
+  launch and first loads thus overlap this one's tail. NVIDIA, CUDA C++ Programming Guide,
+  "Programmatic Dependent Launch and Synchronization".
+
+Rounding follows transformers' modules step by step (residual sum, normalised value, norm-weight product,
+projection output and SiLU rounded to the model dtype), as :mod:`.fused_linear` does; only the order of the
+float32 accumulation differs from cuBLAS.
+
+RMSNorm: Zhang & Sennrich 2019. SwiGLU: Shazeer 2020, "GLU Variants Improve Transformer".
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # triton >= 3.3 exposes grid dependency control; older versions run without PDL
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the installed triton
+    gdc_launch_dependents = gdc_wait = None
+
+#: Whether this triton can launch kernels with programmatic dependent launch at all.
+PDL_AVAILABLE = gdc_wait is not None
+
+
+@triton.jit
+def _x_tile(X, R, NormW, offs_k, k_ok, rstd, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The input row's elements ``offs_k`` as float32, after the residual add and RMSNorm (each rounded to
+    the input dtype as transformers rounds them)."""
+    dt = X.dtype.element_ty
+    x = tl.load(X + offs_k, mask=k_ok, other=0.0)
+    if RESIDUAL:
+        r = tl.load(R + offs_k, mask=k_ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+    if NORM:
+        nw = tl.load(NormW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        x = (nw * (x.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    X, R, NormW, W, Bias, Y, ROut,
+    N, K, up_offset, stride_wn,
+    eps,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dt = X.dtype.element_ty
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    if PDL:
+        gdc_launch_dependents()
+    # The first weight tile(s) before waiting: the previous kernel does not write weights.
+    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if SWIGLU:
+        wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+    if PDL:
+        gdc_wait()  # x, the residual and every output may belong to the previous kernel
+
+    rstd = 0.0
+    if NORM:
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            o = k0 + offs_k
+            om = o < K
+            x = tl.load(X + o, mask=om, other=0.0)
+            if RESIDUAL:
+                r = tl.load(R + o, mask=om, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+                if pid == 0:
+                    tl.store(ROut + o, x, mask=om)
+            xf = x.to(tl.float32)
+            ss += xf * xf
+        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+
+    x = _x_tile(X, R, NormW, offs_k, k_ok, rstd, NORM, RESIDUAL)
+    acc = w.to(tl.float32) * x[None, :]
+    if SWIGLU:
+        acc_up = wu.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        o = k0 + offs_k
+        om = o < K
+        wm = n_ok[:, None] & om[None, :]
+        w = tl.load(w_rows + o[None, :], mask=wm, other=0.0)
+        if SWIGLU:
+            wu = tl.load(w_rows + up_offset * stride_wn + o[None, :], mask=wm, other=0.0)
+        x = _x_tile(X, R, NormW, o, om, rstd, NORM, RESIDUAL)
+        acc += w.to(tl.float32) * x[None, :]
+        if SWIGLU:
+            acc_up += wu.to(tl.float32) * x[None, :]
+
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    out = y.to(dt)
+    if SWIGLU:
+        g = out.to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt)
+        out = (s.to(tl.float32) * tl.sum(acc_up, 1).to(dt).to(tl.float32)).to(dt)
+    tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=n_ok)
+
+
+def default_tiles(out_features: int, k: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[out_features, k]`` weight; see ``bench_gemv.py``."""
+    block_k = min(512, max(16, triton.next_power_of_2(k)))
+    return 8, block_k, 4
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    out_dtype: torch.dtype | None = None,
+    pdl: bool = False,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+):
+    """``y = f(g(x) @ weight.T + bias)`` for one token row, in one kernel.
+
+    ``g`` is the identity, or with ``norm_weight`` transformers' RMSNorm of ``x`` (of ``x + residual`` when
+    ``residual`` is given, that sum being returned too); ``f`` is the identity, or with ``swiglu``
+    ``silu(gate) * up`` where ``weight`` stacks the gate rows over the up rows.
+
+    Args:
+        x: [1, hidden], fp16/bf16/fp32, contiguous.
+        weight: [out_features, hidden] (``[2 * intermediate, hidden]`` with ``swiglu``), x's dtype,
+            contiguous last dimension.
+        bias: optional [out_features] (not with ``swiglu``).
+        norm_weight: optional [hidden] RMSNorm weight, x's dtype.
+        eps: the norm's variance epsilon.
+        residual: optional [1, hidden] added to ``x`` before the norm (needs ``norm_weight``).
+        swiglu: gate/up epilogue; the output has ``out_features // 2`` columns.
+        out_dtype: output dtype (default x's); the value is rounded to x's dtype first either way.
+        pdl: launch with programmatic dependent launch (CUDA, compute capability >= 9.0, a triton with
+            grid dependency control); ignored elsewhere. Safe next to any kernel: the kernel waits for
+            the previous one before it touches anything but ``weight``.
+        block_n, block_k, num_warps: tiling overrides (benchmark sweeps); ``block_n`` and ``block_k``
+            powers of two.
+
+    Returns:
+        ``y`` [1, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
+
+    Raises:
+        ValueError: ``x`` with more than one row, shape/dtype/stride mismatches, or a combination the
+            kernel does not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``).
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [1, hidden] and weight [out, hidden]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if x.shape[0] != 1:
+        raise ValueError(f"gemv takes one row, got {x.shape[0]} (use fused_linear or a matmul)")
+    k = x.shape[1]
+    if not x.is_contiguous() or weight.stride(1) != 1:
+        raise ValueError("x must be contiguous and weight needs a contiguous last dimension")
+    if weight.dtype != x.dtype or (norm_weight is not None and norm_weight.dtype != x.dtype):
+        raise ValueError(f"dtypes differ: x {x.dtype}, weight {weight.dtype}, "
+                         f"norm_weight {None if norm_weight is None else norm_weight.dtype}")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
+    if residual is not None:
+        if norm_weight is None:
+            raise ValueError("residual needs norm_weight (the sum feeds the norm)")
+        if residual.shape != x.shape or not residual.is_contiguous() or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} "
+                             f"{x.dtype} and be contiguous")
+    out_features = weight.shape[0]
+    if swiglu:
+        if bias is not None:
+            raise ValueError("bias is not supported with swiglu")
+        if out_features % 2:
+            raise ValueError(f"swiglu needs an even number of weight rows, got {out_features}")
+        out_features //= 2
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    d_n, d_k, d_w = default_tiles(out_features, k)
+    block_n, block_k, num_warps = block_n or d_n, block_k or d_k, num_warps or d_w
+    for name, v in (("block_n", block_n), ("block_k", block_k)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, got {v}")
+    y = torch.empty(1, out_features, dtype=out_dtype or x.dtype, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else y
+    pdl = bool(pdl and PDL_AVAILABLE and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    extra = {"launch_pdl": True} if pdl else {}
+    grid = (triton.cdiv(out_features, block_n),)
+    _gemv_kernel[grid](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else x, y, r_out,
+        out_features, k, out_features if swiglu else 0, weight.stride(0),
+        eps,
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
+        PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=1, **extra,
+    )
+    return (y, r_out) if residual is not None else y
