@@ -72,6 +72,13 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
 
     fused_rows = decode_step.FUSED_LINEAR_MAX_ROWS
     chunk_tokens = pa.CHUNK_TOKENS
+    gemv_one_row, gemv_pdl = decode_step.GEMV_ONE_ROW, decode_step.GEMV_PDL
+    if provider == "ours-no-gemv":
+        # A/B of the one-row GEMV path: the same engine with fused_linear / cuBLAS at batch 1.
+        decode_step.GEMV_ONE_ROW = False
+    if provider == "ours-gemv-no-pdl":
+        # A/B of programmatic dependent launch: the GEMV path launched plainly.
+        decode_step.GEMV_PDL = False
     if provider == "ours-unfused-linear":
         # A/B of the fused norm/linear/SwiGLU kernels: the same engine with RMSNorm + cuBLAS + SwiGLU.
         decode_step.FUSED_LINEAR_MAX_ROWS = 0
@@ -114,6 +121,7 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
         hf_accel.revert_model(model)
     decode_step.FUSED_LINEAR_MAX_ROWS = fused_rows
     pa.CHUNK_TOKENS = chunk_tokens
+    decode_step.GEMV_ONE_ROW, decode_step.GEMV_PDL = gemv_one_row, gemv_pdl
     return ref
 
 
@@ -140,7 +148,9 @@ def main():
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
     ap.add_argument("--providers", default="hf-eager,hf-sdpa,ours",
-                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile")
+                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile, ours-no-gemv, ours-gemv-no-pdl")
+    ap.add_argument("--bs-8b", default="1,8,32", help="batch sizes of the 8B-shaped model")
+    ap.add_argument("--bs-smollm2", default="1,16", help="batch sizes of SmolLM2")
     args = ap.parse_args()
     providers = args.providers.split(",")
     rows, table = [], []
@@ -149,7 +159,7 @@ def main():
         model = llama8b(args.tiny)
         wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         prompt, new = (512, 128) if not args.tiny else (16, 8)
-        for bs in ((1, 8, 32) if not args.tiny else (1, 2)):
+        for bs in (tuple(int(v) for v in args.bs_8b.split(",")) if not args.tiny else (1, 2)):
             g = torch.Generator(device=dev).manual_seed(bs)
             ids = torch.randint(0, model.config.vocab_size, (bs, prompt), device=dev, generator=g)
             run_model("llama3-8b-shape" if not args.tiny else "tiny-llama", model, ids, torch.ones_like(ids), new,
@@ -166,7 +176,7 @@ def main():
                   "with separate chaining."
         text = tok.apply_chat_template([{"role": "user", "content": passage}], tokenize=False,
                                        add_generation_prompt=True)
-        for bs in ((1, 16) if not args.tiny else (1,)):
+        for bs in (tuple(int(v) for v in args.bs_smollm2.split(",")) if not args.tiny else (1,)):
             enc = tok([text] * bs, return_tensors="pt").to(dev)
             run_model("smollm2-135m", model, enc["input_ids"], enc["attention_mask"], 128 if not args.tiny else 8,
                       rows, table, wbytes, providers)

@@ -31,6 +31,7 @@ import triton
 
 from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
 from hf_accel.kernels.fused_linear import fused_linear
+from hf_accel.kernels.gemv import gemv
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from hf_accel.kernels.rms_norm import rms_norm
@@ -75,18 +76,28 @@ def fused_supported(model) -> str | None:
 FUSED_LINEAR_MAX_ROWS = 16
 FUSED_LINEAR_MAX_HIDDEN = 2048
 
+#: Steps of one token row (batch 1 decode) run every matmul, the LM head included, through
+#: :func:`~hf_accel.kernels.gemv.gemv` (norm / SwiGLU fused in as with ``fused_linear``), launched with
+#: programmatic dependent launch on Hopper (:data:`GEMV_PDL`) so each projection's launch and first
+#: weight loads overlap the previous kernel's tail; False keeps fused_linear / cuBLAS there. H200, bf16,
+#: all matmuls of one Llama-3-8B-shaped token inside a CUDA graph (``bench_gemv-20261201-244e9b5.json``):
+#: cuBLAS (+ RMSNorm and SwiGLU kernels) 4.246 ms, gemv 4.102 ms, gemv with PDL 4.062 ms.
+GEMV_ONE_ROW = True
+GEMV_PDL = True
+
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
 
 
-def fused_linear_supported(model, merged) -> str | None:
-    """Why the fused step cannot use :func:`fused_linear` for this model (None if it can): it needs the
-    merged projections, a hidden size <= :data:`FUSED_LINEAR_MAX_HIDDEN`, plain ``nn.Linear`` o_proj /
-    down_proj and norms in the model's dtype."""
+def fused_linear_supported(model, merged, check_hidden: bool = True) -> str | None:
+    """Why the fused step cannot use :func:`fused_linear` (or, with ``check_hidden=False``, :func:`gemv`)
+    for this model (None if it can): it needs the merged projections, a hidden size <=
+    :data:`FUSED_LINEAR_MAX_HIDDEN` (fused_linear only), plain ``nn.Linear`` o_proj / down_proj and norms in
+    the model's dtype."""
     if merged is None:
         return "projections not merged"
-    if model.config.hidden_size > FUSED_LINEAR_MAX_HIDDEN:
+    if check_hidden and model.config.hidden_size > FUSED_LINEAR_MAX_HIDDEN:
         return f"hidden size {model.config.hidden_size} > {FUSED_LINEAR_MAX_HIDDEN} (cuBLAS is faster there)"
     inner = model.model
     dtype = inner.embed_tokens.weight.dtype
@@ -179,6 +190,11 @@ class DecodeStep:
         self._merged = value
         # Whether steps of few rows take the fused norm/linear/SwiGLU kernels (needs merged projections).
         self.small_linear = self.fused and fused_linear_supported(self.model, value) is None
+        # Whether one-row steps take gemv (any hidden size); the LM head too when it is a plain Linear.
+        self.gemv_linear = self.fused and fused_linear_supported(self.model, value, check_hidden=False) is None
+        head = self.model.lm_head
+        self.gemv_lm_head = self.gemv_linear and type(head) is torch.nn.Linear and \
+            head.weight.dtype == self.model.model.embed_tokens.weight.dtype
 
     # -- the step ---------------------------------------------------------------------------------
     def forward_tokens(self, input_ids, position_ids, cache_lens, block_table, key_mask,
@@ -215,12 +231,23 @@ class DecodeStep:
         max_seq = block_table.shape[1] * self.block_size
         splits = num_splits if num_splits is not None else (self.num_splits if t == self.q_len else None)
         residual, delta = hidden, None
-        small = self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
+        one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
+        small = not one_row and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
+        pdl = GEMV_PDL
         for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm
             mw = self.merged[layer_idx] if self.merged is not None else None
-            if small:
+            if one_row:
+                # Residual add + RMSNorm + Q/K/V in one kernel (hf_accel.kernels.gemv).
+                if delta is None:
+                    qkv = gemv(residual, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
+                               eps=ln.variance_epsilon, pdl=pdl)
+                else:
+                    qkv, residual = gemv(delta, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
+                                         eps=ln.variance_epsilon, residual=residual, pdl=pdl)
+                q, k, v = qkv.split(mw.qkv_split, dim=1)
+            elif small:
                 # Residual add + RMSNorm + Q/K/V in one kernel (hf_accel.kernels.fused_linear).
                 if delta is None:
                     qkv = fused_linear(residual, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
@@ -248,6 +275,12 @@ class DecodeStep:
                                 seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits,
                                 num_stages=DECODE_ATTENTION_STAGES)
             ln = layer.post_attention_layernorm
+            if one_row:
+                delta = gemv(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)
+                act, residual = gemv(delta, mw.gate_up_weight, norm_weight=ln.weight, eps=ln.variance_epsilon,
+                                     residual=residual, swiglu=True, pdl=pdl)
+                delta = gemv(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, pdl=pdl)
+                continue
             if small:
                 delta = fused_linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias)
                 act, residual = fused_linear(delta, mw.gate_up_weight, norm_weight=ln.weight, eps=ln.variance_epsilon,
@@ -267,6 +300,12 @@ class DecodeStep:
         elif last_only:
             delta, residual = delta.view(b, t, -1)[:, -1], residual.view(b, t, -1)[:, -1]
         norm = inner.norm
+        if one_row and self.gemv_lm_head:
+            # Final residual add + RMSNorm + LM head in one kernel; logits rounded to the dtype, then float32.
+            logits, _ = gemv(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
+                             norm_weight=norm.weight, eps=norm.variance_epsilon, residual=residual.contiguous(),
+                             out_dtype=torch.float32, pdl=pdl)
+            return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
         hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
         logits = model.lm_head(hidden).float()
         return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)

@@ -395,3 +395,23 @@ def test_right_padded_batch_falls_back_to_stock(tiny, hf_log):
     ours = _accelerated(model)
     assert torch.equal(_generate(ours, right_ids, right_mask, tiny.PAD, max_new_tokens=6), stock)
     assert _messages(hf_log, "right-padded batch")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_batch1_fused_step_runs_gemv(model_type, tiny, monkeypatch):
+    """Batch-1 decode steps of the fused step run every matmul, the LM head included, through gemv
+    (interpreter), and greedy output stays token-identical to stock in float32."""
+    from hf_accel.engine import decode_step
+
+    calls = []
+    original = decode_step.gemv
+    monkeypatch.setattr(decode_step, "gemv", lambda *a, **k: calls.append(k.get("swiglu", False)) or original(*a, **k))
+    model = tiny.model(model_type)
+    ids, mask = tiny.batch(seed=1)
+    ids, mask = ids[:1], mask[:1]
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None)
+    ours = _accelerated(model, fused=True)
+    out = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 5 * (4 * layers + 1) and calls.count(True) == 5 * layers  # 5 decode steps

@@ -1,0 +1,88 @@
+"""gemv (one token row; RMSNorm/residual prologue, SwiGLU/bias/float32 epilogues) against its PyTorch
+reference (:func:`~hf_accel.kernels.fused_linear.fused_linear_ref`, the same op for any row count)."""
+
+import pytest
+import torch
+
+from hf_accel.kernels.fused_linear import fused_linear_ref
+from hf_accel.kernels.gemv import gemv
+
+
+def _inputs(hidden, out, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, hidden, generator=g).to(dtype)
+    r = torch.randn(1, hidden, generator=g).to(dtype)
+    w = (torch.randn(out, hidden, generator=g) / hidden**0.5).to(dtype)
+    nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    b = torch.randn(out, generator=g).to(dtype)
+    return x, r, w, nw, b
+
+
+def _kwargs(mode, r, nw, b):
+    kw = {}
+    if mode == "bias":
+        kw["bias"] = b
+    if mode.startswith("norm"):
+        kw.update(norm_weight=nw, eps=1e-5)
+    if "residual" in mode:
+        kw["residual"] = r
+    if "swiglu" in mode:
+        kw["swiglu"] = True
+    if mode == "norm_f32":
+        kw["out_dtype"] = torch.float32
+    return kw
+
+
+# Widths not multiple of the K tile (333, 97) and output counts not multiple of the row block (50, 7).
+@pytest.mark.parametrize("hidden,out,tiles", [(64, 48, {}), (333, 50, {}), (97, 14, dict(block_n=4, block_k=32)),
+                                              (128, 7, dict(block_n=2, block_k=16, num_warps=2))])
+@pytest.mark.parametrize("mode", ["plain", "bias", "norm", "norm_residual", "norm_residual_swiglu", "norm_f32"])
+def test_matches_reference_fp32(hidden, out, tiles, mode):
+    if "swiglu" in mode and out % 2:
+        out += 1
+    x, r, w, nw, b = _inputs(hidden, out, torch.float32)
+    kw = _kwargs(mode, r, nw, b)
+    got = gemv(x, w, **kw, **tiles)
+    want = fused_linear_ref(x, w, **kw)
+    if "residual" in mode:
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        got, want = got[0], want[0]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_half_rounding_close_to_reference():
+    x, r, w, nw, _ = _inputs(128, 64, torch.float16, seed=1)
+    got, res = gemv(x, w, norm_weight=nw, eps=1e-6, residual=r, swiglu=True, block_k=32)
+    want, want_res = fused_linear_ref(x, w, norm_weight=nw, eps=1e-6, residual=r, swiglu=True)
+    assert torch.equal(res, want_res)
+    # Same roundings, different fp32 summation order: at most an ulp or so apart.
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -9, atol=2e-3)
+
+
+def test_wrong_norm_or_residual_is_detected():
+    x, r, w, nw, _ = _inputs(64, 32, torch.float32, seed=2)
+    got = gemv(x, w, norm_weight=nw, residual=r)[0]
+    assert not torch.allclose(got, fused_linear_ref(x, w, norm_weight=nw))
+    assert not torch.allclose(got, fused_linear_ref(x + r, w))
+
+
+def test_pdl_is_ignored_off_gpu():
+    x, r, w, nw, _ = _inputs(64, 32, torch.float32, seed=3)
+    torch.testing.assert_close(gemv(x, w, pdl=True), fused_linear_ref(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, w, nw, r: gemv(torch.cat([x, x]), w), "one row"),
+    (lambda x, w, nw, r: gemv(x, w[:, :-1]), "weight"),
+    (lambda x, w, nw, r: gemv(x, w.double()), "dtypes differ"),
+    (lambda x, w, nw, r: gemv(x, w, residual=r), "residual needs norm_weight"),
+    (lambda x, w, nw, r: gemv(x, w, norm_weight=nw[:-1]), "norm_weight"),
+    (lambda x, w, nw, r: gemv(x, w, swiglu=True), "even"),
+    (lambda x, w, nw, r: gemv(x, w, block_n=3), "power of two"),
+    (lambda x, w, nw, r: gemv(x, w.t().contiguous().t()), "contiguous"),
+])
+def test_bad_input_raises(bad, match):
+    x, r, w, nw, _ = _inputs(64, 33, torch.float32, seed=4)
+    with pytest.raises(ValueError, match=match):
+        bad(x, w, nw, r)
