@@ -130,9 +130,9 @@ def per_shape(rows, dt, copies, configs):
     return table
 
 
-def chain(rows, dt, pdl_variants):
-    """All matmuls of one token on 32 distinct layers + LM head."""
-    from hf_accel.kernels.gemv import gemv
+def chain(rows, dt, variants):
+    """All matmuls of one token on 32 distinct layers + LM head; ``variants``: (pdl, tiles or None)."""
+    from hf_accel.kernels.gemv import gemv as _gemv
     from hf_accel.kernels.rms_norm import rms_norm
     from hf_accel.kernels.swiglu import swiglu
 
@@ -161,7 +161,10 @@ def chain(rows, dt, pdl_variants):
         h, _ = rms_norm(d, final, 1e-5, res)
         return F.linear(h, lm)
 
-    def run_gemv(pdl):
+    def run_gemv(pdl, tiles):
+        def gemv(*a, **k):
+            return _gemv(*a, **k, **tiles)
+
         def run():
             res, d = x0, None
             for ly in layers:
@@ -178,17 +181,21 @@ def chain(rows, dt, pdl_variants):
 
     ref = run_cublas().float()
     table = []
-    for name, fn in [("cublas", run_cublas)] + [(f"ours{'-pdl' if p else ''}", run_gemv(p)) for p in pdl_variants]:
+    runs = [("cublas", run_cublas, None)]
+    for p, tiles in variants:
+        cfg = None if tiles is None else "n{block_n}k{block_k}w{num_warps}".format(**tiles)
+        runs.append((f"ours{'-pdl' if p else ''}", run_gemv(p, tiles or {}), cfg))
+    for name, fn, cfg in runs:
         out = fn().float()
         err = ((out - ref).abs().max() / ref.abs().max()).item()
         us = _graph_us(fn, 1)
         shape = {"model": MODEL, "kind": "all_matmuls_of_a_token", "rows": 1, "dtype": str(dt).replace("torch.", ""),
-                 "weight_bytes": total}
+                 "weight_bytes": total, "config": cfg or "default"}
         for metric, unit, v in (("latency", "ms", us / 1e3), ("weight_bandwidth", "TB/s", total / us / 1e6),
                                 ("tokens_per_s_bound", "tok/s", 1e6 / us), ("rel_err_vs_cublas", "fraction", err)):
             rows.append({"bench": "gemv_chain", "provider": name, "shape": shape, "metric": metric, "unit": unit,
                          "value": v})
-        table.append((name, us / 1e3, total / us / 1e6, 1e6 / us, err))
+        table.append((f"{name} {cfg or 'default'}", us / 1e3, total / us / 1e6, 1e6 / us, err))
     return table
 
 
@@ -197,6 +204,9 @@ def main(argv=None):
     ap.add_argument("--copies", type=int, default=4, help="weight sets per per-shape timing (defeats L2)")
     ap.add_argument("--configs", default="8,512,4;8,1024,4;4,1024,4;16,512,4;8,512,8;16,1024,8",
                     help="'block_n,block_k,warps;...' swept per shape (each with and without PDL)")
+    ap.add_argument("--pdl-only", action="store_true", help="sweep only the PDL launches")
+    ap.add_argument("--chain-configs", default="",
+                    help="'block_n,block_k,warps;...' chains with PDL besides the defaults with and without PDL")
     ap.add_argument("--skip-per-shape", action="store_true")
     ap.add_argument("--skip-chain", action="store_true")
     args = ap.parse_args(argv)
@@ -207,7 +217,7 @@ def main(argv=None):
     configs = []
     for c in args.configs.split(";"):
         bn, bk, nw = (int(v) for v in c.split(","))
-        configs += [(bn, bk, nw, False), (bn, bk, nw, True)]
+        configs += ([] if args.pdl_only else [(bn, bk, nw, False)]) + [(bn, bk, nw, True)]
     rows = []
     errs = check(dt)
     print("relative error vs float32 reference:", {k: f"{v:.2e}" for k, v in errs.items()})
@@ -215,8 +225,12 @@ def main(argv=None):
         for kind, prov, cfg, us, tbs in per_shape(rows, dt, args.copies, configs):
             print(f"{kind:22s} {prov:8s} {cfg:16s} {us:8.2f} us {tbs:6.2f} TB/s")
     if not args.skip_chain:
-        for name, ms, tbs, tps, err in chain(rows, dt, (False, True)):
-            print(f"chain {name:10s} {ms:7.3f} ms {tbs:6.2f} TB/s  bound {tps:6.1f} tok/s  rel err {err:.2e}")
+        variants = [(False, None), (True, None)]
+        for c in filter(None, args.chain_configs.split(";")):
+            bn, bk, nw = (int(v) for v in c.split(","))
+            variants.append((True, dict(block_n=bn, block_k=bk, num_warps=nw)))
+        for name, ms, tbs, tps, err in chain(rows, dt, variants):
+            print(f"chain {name:22s} {ms:7.3f} ms {tbs:6.2f} TB/s  bound {tps:6.1f} tok/s  rel err {err:.2e}")
     write_results("bench_gemv", rows, {"seconds": time.perf_counter() - t0, "check_rel_err": errs})
 
 

@@ -77,13 +77,18 @@ FUSED_LINEAR_MAX_ROWS = 16
 FUSED_LINEAR_MAX_HIDDEN = 2048
 
 #: Steps of one token row (batch 1 decode) run every matmul, the LM head included, through
-#: :func:`~hf_accel.kernels.gemv.gemv` (norm / SwiGLU fused in as with ``fused_linear``), launched with
-#: programmatic dependent launch on Hopper (:data:`GEMV_PDL`) so each projection's launch and first
-#: weight loads overlap the previous kernel's tail; False keeps fused_linear / cuBLAS there. H200, bf16,
-#: all matmuls of one Llama-3-8B-shaped token inside a CUDA graph (``bench_gemv-20261201-244e9b5.json``):
-#: cuBLAS (+ RMSNorm and SwiGLU kernels) 4.246 ms, gemv 4.102 ms, gemv with PDL 4.062 ms.
+#: :func:`~hf_accel.kernels.gemv.gemv` (norm / SwiGLU fused in as with ``fused_linear``); False keeps
+#: fused_linear / cuBLAS there. H200, bf16, all matmuls of one Llama-3-8B-shaped token inside a CUDA
+#: graph (``bench_gemv-20261201-244e9b5.json``): cuBLAS (+ RMSNorm and SwiGLU kernels) 4.246 ms, gemv
+#: 4.102 ms, gemv with PDL 4.062 ms. ``bench_generate`` bs1 at 337a953, tok/s: Llama-3-8B shape 215.6
+#: (209.9 without gemv), SmolLM2 1372 (1038).
 GEMV_ONE_ROW = True
-GEMV_PDL = True
+
+#: The fused step's Triton kernels (gemv, RoPE + cache write, paged attention and its split merge) are
+#: launched with programmatic dependent launch (:mod:`hf_accel.kernels.pdl`) on Hopper: each one's launch
+#: (and gemv's first weight loads) overlaps the tail of the kernel before it. ``bench_generate`` bs1 at
+#: 337a953 (gemv only), tok/s: SmolLM2 1372 vs 1245 without, Llama-3-8B shape 215.6 vs 214.4.
+DECODE_PDL = True
 
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
@@ -233,7 +238,7 @@ class DecodeStep:
         residual, delta = hidden, None
         one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
         small = not one_row and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
-        pdl = GEMV_PDL
+        pdl = DECODE_PDL
         for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm
@@ -270,10 +275,10 @@ class DecodeStep:
             q = rope_and_cache(q, k, v, cos, sin, pools.keys, pools.values, slot_mapping,
                                q_norm.weight if q_norm is not None else None,
                                attn.k_norm.weight if q_norm is not None else None,
-                               q_norm.variance_epsilon if q_norm is not None else 1e-6)
+                               q_norm.variance_epsilon if q_norm is not None else 1e-6, pdl=pdl)
             o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
                                 seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits,
-                                num_stages=DECODE_ATTENTION_STAGES)
+                                num_stages=DECODE_ATTENTION_STAGES, pdl=pdl)
             ln = layer.post_attention_layernorm
             if one_row:
                 delta = gemv(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)

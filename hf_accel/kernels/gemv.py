@@ -15,8 +15,7 @@ removes what it can of it:
   to be launched at its start (``griddepcontrol.launch_dependents``), then loads its first weight tile
   (weights are never written by the kernel before it) and only then waits for the previous kernel to
   finish (``griddepcontrol.wait``) before it reads ``x`` or writes anything. The next projection's
-  launch and first loads thus overlap this one's tail. NVIDIA, CUDA C++ Programming Guide,
-  "Programmatic Dependent Launch and Synchronization".
+  launch and first loads thus overlap this one's tail (:mod:`.pdl`).
 
 Rounding follows transformers' modules step by step (residual sum, normalised value, norm-weight product,
 projection output and SiLU rounded to the model dtype), as :mod:`.fused_linear` does; only the order of the
@@ -31,13 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # triton >= 3.3 exposes grid dependency control; older versions run without PDL
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - depends on the installed triton
-    gdc_launch_dependents = gdc_wait = None
-
-#: Whether this triton can launch kernels with programmatic dependent launch at all.
-PDL_AVAILABLE = gdc_wait is not None
+from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
 @triton.jit
@@ -213,7 +206,7 @@ def gemv(
             raise ValueError(f"{name} must be a power of two, got {v}")
     y = torch.empty(1, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
-    pdl = bool(pdl and PDL_AVAILABLE and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    pdl = use_pdl(pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
     grid = (triton.cdiv(out_features, block_n),)
     _gemv_kernel[grid](

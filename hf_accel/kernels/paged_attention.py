@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.kernels.attention import _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref
+from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
 @triton.jit
@@ -73,7 +74,11 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     CHUNK_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # Q and the cache are written by the kernels before this one
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -166,7 +171,11 @@ def _merge_splits_kernel(
     num_splits, head_dim,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # the partial outputs come from the attention kernel
     r = tl.program_id(0).to(tl.int64)  # flat (b, m, h) row
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -234,6 +243,7 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int | None = None,
     chunk_tokens: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -263,6 +273,8 @@ def paged_attention(
             fits :data:`CHUNKED_MAX_PROGRAMS_PER_SM` programs per SM, else 0. H200, GQA 32/8, D128, bf16,
             in CUDA graphs (``bench_decode-20261201-14a8eeb.json``): B1 S32k 3.35 vs 3.20 TB/s and B16 S8k
             4.15 vs 3.78 chunked; B64 S2k (512 programs, unsplit) 4.02 per tile vs 3.30 chunked.
+        pdl: launch both kernels with programmatic dependent launch where available (:mod:`.pdl`;
+            ignored elsewhere).
 
     Returns:
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
@@ -342,6 +354,8 @@ def paged_attention(
     chunk_blocks = (min(MAX_CHUNK_BLOCKS, triton.next_power_of_2(triton.cdiv(chunk_tokens, block_size)))
                     if chunk_tokens else 0)
     grid = (m_blocks, batch * num_kv_heads, num_splits)
+    pdl = use_pdl(pdl, query)
+    pdl_launch = {"launch_pdl": True} if pdl else {}
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
         sm_scale * _LOG2E,
@@ -350,8 +364,8 @@ def paged_attention(
         q_len, head_dim, num_kv_heads, block_size, tokens_per_split, block_table.shape[1],
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
-        IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks,
-        num_warps=num_warps, num_stages=num_stages,
+        IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
     if split:
         out_rows = out.view(batch * q_len * num_heads, head_dim) if out.is_contiguous() else None
@@ -361,7 +375,7 @@ def paged_attention(
             part_out, part_lse, target,
             part_out.stride(0), head_dim, part_lse.stride(0), target.stride(0),
             num_splits, head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl, **pdl_launch,
         )
         if out_rows is None:
             out.copy_(target.view(batch, q_len, num_heads, head_dim))

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
+
 
 @triton.jit
 def _rope_cache_kernel(
@@ -22,7 +24,11 @@ def _rope_cache_kernel(
     num_heads, head_dim, block_size, eps,
     HAS_QK_NORM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # everything this kernel reads or writes may belong to the previous kernel
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = head_dim // 2
@@ -65,7 +71,7 @@ def _rope_cache_kernel(
 
 
 def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_norm_weight=None,
-                   k_norm_weight=None, eps: float = 1e-6) -> torch.Tensor:
+                   k_norm_weight=None, eps: float = 1e-6, pdl: bool = False) -> torch.Tensor:
     """Rotate Q/K of one decode token per row, write K/V to the cache; returns rotated Q.
 
     Args:
@@ -75,6 +81,7 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous last dims.
         slot_mapping: [batch] int32 — ``block * block_size + offset``; -1 = do not write.
         q_norm_weight, k_norm_weight: optional [head_dim] per-head RMSNorm weights applied before RoPE.
+        pdl: launch with programmatic dependent launch where available (:mod:`.pdl`; ignored elsewhere).
 
     Returns:
         [batch, num_heads, head_dim] rotated queries.
@@ -102,7 +109,8 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), q_out.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         num_heads, head_dim, key_cache.shape[1], eps,
-        HAS_QK_NORM=has_norm, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1,
+        HAS_QK_NORM=has_norm, BLOCK_D=triton.next_power_of_2(head_dim), PDL=use_pdl(pdl, q), num_warps=1,
+        **({"launch_pdl": True} if use_pdl(pdl, q) else {}),
     )
     return q_out
 
@@ -113,7 +121,7 @@ def _rotate_half(x):
 
 
 def rope_and_cache_ref(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_norm_weight=None,
-                       k_norm_weight=None, eps: float = 1e-6) -> torch.Tensor:
+                       k_norm_weight=None, eps: float = 1e-6, pdl: bool = False) -> torch.Tensor:
     """PyTorch reference of :func:`rope_and_cache` (transformers' ops), same arguments and result."""
     from hf_accel.kernels.reshape_and_cache import reshape_and_cache_ref
     from hf_accel.kernels.rms_norm import rms_norm_ref
