@@ -72,13 +72,16 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
 
     fused_rows = decode_step.FUSED_LINEAR_MAX_ROWS
     chunk_tokens = pa.CHUNK_TOKENS
-    gemv_one_row, decode_pdl = decode_step.GEMV_ONE_ROW, decode_step.DECODE_PDL
+    saved = {k: getattr(decode_step, k) for k in ("GEMV_ONE_ROW", "DECODE_PDL", "ATTENTION_PDL")}
     if provider == "ours-no-gemv":
         # A/B of the one-row GEMV path: the same engine with fused_linear / cuBLAS at batch 1.
         decode_step.GEMV_ONE_ROW = False
     if provider == "ours-no-pdl":
         # A/B of programmatic dependent launch: the step's kernels launched plainly.
         decode_step.DECODE_PDL = False
+    if provider == "ours-attention-no-pdl":
+        # A/B of PDL on the RoPE / attention / merge kernels alone.
+        decode_step.ATTENTION_PDL = False
     if provider == "ours-unfused-linear":
         # A/B of the fused norm/linear/SwiGLU kernels: the same engine with RMSNorm + cuBLAS + SwiGLU.
         decode_step.FUSED_LINEAR_MAX_ROWS = 0
@@ -121,7 +124,8 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
         hf_accel.revert_model(model)
     decode_step.FUSED_LINEAR_MAX_ROWS = fused_rows
     pa.CHUNK_TOKENS = chunk_tokens
-    decode_step.GEMV_ONE_ROW, decode_step.DECODE_PDL = gemv_one_row, decode_pdl
+    for k, v in saved.items():
+        setattr(decode_step, k, v)
     return ref
 
 
@@ -148,7 +152,7 @@ def main():
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
     ap.add_argument("--providers", default="hf-eager,hf-sdpa,ours",
-                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile, ours-no-gemv, ours-no-pdl")
+                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile, ours-no-gemv, ours-no-pdl, ours-attention-no-pdl")
     ap.add_argument("--bs-8b", default="1,8,32", help="batch sizes of the 8B-shaped model")
     ap.add_argument("--bs-smollm2", default="1,16", help="batch sizes of SmolLM2")
     args = ap.parse_args()

@@ -84,11 +84,13 @@ FUSED_LINEAR_MAX_HIDDEN = 2048
 #: (209.9 without gemv), SmolLM2 1372 (1038).
 GEMV_ONE_ROW = True
 
-#: The fused step's Triton kernels (gemv, RoPE + cache write, paged attention and its split merge) are
-#: launched with programmatic dependent launch (:mod:`hf_accel.kernels.pdl`) on Hopper: each one's launch
-#: (and gemv's first weight loads) overlaps the tail of the kernel before it. ``bench_generate`` bs1 at
-#: 337a953 (gemv only), tok/s: SmolLM2 1372 vs 1245 without, Llama-3-8B shape 215.6 vs 214.4.
+#: The fused step's gemv kernels are launched with programmatic dependent launch
+#: (:mod:`hf_accel.kernels.pdl`) on Hopper: each one's launch and first weight loads overlap the tail of
+#: the kernel before it. ``bench_generate`` bs1 at 337a953, tok/s: SmolLM2 1372 vs 1245 without, Llama-3-8B
+#: shape 215.6 vs 214.4. :data:`ATTENTION_PDL` does the same for RoPE + cache write, paged attention and
+#: its split merge (they wait at their start, without letting the next kernel launch early).
 DECODE_PDL = True
+ATTENTION_PDL = True
 
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
@@ -275,10 +277,11 @@ class DecodeStep:
             q = rope_and_cache(q, k, v, cos, sin, pools.keys, pools.values, slot_mapping,
                                q_norm.weight if q_norm is not None else None,
                                attn.k_norm.weight if q_norm is not None else None,
-                               q_norm.variance_epsilon if q_norm is not None else 1e-6, pdl=pdl)
+                               q_norm.variance_epsilon if q_norm is not None else 1e-6,
+                               pdl=pdl and ATTENTION_PDL)
             o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
                                 seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits,
-                                num_stages=DECODE_ATTENTION_STAGES, pdl=pdl)
+                                num_stages=DECODE_ATTENTION_STAGES, pdl=pdl and ATTENTION_PDL)
             ln = layer.post_attention_layernorm
             if one_row:
                 delta = gemv(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)

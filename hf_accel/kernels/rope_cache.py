@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
+from hf_accel.kernels.pdl import gdc_wait, use_pdl
 
 
 @triton.jit
@@ -27,7 +27,6 @@ def _rope_cache_kernel(
     PDL: tl.constexpr,
 ):
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()  # everything this kernel reads or writes may belong to the previous kernel
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
