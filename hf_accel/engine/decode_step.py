@@ -84,7 +84,7 @@ FUSED_LINEAR_MAX_HIDDEN = 2048
 #: (209.9 without gemv), SmolLM2 1372 (1038).
 GEMV_ONE_ROW = True
 
-#: The fused step's gemv kernels are launched with programmatic dependent launch
+#: The fused step's gemv / fused_linear kernels are launched with programmatic dependent launch
 #: (:mod:`hf_accel.kernels.pdl`) on Hopper: each one's launch and first weight loads overlap the tail of
 #: the kernel before it. ``bench_generate`` bs1 at 337a953, tok/s: SmolLM2 1372 vs 1245 without, Llama-3-8B
 #: shape 215.6 vs 214.4. :data:`ATTENTION_PDL` does the same for RoPE + cache write, paged attention and
@@ -258,10 +258,10 @@ class DecodeStep:
                 # Residual add + RMSNorm + Q/K/V in one kernel (hf_accel.kernels.fused_linear).
                 if delta is None:
                     qkv = fused_linear(residual, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                       eps=ln.variance_epsilon)
+                                       eps=ln.variance_epsilon, pdl=pdl)
                 else:
                     qkv, residual = fused_linear(delta, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                                 eps=ln.variance_epsilon, residual=residual)
+                                                 eps=ln.variance_epsilon, residual=residual, pdl=pdl)
                 q, k, v = qkv.split(mw.qkv_split, dim=1)
             else:
                 if delta is None:
@@ -290,10 +290,10 @@ class DecodeStep:
                 delta = gemv(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, pdl=pdl)
                 continue
             if small:
-                delta = fused_linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias)
+                delta = fused_linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)
                 act, residual = fused_linear(delta, mw.gate_up_weight, norm_weight=ln.weight, eps=ln.variance_epsilon,
-                                             residual=residual, swiglu=True)
-                delta = fused_linear(act, mlp.down_proj.weight, bias=mlp.down_proj.bias)
+                                             residual=residual, swiglu=True, pdl=pdl)
+                delta = fused_linear(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, pdl=pdl)
                 continue
             delta = attn.o_proj(o.view(n, h * d))
             x, residual = rms_norm(delta, ln.weight, ln.variance_epsilon, residual)

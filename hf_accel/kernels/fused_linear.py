@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from hf_accel.kernels.rms_norm import rms_norm_ref
 from hf_accel.kernels.swiglu import swiglu_ref
 
@@ -52,7 +53,11 @@ def _fused_linear_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
     pid_n = tl.program_id(0)
     dt = X.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
@@ -150,6 +155,7 @@ def fused_linear(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    pdl: bool = False,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows, in one kernel.
 
@@ -169,6 +175,7 @@ def fused_linear(
         out_dtype: output dtype (default x's); the value is rounded to x's dtype first either way, so
             ``torch.float32`` gives the same numbers as ``F.linear(...).float()``.
         block_n, block_k, num_warps, num_stages: tiling overrides (benchmark sweeps).
+        pdl: launch with programmatic dependent launch where available (:mod:`.pdl`; ignored elsewhere).
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -219,8 +226,8 @@ def fused_linear(
         eps,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        IEEE_DOT=x.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        IEEE_DOT=x.dtype == torch.float32, PDL=use_pdl(pdl, x),
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if use_pdl(pdl, x) else {}),
     )
     return (y, r_out) if residual is not None else y
 

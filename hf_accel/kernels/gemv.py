@@ -122,13 +122,14 @@ def _gemv_kernel(
 
 
 def default_tiles(out_features: int, k: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[out_features, k]`` weight: 4 rows x 1024 columns, 4 warps.
+    """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[out_features, k]`` weight: 4 rows x 1024 columns (2048 for
+    inputs >= 8192 wide or >= 65536 outputs, e.g. down_proj and LM heads), 4 warps.
 
     H200, bf16, with PDL (``bench_gemv-sweep-20261201-435ee97.json``): all matmuls of a Llama-3-8B-shaped
     token 3.734 ms (4.02 TB/s) against 3.862 / 3.900 / 3.930 / 4.094 ms with n2k1024w4 / n4k2048w4 /
     n4k1024w2 / n8k512w4 (cuBLAS with its norm and SwiGLU kernels: 4.320 ms). Per shape it is the best or
     within 3% of it, except down (3.82 vs 3.86 TB/s at n4k2048) and the LM head (4.33 vs 4.45)."""
-    block_k = min(1024, max(16, triton.next_power_of_2(k)))
+    block_k = 2048 if (k >= 8192 or out_features >= 65536) else min(1024, max(16, triton.next_power_of_2(k)))
     return 4, block_k, 4
 
 

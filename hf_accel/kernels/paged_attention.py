@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.kernels.attention import _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref
-from hf_accel.kernels.pdl import gdc_wait, use_pdl
+from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
 @triton.jit
@@ -173,6 +173,7 @@ def _merge_splits_kernel(
     PDL: tl.constexpr,
 ):
     if PDL:
+        gdc_launch_dependents()  # tiny kernel: the next one (o_proj) may launch and start its weight loads
         gdc_wait()  # the partial outputs come from the attention kernel
     r = tl.program_id(0).to(tl.int64)  # flat (b, m, h) row
     offs_s = tl.arange(0, BLOCK_S)

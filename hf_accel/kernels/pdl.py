@@ -7,8 +7,9 @@ to let the next kernel launch early. Both are no-ops in a launch without PDL.
 
 Where the trigger goes matters: a kernel that calls :func:`gdc_launch_dependents` as it starts lets the
 next one launch while it runs, and if that one triggers at its start too, the one after it, and so on.
-The GEMV kernels trigger at their start (the next projection's first weight loads then overlap this
-one); the RoPE, attention and merge kernels only wait (their dependents launch as their programs exit).
+The GEMV / fused-linear kernels and the split merge trigger at their start (the next projection's first
+weight loads then overlap them); the RoPE and attention kernels only wait (their dependents launch as
+their programs exit).
 H200, Llama-3-8B shape, bs1 (``bench_generate-pdl-ab-20261201-435ee97.json``): with every kernel of the
 step triggering at its start, 197.0 tok/s against 212.8 without PDL. Inside a CUDA graph the
 launches become programmatic dependency edges, so the saving (launch latency, and for
