@@ -41,6 +41,7 @@ from hf_accel.speculative.verify import rejection_sample, sample
 
 _PROBE_EVERY = 16  # plain rounds between probes while backed off (also the most plain rounds in a row)
 _PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
+_PLAIN_TIMINGS = 2  # plain rounds a chooser runs to time them (a round that captures a graph is not timed)
 _DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
 _SHRINK = 2.0  # pseudo-rounds of the previous position's hazard in each position's estimate
 
@@ -62,6 +63,12 @@ class _KChooser:
     (the hazard falls along a copied span), which a single per-draft rate would miss. The expected tokens
     of a round with k drafts is ``1 + sum_{m=1..k} prod_{i<m} (1 - h(i))``.
 
+    Round times are measured (CUDA events, per k). A k not measured yet is scaled from the nearest measured
+    k of the same kind (a verify round from a verify round, with the prior ``draft_cost`` per drafted
+    token), never a verify round from a plain one: the two run different kernels (at batch 1 the plain
+    step's one-row GEMVs are much cheaper than a verify pass over k + 1 rows). So once a verify round has
+    been timed, one plain round is run to time it too, before backing off is weighed on a guess.
+
     Never more than :attr:`max_plain_run` plain rounds in a row: the window that catches a draft model's
     cache up after plain rounds is sized by it."""
 
@@ -79,6 +86,7 @@ class _KChooser:
         self.fails = [0.0] * k_max
         self.times: dict[int, float] = {}
         self.since_probe = 0
+        self.plain_timings = 0  # plain rounds run to time them (at most _PLAIN_TIMINGS)
 
     def expected_tokens(self, k: int) -> float:
         total, survive, hazard = 1.0, 1.0, self.prior_hazard
@@ -93,12 +101,11 @@ class _KChooser:
     def time(self, k: int) -> float:
         if k in self.times:
             return self.times[k]
-        known = sorted(self.times.items())
-        if not known:
+        if not self.times:
             return 1.0 + self.draft_cost * k
-        k0, t0 = known[0]
-        base = t0 / (1.0 + self.draft_cost * k0)
-        return base * (1.0 + self.draft_cost * k)
+        same = [k0 for k0 in self.times if (k0 > 0) == (k > 0)]
+        k0 = min(same or self.times, key=lambda k0: abs(k0 - k))
+        return self.times[k0] * (1.0 + self.draft_cost * k) / (1.0 + self.draft_cost * k0)
 
     def _best(self, ks) -> int:
         return max(ks, key=lambda k: self.expected_tokens(k) / self.time(k))
@@ -109,6 +116,11 @@ class _KChooser:
         the next probe: so at most ``max_plain_run`` plain rounds between two rounds with k > 0)."""
         if not self.adaptive:
             return self.k_max, 1
+        if (0 in self.ks and 0 not in self.times and any(k > 0 for k in self.times)
+                and self.plain_timings < _PLAIN_TIMINGS and self.since_probe < self.max_plain_run):
+            self.plain_timings += 1
+            self.since_probe += 1
+            return 0, 1
         best = self._best(self.ks)
         if best > 0:
             return best, 1
@@ -195,6 +207,7 @@ class SpeculativeEngine:
             self.draft_fast = self._draft_engine(config.draft_model)
         self.graphs: dict = {}
         self.states: dict = {}
+        self.round_times: dict = {}  # graph key -> {k: seconds per round}, carried from call to call
         self._graph_cache = None
         self.last_stats: dict | None = None
 
@@ -427,6 +440,7 @@ class SpeculativeEngine:
                 streamer.put(input_ids.cpu())
                 streamer.put(first.cpu())
             chooser = _KChooser(k_max, cfg.adaptive, self._draft_cost())
+            chooser.times = dict(self.round_times.get(key, {}))  # round times are the machine's, kept per shape
             if ctx["use_graph"]:  # capture every draft length the chooser may pick now, not mid-generation
                 for k in chooser.ks:
                     self._run_round(k, st, ctx, key, replay=False)
@@ -485,6 +499,8 @@ class SpeculativeEngine:
                         streamer.put(st.tokens[0, int(before[0]): int(after[0])].cpu())
             if streamer is not None:
                 streamer.end()
+            if cfg.adaptive:
+                self.round_times[key] = dict(chooser.times)
             totals = st.totals.tolist()
             steps_spec = sum(v for k, v in ks.items() if k > 0)
             self.last_stats = {

@@ -479,3 +479,27 @@ def test_assistant_models_are_not_kept_and_are_reverted(tiny):
     assert not any(hf_accel.is_accelerated(r()) for r in refs[:2] if r() is not None)
     revert_model(ours)
     assert not hf_accel.is_accelerated(last)  # accelerated by hf-accel as a draft, reverted with the target
+
+
+def test_k_chooser_times_a_plain_round_and_backs_off_when_verify_costs_more():
+    """A verify round costs 1.9 plain rounds whatever k (different kernels: batch-1 GEMVs vs a pass over
+    k + 1 rows) and about 1.2 tokens come out of one: plain decoding is faster. The chooser must time a
+    plain round instead of guessing its cost from the verify rounds, then back off."""
+    chooser = _KChooser(k_max=8, adaptive=True, draft_cost=0.03)
+    picks = []
+    for _ in range(40):
+        k, rounds = chooser.choose(100)
+        picks.append(k)
+        hist = [0] * (k + 1)
+        hist[min(k, 0 if len(picks) % 5 else 1)] = 1  # one draft accepted in a fifth of the rounds
+        chooser.update(k, hist if k else [1], seconds=1.0 if k == 0 else 1.9 + 0.01 * k)
+    assert 0 in chooser.times and chooser.times[0] == 1.0
+    later = [chooser.choose(100) for _ in range(10)]
+    assert sum(r for k, r in later if k == 0) > 4 * sum(1 for k, _ in later if k > 0), later
+
+
+def test_k_chooser_scales_unmeasured_verify_rounds_from_verify_rounds():
+    chooser = _KChooser(k_max=8, adaptive=True, draft_cost=0.1)
+    chooser.times = {0: 1.0, 4: 2.8}
+    assert chooser.time(8) == pytest.approx(2.8 * 1.8 / 1.4)  # from k=4, not from the plain round
+    assert chooser.time(2) == pytest.approx(2.8 * 1.2 / 1.4)
