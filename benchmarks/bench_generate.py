@@ -72,13 +72,10 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
 
     fused_rows = decode_step.FUSED_LINEAR_MAX_ROWS
     chunk_tokens = pa.CHUNK_TOKENS
-    saved = {k: getattr(decode_step, k) for k in ("GEMV_ONE_ROW", "GEMV_MAX_ROWS", "DECODE_PDL", "ATTENTION_PDL")}
+    saved = {k: getattr(decode_step, k) for k in ("GEMV_ONE_ROW", "DECODE_PDL", "ATTENTION_PDL")}
     if provider == "ours-no-gemv":
         # A/B of the one-row GEMV path: the same engine with fused_linear / cuBLAS at batch 1.
         decode_step.GEMV_ONE_ROW = False
-    if provider == "ours-no-gemv-rows":
-        # A/B of gemv's several-row kernel (small models): fused_linear for 2-16 rows.
-        decode_step.GEMV_MAX_ROWS = 1
     if provider == "ours-no-pdl":
         # A/B of programmatic dependent launch: the step's kernels launched plainly.
         decode_step.DECODE_PDL = False
@@ -155,7 +152,7 @@ def main():
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
     ap.add_argument("--providers", default="hf-eager,hf-sdpa,ours",
-                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile, ours-no-gemv, ours-no-pdl, ours-attention-no-pdl, ours-no-gemv-rows")
+                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile, ours-no-gemv, ours-no-pdl, ours-attention-no-pdl")
     ap.add_argument("--bs-8b", default="1,8,32", help="batch sizes of the 8B-shaped model")
     ap.add_argument("--bs-smollm2", default="1,16", help="batch sizes of SmolLM2")
     args = ap.parse_args()

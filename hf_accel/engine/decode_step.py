@@ -31,7 +31,6 @@ import triton
 
 from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
 from hf_accel.kernels.fused_linear import fused_linear
-from hf_accel.kernels.gemv import MAX_ROWS as GEMV_KERNEL_ROWS
 from hf_accel.kernels.gemv import gemv
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
@@ -85,11 +84,10 @@ FUSED_LINEAR_MAX_HIDDEN = 2048
 #: (209.9 without gemv), SmolLM2 1372 (1038).
 GEMV_ONE_ROW = True
 
-#: Up to this many token rows, models that take :func:`fused_linear` (hidden <= FUSED_LINEAR_MAX_HIDDEN) run
-#: their layer matmuls through gemv's several-row kernel instead (CUDA cores; the LM head stays on
-#: cuBLAS); 1 turns that off. Measured in ``bench_speculative`` / ``bench_generate`` (provider
-#: ``ours-no-gemv-rows``).
-GEMV_MAX_ROWS = 16
+#: One row only: a several-row variant of the GEMV (each weight tile multiplied into 2-16 rows on CUDA
+#: cores) was measured and removed. H200, SmolLM2 bf16 (``bench_generate-gemv-rows-ab-20261201-17ed39b.json``):
+#: bs16 decode 4676 tok/s against 17410 with fused_linear, and prompt-lookup verify passes slowed down
+#: with it (``bench_speculative-gemv-rows-20261201-17ed39b.json``).
 
 #: The fused step's gemv / fused_linear kernels are launched with programmatic dependent launch
 #: (:mod:`hf_accel.kernels.pdl`) on Hopper: each one's launch and first weight loads overlap the tail of
@@ -246,15 +244,13 @@ class DecodeStep:
         splits = num_splits if num_splits is not None else (self.num_splits if t == self.q_len else None)
         residual, delta = hidden, None
         one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
-        few_rows = self.small_linear and GEMV_ONE_ROW and 1 < n <= min(GEMV_MAX_ROWS, GEMV_KERNEL_ROWS)
-        use_gemv = one_row or few_rows
-        small = not use_gemv and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
+        small = not one_row and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
         pdl = DECODE_PDL
         for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm
             mw = self.merged[layer_idx] if self.merged is not None else None
-            if use_gemv:
+            if one_row:
                 # Residual add + RMSNorm + Q/K/V in one kernel (hf_accel.kernels.gemv).
                 if delta is None:
                     qkv = gemv(residual, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
@@ -292,7 +288,7 @@ class DecodeStep:
                                 seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits,
                                 num_stages=DECODE_ATTENTION_STAGES, pdl=pdl and ATTENTION_PDL)
             ln = layer.post_attention_layernorm
-            if use_gemv:
+            if one_row:
                 delta = gemv(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)
                 act, residual = gemv(delta, mw.gate_up_weight, norm_weight=ln.weight, eps=ln.variance_epsilon,
                                      residual=residual, swiglu=True, pdl=pdl)

@@ -121,103 +121,6 @@ def _gemv_kernel(
     tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
-def _x_rows_tile(X, R, NormW, rows, row_ok, offs_k, k_ok, stride_xm, stride_rm, rstd,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr):
-    """:func:`_x_tile` for ``[BLOCK_M, BLOCK_K]`` elements of several rows (``rstd``: [BLOCK_M])."""
-    dt = X.dtype.element_ty
-    m = row_ok[:, None] & k_ok[None, :]
-    x = tl.load(X + rows[:, None] * stride_xm + offs_k[None, :], mask=m, other=0.0)
-    if RESIDUAL:
-        r = tl.load(R + rows[:, None] * stride_rm + offs_k[None, :], mask=m, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-    if NORM:
-        nw = tl.load(NormW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _gemv_rows_kernel(
-    X, R, NormW, W, Bias, Y, ROut,
-    M, N, K, up_offset, stride_xm, stride_rm, stride_wn, stride_ym, stride_rom,
-    eps,
-    NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """:func:`_gemv_kernel` for 2..16 rows: each weight tile meets all rows in a [BLOCK_M, BLOCK_N, BLOCK_K]
-    float32 product reduced over K (CUDA cores; for small models, whose matmuls are latency-bound)."""
-    pid = tl.program_id(0)
-    dt = X.dtype.element_ty
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
-    offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    if PDL:
-        gdc_launch_dependents()
-    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    if SWIGLU:
-        wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                     other=0.0)
-    if PDL:
-        gdc_wait()
-
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            o = k0 + offs_k
-            m = row_ok[:, None] & (o[None, :] < K)
-            x = tl.load(X + rows[:, None] * stride_xm + o[None, :], mask=m, other=0.0)
-            if RESIDUAL:
-                r = tl.load(R + rows[:, None] * stride_rm + o[None, :], mask=m, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-                if pid == 0:
-                    tl.store(ROut + rows[:, None] * stride_rom + o[None, :], x, mask=m)
-            xf = x.to(tl.float32)
-            ss += xf * xf
-        rstd = tl.rsqrt(tl.sum(ss, 1) / K + eps)
-
-    x = _x_rows_tile(X, R, NormW, rows, row_ok, offs_k, k_ok, stride_xm, stride_rm, rstd, NORM, RESIDUAL)
-    acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-    if SWIGLU:
-        acc_up = tl.sum(x[:, None, :] * wu.to(tl.float32)[None, :, :], 2)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        o = k0 + offs_k
-        om = o < K
-        wm = n_ok[:, None] & om[None, :]
-        w = tl.load(w_rows + o[None, :], mask=wm, other=0.0)
-        if SWIGLU:
-            wu = tl.load(w_rows + up_offset * stride_wn + o[None, :], mask=wm, other=0.0)
-        x = _x_rows_tile(X, R, NormW, rows, row_ok, o, om, stride_xm, stride_rm, rstd, NORM, RESIDUAL)
-        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-        if SWIGLU:
-            acc_up += tl.sum(x[:, None, :] * wu.to(tl.float32)[None, :, :], 2)
-
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = acc.to(dt)
-    if SWIGLU:
-        g = out.to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt)
-        out = (s.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
-    tl.store(Y + rows[:, None] * stride_ym + offs_n[None, :], out.to(Y.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
-
-
-#: Most rows :func:`gemv` takes (more belong to tensor-core matmuls).
-MAX_ROWS = 16
-
-
 def default_tiles(out_features: int, k: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[out_features, k]`` weight: 4 rows x 1024 columns (2048 for
     inputs >= 8192 wide or >= 65536 outputs, e.g. down_proj and LM heads), 4 warps.
@@ -228,13 +131,6 @@ def default_tiles(out_features: int, k: int) -> tuple[int, int, int]:
     within 3% of it, except down (3.82 vs 3.86 TB/s at n4k2048) and the LM head (4.33 vs 4.45)."""
     block_k = 2048 if (k >= 8192 or out_features >= 65536) else min(1024, max(16, triton.next_power_of_2(k)))
     return 4, block_k, 4
-
-
-def rows_tiles(rows: int, k: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps)`` for 2..16 rows: 4 weight rows, a K tile of 2048 / rows columns
-    (128..1024, keeping the [rows, 4, BLOCK_K] product at 8k float32 values), 4 warps."""
-    block_m = max(2, triton.next_power_of_2(rows))
-    return 4, min(max(128, 2048 // block_m), max(16, triton.next_power_of_2(k))), 4
 
 
 def gemv(
@@ -252,22 +148,20 @@ def gemv(
     block_k: int | None = None,
     num_warps: int | None = None,
 ):
-    """``y = f(g(x) @ weight.T + bias)`` for one token row (or up to :data:`MAX_ROWS`), in one kernel.
+    """``y = f(g(x) @ weight.T + bias)`` for one token row, in one kernel.
 
     ``g`` is the identity, or with ``norm_weight`` transformers' RMSNorm of ``x`` (of ``x + residual`` when
     ``residual`` is given, that sum being returned too); ``f`` is the identity, or with ``swiglu``
     ``silu(gate) * up`` where ``weight`` stacks the gate rows over the up rows.
 
     Args:
-        x: [rows, hidden], rows <= :data:`MAX_ROWS`, fp16/bf16/fp32, contiguous. One row is the fast case
-            (a pure weight stream); more rows multiply every weight tile into all of them on CUDA cores
-            (``rows`` x the float32 work: meant for small models' verify passes, not for 8B-sized ones).
+        x: [1, hidden], fp16/bf16/fp32, contiguous.
         weight: [out_features, hidden] (``[2 * intermediate, hidden]`` with ``swiglu``), x's dtype,
             contiguous last dimension.
         bias: optional [out_features] (not with ``swiglu``).
         norm_weight: optional [hidden] RMSNorm weight, x's dtype.
         eps: the norm's variance epsilon.
-        residual: optional [rows, hidden] added to ``x`` before the norm (needs ``norm_weight``).
+        residual: optional [1, hidden] added to ``x`` before the norm (needs ``norm_weight``).
         swiglu: gate/up epilogue; the output has ``out_features // 2`` columns.
         out_dtype: output dtype (default x's); the value is rounded to x's dtype first either way.
         pdl: launch with programmatic dependent launch (CUDA, compute capability >= 9.0, a triton with
@@ -277,18 +171,18 @@ def gemv(
             powers of two.
 
     Returns:
-        ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
+        ``y`` [1, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
 
     Raises:
-        ValueError: ``x`` with 0 or more than :data:`MAX_ROWS` rows, shape/dtype/stride mismatches, or a combination the
+        ValueError: ``x`` with more than one row, shape/dtype/stride mismatches, or a combination the
             kernel does not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``).
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be [rows, hidden] and weight [out, hidden]; got {tuple(x.shape)}, "
+        raise ValueError(f"x must be [1, hidden] and weight [out, hidden]; got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
-    rows, k = x.shape
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {rows} (use a matmul)")
+    if x.shape[0] != 1:
+        raise ValueError(f"gemv takes one row, got {x.shape[0]} (use fused_linear or a matmul)")
+    k = x.shape[1]
     if not x.is_contiguous() or weight.stride(1) != 1:
         raise ValueError("x must be contiguous and weight needs a contiguous last dimension")
     if weight.dtype != x.dtype or (norm_weight is not None and norm_weight.dtype != x.dtype):
@@ -311,28 +205,16 @@ def gemv(
         out_features //= 2
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    d_n, d_k, d_w = default_tiles(out_features, k) if rows == 1 else rows_tiles(rows, k)
+    d_n, d_k, d_w = default_tiles(out_features, k)
     block_n, block_k, num_warps = block_n or d_n, block_k or d_k, num_warps or d_w
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two, got {v}")
-    y = torch.empty(rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
+    y = torch.empty(1, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     pdl = use_pdl(pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
     grid = (triton.cdiv(out_features, block_n),)
-    if rows > 1:
-        r_in = residual if residual is not None else x
-        _gemv_rows_kernel[grid](
-            x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y,
-            r_out, rows, out_features, k, out_features if swiglu else 0,
-            x.stride(0), r_in.stride(0), weight.stride(0), y.stride(0), r_out.stride(0),
-            eps,
-            NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
-            HAS_BIAS=bias is not None, PDL=pdl, BLOCK_M=max(2, triton.next_power_of_2(rows)), BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=num_warps, num_stages=1, **extra,
-        )
-        return (y, r_out) if residual is not None else y
     _gemv_kernel[grid](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else x, y, r_out,

@@ -1,4 +1,4 @@
-"""gemv (one token row, or up to 16; RMSNorm/residual prologue, SwiGLU/bias/float32 epilogues) against its PyTorch
+"""gemv (one token row; RMSNorm/residual prologue, SwiGLU/bias/float32 epilogues) against its PyTorch
 reference (:func:`~hf_accel.kernels.fused_linear.fused_linear_ref`, the same op for any row count)."""
 
 import pytest
@@ -8,10 +8,10 @@ from hf_accel.kernels.fused_linear import fused_linear_ref
 from hf_accel.kernels.gemv import gemv
 
 
-def _inputs(hidden, out, dtype, seed=0, rows=1):
+def _inputs(hidden, out, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, hidden, generator=g).to(dtype)
-    r = torch.randn(rows, hidden, generator=g).to(dtype)
+    x = torch.randn(1, hidden, generator=g).to(dtype)
+    r = torch.randn(1, hidden, generator=g).to(dtype)
     w = (torch.randn(out, hidden, generator=g) / hidden**0.5).to(dtype)
     nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
     b = torch.randn(out, generator=g).to(dtype)
@@ -37,11 +37,10 @@ def _kwargs(mode, r, nw, b):
 @pytest.mark.parametrize("hidden,out,tiles", [(64, 48, {}), (333, 50, {}), (97, 14, dict(block_n=4, block_k=32)),
                                               (128, 7, dict(block_n=2, block_k=16, num_warps=2))])
 @pytest.mark.parametrize("mode", ["plain", "bias", "norm", "norm_residual", "norm_residual_swiglu", "norm_f32"])
-@pytest.mark.parametrize("rows", [1, 3, 16])
-def test_matches_reference_fp32(hidden, out, tiles, mode, rows):
+def test_matches_reference_fp32(hidden, out, tiles, mode):
     if "swiglu" in mode and out % 2:
         out += 1
-    x, r, w, nw, b = _inputs(hidden, out, torch.float32, rows=rows)
+    x, r, w, nw, b = _inputs(hidden, out, torch.float32)
     kw = _kwargs(mode, r, nw, b)
     got = gemv(x, w, **kw, **tiles)
     want = fused_linear_ref(x, w, **kw)
@@ -52,9 +51,8 @@ def test_matches_reference_fp32(hidden, out, tiles, mode, rows):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_half_rounding_close_to_reference(rows):
-    x, r, w, nw, _ = _inputs(128, 64, torch.float16, seed=1, rows=rows)
+def test_half_rounding_close_to_reference():
+    x, r, w, nw, _ = _inputs(128, 64, torch.float16, seed=1)
     got, res = gemv(x, w, norm_weight=nw, eps=1e-6, residual=r, swiglu=True, block_k=32)
     want, want_res = fused_linear_ref(x, w, norm_weight=nw, eps=1e-6, residual=r, swiglu=True)
     assert torch.equal(res, want_res)
@@ -75,8 +73,7 @@ def test_pdl_is_ignored_off_gpu():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (lambda x, w, nw, r: gemv(x.expand(17, -1).contiguous(), w), "1 to 16 rows"),
-    (lambda x, w, nw, r: gemv(x[:0], w), "1 to 16 rows"),
+    (lambda x, w, nw, r: gemv(torch.cat([x, x]), w), "one row"),
     (lambda x, w, nw, r: gemv(x, w[:, :-1]), "weight"),
     (lambda x, w, nw, r: gemv(x, w.double()), "dtypes differ"),
     (lambda x, w, nw, r: gemv(x, w, residual=r), "residual needs norm_weight"),
