@@ -119,3 +119,100 @@ def test_fused_linear_bf16(rows, hidden, out, mode):
     bound = (same.double() - ref64).abs() + 4 * _ulp(ref64, dt) + 1e-3
     assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
     assert (got.double() - same.double()).abs().mean() < 0.02 * same.double().abs().mean()
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("mode", ["plain", "norm_residual", "norm_residual_swiglu", "bias_f32"])
+@pytest.mark.parametrize("hidden,out", [(576, 960), (4096, 6144), (14336, 4096), (4096, 128256)])
+def test_gemv_bf16(hidden, out, mode, pdl):
+    """bf16 one-row GEMV against transformers' ops in bf16 and float64, with the error rule of
+    test_fused_linear_bf16."""
+    from hf_accel.kernels.fused_linear import fused_linear_ref
+    from hf_accel.kernels.gemv import gemv
+
+    torch.manual_seed(hidden + out)
+    dt = torch.bfloat16
+    x = torch.randn(1, hidden, device="cuda", dtype=dt)
+    r = torch.randn(1, hidden, device="cuda", dtype=dt)
+    w = (torch.randn(out, hidden, device="cuda") / hidden**0.5).to(dt)
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dt)
+    b = torch.randn(out, device="cuda", dtype=dt)
+    kw = {}
+    if mode.startswith("norm"):
+        kw.update(norm_weight=nw, eps=1e-5, residual=r)
+    if "swiglu" in mode:
+        kw["swiglu"] = True
+    if mode == "bias_f32":
+        kw.update(bias=b, out_dtype=torch.float32)
+    got = gemv(x, w, pdl=pdl, **kw)
+    same = fused_linear_ref(x, w, **kw)
+    kw64 = {k: (v.double() if torch.is_tensor(v) else v) for k, v in kw.items()}
+    kw64.pop("out_dtype", None)
+    ref64 = fused_linear_ref(x.double(), w.double(), **kw64)
+    if "residual" in kw:
+        assert torch.equal(got[1], same[1]), "residual sum must round exactly like torch"
+        got, same, ref64 = got[0], same[0], ref64[0]
+    assert got.dtype == same.dtype and got.shape == same.shape
+    err = (got.double() - ref64).abs()
+    bound = (same.double() - ref64).abs() + 4 * _ulp(ref64, dt) + 1e-3
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain():
+    """A chain of dependent GEMVs (each reads the previous output; norm + residual, SwiGLU) plus RoPE +
+    cache write and split-KV paged attention, captured in a CUDA graph and replayed: launched with PDL it
+    must give bitwise the results of plain launches (same kernels; a missing wait would read stale data)."""
+    from hf_accel.kernels.gemv import gemv
+    from hf_accel.kernels.paged_attention import paged_attention
+    from hf_accel.kernels.rope_cache import rope_and_cache
+
+    torch.manual_seed(0)
+    dt, hidden, inter, heads, kv_heads, d = torch.bfloat16, 1024, 2816, 8, 2, 128
+    layers = [dict(qkv=(torch.randn((heads + 2 * kv_heads) * d, hidden, device="cuda") / 32).to(dt),
+                   o=(torch.randn(hidden, heads * d, device="cuda") / 32).to(dt),
+                   gu=(torch.randn(2 * inter, hidden, device="cuda") / 32).to(dt),
+                   down=(torch.randn(hidden, inter, device="cuda") / 53).to(dt),
+                   n1=(1 + 0.1 * torch.randn(hidden, device="cuda")).to(dt),
+                   n2=(1 + 0.1 * torch.randn(hidden, device="cuda")).to(dt)) for _ in range(4)]
+    blocks, block_size, ctx = 64, 16, 700
+    kc = torch.randn(blocks, block_size, kv_heads, d, device="cuda", dtype=dt)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(blocks, device="cuda", dtype=torch.int32)[None]
+    seq_lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
+    slots = torch.tensor([int(table[0, (ctx - 1) // block_size]) * block_size + (ctx - 1) % block_size],
+                         device="cuda", dtype=torch.int32)
+    cos, sin = torch.rand(1, d, device="cuda", dtype=dt), torch.rand(1, d, device="cuda", dtype=dt)
+    x0 = torch.randn(1, hidden, device="cuda", dtype=dt)
+
+    def run(pdl):
+        res, delta = x0, None
+        for ly in layers:
+            if delta is None:
+                qkv = gemv(res, ly["qkv"], norm_weight=ly["n1"], eps=1e-5, pdl=pdl)
+            else:
+                qkv, res = gemv(delta, ly["qkv"], norm_weight=ly["n1"], eps=1e-5, residual=res, pdl=pdl)
+            q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+            q = rope_and_cache(q, k, v, cos, sin, kc, vc, slots, pdl=pdl)
+            o = paged_attention(q.view(1, 1, heads, d).transpose(1, 2), kc, vc, table, seq_lens, blocks * block_size,
+                                num_splits=8, pdl=pdl)
+            delta = gemv(o.view(1, heads * d), ly["o"], pdl=pdl)
+            a, res = gemv(delta, ly["gu"], norm_weight=ly["n2"], eps=1e-5, residual=res, swiglu=True, pdl=pdl)
+            delta = gemv(a, ly["down"], pdl=pdl)
+        return delta, res
+
+    outs = {}
+    for pdl in (False, True):
+        kc0, vc0 = kc.clone(), vc.clone()
+        run(pdl)  # compile
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = run(pdl)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = [t.clone() for t in out] + [kc.clone()]
+        kc.copy_(kc0)
+        vc.copy_(vc0)
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
