@@ -33,9 +33,6 @@ from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from hf_accel.kernels.rms_norm import rms_norm_ref
 from hf_accel.kernels.swiglu import swiglu_ref
 
-#: Widest input (K) whose whole row the kernel takes in one tile, weights loaded before the PDL wait.
-SINGLE_K_MAX = 1024
-
 #: Most token rows the kernel takes (one row tile: every weight is read once). Larger inputs belong to
 #: cuBLAS, whose tensor-core tiles win once the matmul is no longer a pure weight stream.
 MAX_ROWS = 32
@@ -57,8 +54,10 @@ def _fused_linear_kernel(
     EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     PDL: tl.constexpr,
-    SINGLE_K: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
     pid_n = tl.program_id(0)
     dt = X.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
@@ -68,18 +67,6 @@ def _fused_linear_kernel(
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
     r_rows = R + rows[:, None].to(tl.int64) * stride_rm
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
-    if PDL:
-        gdc_launch_dependents()
-    if SINGLE_K:
-        # The whole K in one tile: the weights are loaded before waiting on the previous kernel (which
-        # never writes them), so their fetch overlaps its tail.
-        offs_k1 = tl.arange(0, BLOCK_K)
-        wm1 = n_ok[:, None] & (offs_k1[None, :] < K)
-        w1 = tl.load(w_rows + offs_k1[None, :], mask=wm1, other=0.0)
-        if SWIGLU:
-            wu1 = tl.load(w_rows + up_offset * stride_wn + offs_k1[None, :], mask=wm1, other=0.0)
-    if PDL:
-        gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
@@ -100,50 +87,32 @@ def _fused_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SINGLE_K:
-        xm = row_ok[:, None] & (offs_k1[None, :] < K)
-        x = tl.load(x_rows + offs_k1[None, :], mask=xm, other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            xm = row_ok[:, None]
+            wm = n_ok[:, None]
+        else:
+            xm = row_ok[:, None] & (offs_k[None, :] < K)
+            wm = n_ok[:, None] & (offs_k[None, :] < K)
+        x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
         if NORM:
             if RESIDUAL:
-                r = tl.load(r_rows + offs_k1[None, :], mask=xm, other=0.0)
+                r = tl.load(r_rows + offs_k[None, :], mask=xm, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-            nw = tl.load(NormW + offs_k1, mask=offs_k1 < K, other=0.0).to(tl.float32)
+            nw = tl.load(NormW + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+        w = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)
         if IEEE_DOT:
-            acc = tl.dot(x, tl.trans(w1), input_precision="ieee")
-            if SWIGLU:
-                acc_up = tl.dot(x, tl.trans(wu1), input_precision="ieee")
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w1))
-            if SWIGLU:
-                acc_up = tl.dot(x, tl.trans(wu1))
-    if not SINGLE_K:
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                xm = row_ok[:, None]
-                wm = n_ok[:, None]
-            else:
-                xm = row_ok[:, None] & (offs_k[None, :] < K)
-                wm = n_ok[:, None] & (offs_k[None, :] < K)
-            x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
-            if NORM:
-                if RESIDUAL:
-                    r = tl.load(r_rows + offs_k[None, :], mask=xm, other=0.0)
-                    x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-                nw = tl.load(NormW + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
-            w = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+        if SWIGLU:
+            wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=wm, other=0.0)
             if IEEE_DOT:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee")
             else:
-                acc += tl.dot(x, tl.trans(w))
-            if SWIGLU:
-                wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=wm, other=0.0)
-                if IEEE_DOT:
-                    acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee")
-                else:
-                    acc_up += tl.dot(x, tl.trans(wu))
+                acc_up += tl.dot(x, tl.trans(wu))
 
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -161,11 +130,13 @@ def _tiles(rows: int, n: int, k: int, norm: bool, block_n: int | None, block_k: 
     """Tiles from the H200 sweep (``benchmarks/results/bench_fused_linear-20261201.json``, bf16, times inside
     CUDA graphs): 256-wide K steps won every shape (SmolLM2 qkv 5.2 vs 7.0 us at 128); 32 output rows per
     program, 64 from 16k outputs (LM heads); 5 pipeline stages for plain matmuls, 3 with the norm prologue
-    (SmolLM2 down 5.0 vs 5.4 us; Llama-3-8B q/k/v 29.3 vs 39.7 us at 32 rows per program)."""
+    (SmolLM2 down 5.0 vs 5.4 us; Llama-3-8B q/k/v 29.3 vs 39.7 us at 32 rows per program).
+
+    Tried and removed: the whole K (<= 1024) in one tile of 16 output rows, its weights loaded before the
+    PDL wait. SmolLM2 bs16 decode fell to 11955 tok/s from 17547 and prompt lookup's passage speedup to
+    1.14x from 1.72x (``bench_generate-single-k-20261201-f3989d4.json``,
+    ``bench_speculative-single-k-20261201-f3989d4.json``, against the runs at c910fbb / 9d7e918)."""
     block_m = 16 if rows <= 16 else 32  # tl.dot's smallest M is 16; rows <= MAX_ROWS
-    if block_k is None and block_n is None and num_stages is None and k <= SINGLE_K_MAX and rows <= 16:
-        # Small models: the whole K in one tile of 16 output rows (latency, not bandwidth, bounds them).
-        return block_m, 16, max(16, triton.next_power_of_2(k)), 1
     if block_k is None:
         block_k = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
     if block_n is None:
@@ -260,7 +231,7 @@ def fused_linear(
         eps,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        IEEE_DOT=x.dtype == torch.float32, PDL=use_pdl(pdl, x), SINGLE_K=k <= block_k,
+        IEEE_DOT=x.dtype == torch.float32, PDL=use_pdl(pdl, x),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if use_pdl(pdl, x) else {}),
     )
     return (y, r_out) if residual is not None else y
