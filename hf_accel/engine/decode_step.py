@@ -245,28 +245,21 @@ class DecodeStep:
         residual, delta = hidden, None
         one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
         small = not one_row and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
+        # gemv and fused_linear take the same arguments: the layer's matmuls with norm / SwiGLU fused in
+        linear = gemv if one_row else (fused_linear if small else None)
         pdl = DECODE_PDL
         for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm
             mw = self.merged[layer_idx] if self.merged is not None else None
-            if one_row:
-                # Residual add + RMSNorm + Q/K/V in one kernel (hf_accel.kernels.gemv).
+            if linear is not None:
+                # Residual add + RMSNorm + Q/K/V in one kernel (hf_accel.kernels.gemv / fused_linear).
                 if delta is None:
-                    qkv = gemv(residual, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
-                               eps=ln.variance_epsilon, pdl=pdl)
+                    qkv = linear(residual, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
+                                 eps=ln.variance_epsilon, pdl=pdl)
                 else:
-                    qkv, residual = gemv(delta, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                         eps=ln.variance_epsilon, residual=residual, pdl=pdl)
-                q, k, v = qkv.split(mw.qkv_split, dim=1)
-            elif small:
-                # Residual add + RMSNorm + Q/K/V in one kernel (hf_accel.kernels.fused_linear).
-                if delta is None:
-                    qkv = fused_linear(residual, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                       eps=ln.variance_epsilon, pdl=pdl)
-                else:
-                    qkv, residual = fused_linear(delta, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                                 eps=ln.variance_epsilon, residual=residual, pdl=pdl)
+                    qkv, residual = linear(delta, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
+                                           eps=ln.variance_epsilon, residual=residual, pdl=pdl)
                 q, k, v = qkv.split(mw.qkv_split, dim=1)
             else:
                 if delta is None:
@@ -288,17 +281,11 @@ class DecodeStep:
                                 seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits,
                                 num_stages=DECODE_ATTENTION_STAGES, pdl=pdl and ATTENTION_PDL)
             ln = layer.post_attention_layernorm
-            if one_row:
-                delta = gemv(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)
-                act, residual = gemv(delta, mw.gate_up_weight, norm_weight=ln.weight, eps=ln.variance_epsilon,
-                                     residual=residual, swiglu=True, pdl=pdl)
-                delta = gemv(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, pdl=pdl)
-                continue
-            if small:
-                delta = fused_linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)
-                act, residual = fused_linear(delta, mw.gate_up_weight, norm_weight=ln.weight, eps=ln.variance_epsilon,
-                                             residual=residual, swiglu=True, pdl=pdl)
-                delta = fused_linear(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, pdl=pdl)
+            if linear is not None:
+                delta = linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)
+                act, residual = linear(delta, mw.gate_up_weight, norm_weight=ln.weight, eps=ln.variance_epsilon,
+                                       residual=residual, swiglu=True, pdl=pdl)
+                delta = linear(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, pdl=pdl)
                 continue
             delta = attn.o_proj(o.view(n, h * d))
             x, residual = rms_norm(delta, ln.weight, ln.variance_epsilon, residual)

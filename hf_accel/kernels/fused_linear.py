@@ -125,6 +125,39 @@ def _fused_linear_kernel(
     tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+def check_linear_args(x, weight, bias, norm_weight, residual, swiglu) -> tuple[int, int, int]:
+    """Shape / dtype / stride checks shared by :func:`fused_linear` and :func:`~.gemv.gemv`; returns
+    ``(rows, hidden, out_features)`` (``out_features`` halved with ``swiglu``). Raises ValueError."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [rows, hidden] and weight [out, hidden]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    rows, k = x.shape
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need a contiguous last dimension")
+    if weight.dtype != x.dtype or (norm_weight is not None and norm_weight.dtype != x.dtype):
+        raise ValueError(f"dtypes differ: x {x.dtype}, weight {weight.dtype}, "
+                         f"norm_weight {None if norm_weight is None else norm_weight.dtype}")
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride(0) != 1):
+        raise ValueError(f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)} "
+                         f"(strides {norm_weight.stride()})")
+    if residual is not None:
+        if norm_weight is None:
+            raise ValueError("residual needs norm_weight (the sum feeds the norm)")
+        if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    out_features = weight.shape[0]
+    if swiglu:
+        if bias is not None:
+            raise ValueError("bias is not supported with swiglu")
+        if out_features % 2:
+            raise ValueError(f"swiglu needs an even number of weight rows, got {out_features}")
+        out_features //= 2
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{weight.shape[0]}], got {tuple(bias.shape)} "
+                         f"(strides {bias.stride()})")
+    return rows, k, out_features
+
+
 def _tiles(rows: int, n: int, k: int, norm: bool, block_n: int | None, block_k: int | None,
            num_stages: int | None):
     """Tiles from the H200 sweep (``benchmarks/results/bench_fused_linear-20261201.json``, bf16, times inside
@@ -189,33 +222,9 @@ def fused_linear(
         ValueError: more than :data:`MAX_ROWS` rows, shape/dtype mismatches, or a combination the kernel
             does not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``).
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be [rows, hidden] and weight [out, hidden]; got {tuple(x.shape)}, "
-                         f"{tuple(weight.shape)}")
-    rows, k = x.shape
+    rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
     if rows > MAX_ROWS:
         raise ValueError(f"fused_linear takes at most {MAX_ROWS} rows, got {rows}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("x and weight need a contiguous last dimension")
-    if weight.dtype != x.dtype or (norm_weight is not None and norm_weight.dtype != x.dtype):
-        raise ValueError(f"dtypes differ: x {x.dtype}, weight {weight.dtype}, "
-                         f"norm_weight {None if norm_weight is None else norm_weight.dtype}")
-    if norm_weight is not None and norm_weight.shape != (k,):
-        raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
-    if residual is not None:
-        if norm_weight is None:
-            raise ValueError("residual needs norm_weight (the sum feeds the norm)")
-        if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype != x.dtype:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
-    out_features = weight.shape[0]
-    if swiglu:
-        if bias is not None:
-            raise ValueError("bias is not supported with swiglu")
-        if out_features % 2:
-            raise ValueError(f"swiglu needs an even number of weight rows, got {out_features}")
-        out_features //= 2
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     y = torch.empty(rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     if rows == 0:

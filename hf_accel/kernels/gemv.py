@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.fused_linear import check_linear_args
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
@@ -155,7 +156,7 @@ def gemv(
     ``silu(gate) * up`` where ``weight`` stacks the gate rows over the up rows.
 
     Args:
-        x: [1, hidden], fp16/bf16/fp32, contiguous.
+        x: [1, hidden], fp16/bf16/fp32, contiguous last dimension.
         weight: [out_features, hidden] (``[2 * intermediate, hidden]`` with ``swiglu``), x's dtype,
             contiguous last dimension.
         bias: optional [out_features] (not with ``swiglu``).
@@ -177,34 +178,9 @@ def gemv(
         ValueError: ``x`` with more than one row, shape/dtype/stride mismatches, or a combination the
             kernel does not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``).
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be [1, hidden] and weight [out, hidden]; got {tuple(x.shape)}, "
-                         f"{tuple(weight.shape)}")
-    if x.shape[0] != 1:
-        raise ValueError(f"gemv takes one row, got {x.shape[0]} (use fused_linear or a matmul)")
-    k = x.shape[1]
-    if not x.is_contiguous() or weight.stride(1) != 1:
-        raise ValueError("x must be contiguous and weight needs a contiguous last dimension")
-    if weight.dtype != x.dtype or (norm_weight is not None and norm_weight.dtype != x.dtype):
-        raise ValueError(f"dtypes differ: x {x.dtype}, weight {weight.dtype}, "
-                         f"norm_weight {None if norm_weight is None else norm_weight.dtype}")
-    if norm_weight is not None and norm_weight.shape != (k,):
-        raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
-    if residual is not None:
-        if norm_weight is None:
-            raise ValueError("residual needs norm_weight (the sum feeds the norm)")
-        if residual.shape != x.shape or not residual.is_contiguous() or residual.dtype != x.dtype:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} "
-                             f"{x.dtype} and be contiguous")
-    out_features = weight.shape[0]
-    if swiglu:
-        if bias is not None:
-            raise ValueError("bias is not supported with swiglu")
-        if out_features % 2:
-            raise ValueError(f"swiglu needs an even number of weight rows, got {out_features}")
-        out_features //= 2
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
+    if rows != 1:
+        raise ValueError(f"gemv takes one row, got {rows} (use fused_linear or a matmul)")
     d_n, d_k, d_w = default_tiles(out_features, k)
     block_n, block_k, num_warps = block_n or d_n, block_k or d_k, num_warps or d_w
     for name, v in (("block_n", block_n), ("block_k", block_k)):

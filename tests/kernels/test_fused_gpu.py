@@ -84,12 +84,10 @@ def test_rope_and_cache(dtype, qk_norm):
     assert torch.equal(vc, vc2)
 
 
-@pytest.mark.parametrize("mode", ["plain", "norm_residual", "norm_residual_swiglu", "bias_f32"])
-@pytest.mark.parametrize("rows,hidden,out", [(1, 576, 960), (7, 576, 3072), (16, 4096, 1024), (1, 1536, 576)])
-def test_fused_linear_bf16(rows, hidden, out, mode):
-    """bf16 fused norm/linear/SwiGLU against transformers' ops in bf16 and float64: the residual sum exact,
-    the output within PyTorch's own bf16 error + the extra roundings of a different summation order."""
-    from hf_accel.kernels.fused_linear import fused_linear, fused_linear_ref
+def _check_linear_bf16(fn, rows, hidden, out, mode):
+    """``fn`` (fused_linear or gemv) in bf16 against transformers' ops in bf16 and float64: the residual sum
+    exact, the output within PyTorch's own bf16 error + the extra roundings of a different summation order."""
+    from hf_accel.kernels.fused_linear import fused_linear_ref
 
     torch.manual_seed(rows + hidden + out)
     dt = torch.bfloat16
@@ -105,7 +103,7 @@ def test_fused_linear_bf16(rows, hidden, out, mode):
         kw["swiglu"] = True
     if mode == "bias_f32":
         kw.update(bias=b, out_dtype=torch.float32)
-    got = fused_linear(x, w, **kw)
+    got = fn(x, w, **kw)
     same = fused_linear_ref(x, w, **kw)
     kw64 = {k: (v.double() if torch.is_tensor(v) else v) for k, v in kw.items()}
     kw64.pop("out_dtype", None)
@@ -121,41 +119,24 @@ def test_fused_linear_bf16(rows, hidden, out, mode):
     assert (got.double() - same.double()).abs().mean() < 0.02 * same.double().abs().mean()
 
 
+MODES = ["plain", "norm_residual", "norm_residual_swiglu", "bias_f32"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows,hidden,out", [(1, 576, 960), (7, 576, 3072), (16, 4096, 1024), (1, 1536, 576)])
+def test_fused_linear_bf16(rows, hidden, out, mode):
+    from hf_accel.kernels.fused_linear import fused_linear
+
+    _check_linear_bf16(fused_linear, rows, hidden, out, mode)
+
+
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("mode", ["plain", "norm_residual", "norm_residual_swiglu", "bias_f32"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("hidden,out", [(576, 960), (4096, 6144), (14336, 4096), (4096, 128256)])
 def test_gemv_bf16(hidden, out, mode, pdl):
-    """bf16 one-row GEMV against transformers' ops in bf16 and float64, with the error rule of
-    test_fused_linear_bf16."""
-    from hf_accel.kernels.fused_linear import fused_linear_ref
     from hf_accel.kernels.gemv import gemv
 
-    torch.manual_seed(hidden + out)
-    dt = torch.bfloat16
-    x = torch.randn(1, hidden, device="cuda", dtype=dt)
-    r = torch.randn(1, hidden, device="cuda", dtype=dt)
-    w = (torch.randn(out, hidden, device="cuda") / hidden**0.5).to(dt)
-    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dt)
-    b = torch.randn(out, device="cuda", dtype=dt)
-    kw = {}
-    if mode.startswith("norm"):
-        kw.update(norm_weight=nw, eps=1e-5, residual=r)
-    if "swiglu" in mode:
-        kw["swiglu"] = True
-    if mode == "bias_f32":
-        kw.update(bias=b, out_dtype=torch.float32)
-    got = gemv(x, w, pdl=pdl, **kw)
-    same = fused_linear_ref(x, w, **kw)
-    kw64 = {k: (v.double() if torch.is_tensor(v) else v) for k, v in kw.items()}
-    kw64.pop("out_dtype", None)
-    ref64 = fused_linear_ref(x.double(), w.double(), **kw64)
-    if "residual" in kw:
-        assert torch.equal(got[1], same[1]), "residual sum must round exactly like torch"
-        got, same, ref64 = got[0], same[0], ref64[0]
-    assert got.dtype == same.dtype and got.shape == same.shape
-    err = (got.double() - ref64).abs()
-    bound = (same.double() - ref64).abs() + 4 * _ulp(ref64, dt) + 1e-3
-    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+    _check_linear_bf16(lambda x, w, **kw: gemv(x, w, pdl=pdl, **kw), 1, hidden, out, mode)
 
 
 def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain():

@@ -81,6 +81,8 @@ def test_pdl_is_ignored_off_gpu():
     (lambda x, w, nw, r: gemv(x, w, swiglu=True), "even"),
     (lambda x, w, nw, r: gemv(x, w, block_n=3), "power of two"),
     (lambda x, w, nw, r: gemv(x, w.t().contiguous().t()), "contiguous"),
+    (lambda x, w, nw, r: gemv(x, w, norm_weight=torch.stack([nw, nw], 1)[:, 0]), "contiguous"),
+    (lambda x, w, nw, r: gemv(x, w, bias=torch.ones(33, 2)[:, 0]), "contiguous"),
 ])
 def test_bad_input_raises(bad, match):
     x, r, w, nw, _ = _inputs(64, 33, torch.float32, seed=4)
