@@ -71,3 +71,8 @@ def test_bad_inputs_raise():
         fused_linear(x, w, swiglu=True, bias=b)
     with pytest.raises(ValueError, match="x must be"):
         fused_linear(x, w[:, :32])
+    # Strided bias / norm weight: the kernel reads them as contiguous vectors, so they must be refused.
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        fused_linear(x, w, bias=torch.stack([b, b], 1)[:, 0])
+    with pytest.raises(ValueError, match="norm_weight must be a contiguous"):
+        fused_linear(x, w, norm_weight=torch.stack([nw, nw], 1)[:, 0])
