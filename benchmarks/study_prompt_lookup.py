@@ -83,6 +83,10 @@ def lookup(row: np.ndarray, length: int, prompt_len: int, k: int, max_ngram: int
     seq = row[:length]
     if policy == "context":
         return _context_lookup(seq, length, k, max_ngram, min_ngram)
+    if policy == "oracle":
+        return _oracle_lookup(row, length, k)
+    if policy.startswith("tree"):
+        return _tree_lookup(row, length, k, int(policy[4:]), max_ngram, min_ngram)
     for n in range(max_ngram, min_ngram - 1, -1):
         if length - n < 0:
             continue
@@ -121,6 +125,48 @@ def _context_lookup(seq: np.ndarray, length: int, k: int, window: int, min_ngram
     key = sim * (window + 1) + exact
     e = int(cands[np.flatnonzero(key == key.max())[0]])
     return seq[e: e + k].tolist()
+
+
+def _oracle_lookup(row: np.ndarray, length: int, k: int) -> list[int]:
+    """``oracle`` (an upper bound, not a proposer: it reads the target's own future tokens, which follow
+    ``length`` in ``row``): the longest run of the coming tokens, at most ``k``, that occurs anywhere in the
+    committed tokens. No policy that copies from prompt + output can accept more in one step."""
+    seq, best = row[:length], []
+    for n in range(1, k + 1):
+        want = row[length: length + n]
+        if len(want) < n or n > length:
+            break
+        win = np.lib.stride_tricks.sliding_window_view(seq, n)
+        if not (win == want).all(axis=1).any():
+            break
+        best = want.tolist()
+    return best
+
+
+def _tree_lookup(row: np.ndarray, length: int, k: int, branches: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """``tree<C>``: what verifying ``C`` candidate drafts at once (a token tree) would accept. Candidates: the
+    continuations after earlier copies of the last n tokens, longest n first, most recent copy first within
+    an n, distinct continuations only, at most C; the one agreeing longest with the target's coming tokens
+    (read from ``row`` past ``length``) is returned, as the verify pass would pick it."""
+    seq, cands = row[:length], []
+    for n in range(max_ngram, min_ngram - 1, -1):
+        for s in _hits(seq, length, n)[::-1]:
+            c = seq[s + n: s + n + k].tolist()
+            if c and c not in cands:
+                cands.append(c)
+            if len(cands) == branches:
+                break
+        if len(cands) == branches:
+            break
+    want = row[length: length + k].tolist()
+
+    def agree(c):
+        m = 0
+        while m < len(c) and c[m] == want[m]:
+            m += 1
+        return m
+
+    return max(cands, key=agree, default=[])
 
 
 def _hits(seq: np.ndarray, length: int, n: int) -> np.ndarray:
@@ -182,6 +228,11 @@ def variants(quick: bool):
     for window in (8, 12, 16, 20, 24):  # max_ngram = the compared window
         for k in (8, 16, 32):
             out.append(dict(policy="context", max_ngram=window, min_ngram=1, k=k))
+    for k in (8, 16, 32):  # the bound no copying policy can pass
+        out.append(dict(policy="oracle", max_ngram=0, min_ngram=0, k=k))
+    for branches in (2, 4, 8):  # token-tree verification of several candidates
+        for k in (8, 16):
+            out.append(dict(policy=f"tree{branches}", max_ngram=8, min_ngram=1, k=k))
     return out
 
 
