@@ -132,6 +132,10 @@ def check_linear_args(x, weight, bias, norm_weight, residual, swiglu) -> tuple[i
         raise ValueError(f"x must be [rows, hidden] and weight [out, hidden]; got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
     rows, k = x.shape
+    if k == 0:
+        raise ValueError("x and weight have 0 input features")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {x.dtype}; supported: float16, bfloat16, float32")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need a contiguous last dimension")
     if weight.dtype != x.dtype or (norm_weight is not None and norm_weight.dtype != x.dtype):
@@ -152,6 +156,8 @@ def check_linear_args(x, weight, bias, norm_weight, residual, swiglu) -> tuple[i
         if out_features % 2:
             raise ValueError(f"swiglu needs an even number of weight rows, got {out_features}")
         out_features //= 2
+    if bias is not None and bias.dtype != x.dtype:
+        raise ValueError(f"dtypes differ: x {x.dtype}, bias {bias.dtype}")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{weight.shape[0]}], got {tuple(bias.shape)} "
                          f"(strides {bias.stride()})")

@@ -168,24 +168,32 @@ def gemv(
         pdl: launch with programmatic dependent launch (CUDA, compute capability >= 9.0, a triton with
             grid dependency control); ignored elsewhere. Safe next to any kernel: the kernel waits for
             the previous one before it touches anything but ``weight``.
-        block_n, block_k, num_warps: tiling overrides (benchmark sweeps); ``block_n`` and ``block_k``
-            powers of two.
+        block_n, block_k, num_warps: tiling overrides (benchmark sweeps): powers of two, block_n <= 256,
+            block_k <= 8192, block_n x block_k <= 65536, num_warps <= 16.
 
     Returns:
         ``y`` [1, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
 
     Raises:
-        ValueError: ``x`` with more than one row, shape/dtype/stride mismatches, or a combination the
-            kernel does not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``).
+        ValueError: ``x`` with more than one row or 0 columns, a dtype other than fp16/bf16/fp32,
+            shape/dtype/stride mismatches (a strided ``bias`` or ``norm_weight`` included), invalid tiles or
+            ``eps``, or a combination the kernel does not take (``residual`` without ``norm_weight``,
+            ``bias`` with ``swiglu``).
     """
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
     if rows != 1:
         raise ValueError(f"gemv takes one row, got {rows} (use fused_linear or a matmul)")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise ValueError(f"eps must be a Python float, got {type(eps).__name__}")
     d_n, d_k, d_w = default_tiles(out_features, k)
-    block_n, block_k, num_warps = block_n or d_n, block_k or d_k, num_warps or d_w
-    for name, v in (("block_n", block_n), ("block_k", block_k)):
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"{name} must be a power of two, got {v}")
+    block_n = d_n if block_n is None else block_n
+    block_k = d_k if block_k is None else block_k
+    num_warps = d_w if num_warps is None else num_warps
+    for name, v, most in (("block_n", block_n, 256), ("block_k", block_k, 8192), ("num_warps", num_warps, 16)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1) or v > most:
+            raise ValueError(f"{name} must be a power of two in [1, {most}], got {v!r}")
+    if block_n * block_k > 1 << 16:
+        raise ValueError(f"block_n x block_k must be at most 65536 values, got {block_n} x {block_k}")
     y = torch.empty(1, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     pdl = use_pdl(pdl, x)
