@@ -25,11 +25,9 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import graph_replay_us, write_results  # noqa: E402
 
 from hf_accel.kernels.fused_linear import fused_linear  # noqa: E402
 from hf_accel.kernels.rms_norm import rms_norm  # noqa: E402
@@ -48,16 +46,6 @@ def _weights(cfg, copies):
     return [dict(qkv=mk(cfg["q"] + 2 * cfg["kv"], h), o=mk(h, cfg["q"]), gate_up=mk(2 * cfg["inter"], h),
                  down=mk(h, cfg["inter"]), n1=(1 + 0.1 * torch.randn(h, device="cuda")).to(dt),
                  n2=(1 + 0.1 * torch.randn(h, device="cuda")).to(dt)) for _ in range(copies)]
-
-
-def _graph_time(fn, copies):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    ms = triton.testing.do_bench(g.replay, warmup=5, rep=25)
-    return ms * 1e3 / copies  # us per weight set
 
 
 def _kinds(cfg, rows, ws, lm):
@@ -115,8 +103,8 @@ def main():
                 got = got[0] if isinstance(got, tuple) else got
                 ref = old(sets[0]).to(got.dtype)
                 err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
-                t_old = _graph_time(lambda: [old(w) for w in sets], len(sets))
-                t_def = _graph_time(lambda: [fused(w, {}) for w in sets], len(sets))
+                t_old = graph_replay_us(lambda: [old(w) for w in sets], len(sets))
+                t_def = graph_replay_us(lambda: [fused(w, {}) for w in sets], len(sets))
                 results += [dict(bench="fused_linear", provider="old", shape={**shape, "kind": name}, metric="latency",
                                  unit="us", value=t_old),
                             dict(bench="fused_linear", provider="fused-default", shape={**shape, "kind": name},
@@ -125,7 +113,7 @@ def main():
                 for bn, bk, nw, ns in grid:
                     tiles = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
                     try:
-                        t = _graph_time(lambda: [fused(w, tiles) for w in sets], len(sets))
+                        t = graph_replay_us(lambda: [fused(w, tiles) for w in sets], len(sets))
                     except Exception as e:  # noqa: BLE001 (out of shared memory etc.: record and go on)
                         results.append(dict(bench="fused_linear", provider="fused-sweep",
                                             shape={**shape, "kind": name, "config": f"n{bn}k{bk}w{nw}s{ns}"},
@@ -144,9 +132,9 @@ def main():
                 print(summary[-1], flush=True)
             # whole layer (4 matmuls + norms + SwiGLU): old vs fused default vs fused best tiles
             kinds = _kinds(cfg, rows, ws, lm)[:4]
-            t_old = _graph_time(lambda: [k[2](w) for w in ws for k in kinds], len(ws))
-            t_def = _graph_time(lambda: [k[1](w, {}) for w in ws for k in kinds], len(ws))
-            t_best = _graph_time(lambda: [k[1](w, best[k[0]]) for w in ws for k in kinds], len(ws))
+            t_old = graph_replay_us(lambda: [k[2](w) for w in ws for k in kinds], len(ws))
+            t_def = graph_replay_us(lambda: [k[1](w, {}) for w in ws for k in kinds], len(ws))
+            t_best = graph_replay_us(lambda: [k[1](w, best[k[0]]) for w in ws for k in kinds], len(ws))
             for prov, t in (("old", t_old), ("fused-default", t_def), ("fused-best", t_best)):
                 results.append(dict(bench="fused_linear", provider=prov, shape={**shape, "kind": "layer"},
                                     metric="latency", unit="us", value=t))

@@ -22,24 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import graph_replay_us, write_results  # noqa: E402
 
 CFG = dict(hidden=4096, q=4096, kv=1024, inter=14336, vocab=128256, layers=32)
 MODEL = "llama3-8b-shape"
-
-
-def _graph_us(fn, per):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    ms = triton.testing.do_bench(g.replay, warmup=5, rep=40)
-    return ms * 1e3 / per
 
 
 def _layer(dt, seed):
@@ -119,11 +107,11 @@ def per_shape(rows, dt, copies, configs):
             rows.append({"bench": "gemv", "provider": provider, "shape": shape, "metric": "weight_bandwidth",
                          "unit": "TB/s", "value": nbytes / us / 1e6})
 
-        add("cublas", _graph_us(lambda: [cublas(x, layers[i], r) for i in range(n)], n))
+        add("cublas", graph_replay_us(lambda: [cublas(x, layers[i], r) for i in range(n)], n, rep_ms=40))
         for bn, bk, nw, pdl in configs:
             cfg = f"n{bn}k{bk}w{nw}" + ("-pdl" if pdl else "")
-            us = _graph_us(lambda: [gemv(x, layers[i][key], pdl=pdl, block_n=bn, block_k=bk, num_warps=nw,
-                                         **kw(layers[i], r)) for i in range(n)], n)
+            us = graph_replay_us(lambda: [gemv(x, layers[i][key], pdl=pdl, block_n=bn, block_k=bk, num_warps=nw,
+                                               **kw(layers[i], r)) for i in range(n)], n, rep_ms=40)
             add("ours", us, cfg)
     del layers, lm
     torch.cuda.empty_cache()
@@ -188,7 +176,7 @@ def chain(rows, dt, variants):
     for name, fn, cfg in runs:
         out = fn().float()
         err = ((out - ref).abs().max() / ref.abs().max()).item()
-        us = _graph_us(fn, 1)
+        us = graph_replay_us(fn, 1, rep_ms=40)
         shape = {"model": MODEL, "kind": "all_matmuls_of_a_token", "rows": 1, "dtype": str(dt).replace("torch.", ""),
                  "weight_bytes": total, "config": cfg or "default"}
         for metric, unit, v in (("latency", "ms", us / 1e3), ("weight_bandwidth", "TB/s", total / us / 1e6),

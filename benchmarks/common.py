@@ -57,3 +57,17 @@ def write_results(bench: str, rows: list[dict], extra_meta: dict | None = None) 
     path.write_text(json.dumps({"meta": m, "rows": rows}, indent=1))
     print(f"wrote {path}")
     return path
+
+
+def graph_replay_us(fn, per: int, rep_ms: int = 25) -> float:
+    """µs per unit of work of ``fn`` (which runs ``per`` units) captured in one CUDA graph after one eager
+    warm-up call: the ``triton.testing.do_bench`` median of graph replays (5 ms warm-up, ``rep_ms``)."""
+    import torch
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=5, rep=rep_ms) * 1e3 / per

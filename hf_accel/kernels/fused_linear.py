@@ -238,6 +238,7 @@ def fused_linear(
     block_m, block_n, block_k, num_stages = _tiles(rows, out_features, k, norm_weight is not None, block_n, block_k,
                                                    num_stages)
     r_in = residual if residual is not None else x
+    pdl = use_pdl(pdl, x)
     grid = (triton.cdiv(out_features, block_n),)
     _fused_linear_kernel[grid](
         x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y, r_out,
@@ -246,8 +247,8 @@ def fused_linear(
         eps,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        IEEE_DOT=x.dtype == torch.float32, PDL=use_pdl(pdl, x),
-        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if use_pdl(pdl, x) else {}),
+        IEEE_DOT=x.dtype == torch.float32, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (y, r_out) if residual is not None else y
 

@@ -19,6 +19,8 @@ launches become programmatic dependency edges, so the saving (launch latency, an
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:  # triton >= 3.3 exposes grid dependency control; without it kernels run without PDL
@@ -30,8 +32,15 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 PDL_AVAILABLE = gdc_wait is not None
 
 
+@functools.lru_cache(maxsize=None)
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def use_pdl(requested: bool, tensor: torch.Tensor) -> bool:
     """Whether a launch on ``tensor``'s device can take PDL: requested, a triton with grid dependency
     control, and a CUDA device of compute capability >= 9.0 (elsewhere the flag is ignored)."""
-    return bool(requested and PDL_AVAILABLE and tensor.is_cuda
-                and torch.cuda.get_device_capability(tensor.device)[0] >= 9)
+    if not (requested and PDL_AVAILABLE and tensor.is_cuda):
+        return False
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    return _device_has_pdl(index)

@@ -102,14 +102,15 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
             raise ValueError("q, k, v, cos, sin need contiguous rows")
     q_out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     has_norm = q_norm_weight is not None
+    pdl = use_pdl(pdl, q)
     _rope_cache_kernel[(batch, num_heads + num_kv_heads)](
         q, k, v, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
         q_out, key_cache, value_cache, slot_mapping,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), q_out.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         num_heads, head_dim, key_cache.shape[1], eps,
-        HAS_QK_NORM=has_norm, BLOCK_D=triton.next_power_of_2(head_dim), PDL=use_pdl(pdl, q), num_warps=1,
-        **({"launch_pdl": True} if use_pdl(pdl, q) else {}),
+        HAS_QK_NORM=has_norm, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl, num_warps=1,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return q_out
 

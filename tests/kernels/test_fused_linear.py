@@ -3,34 +3,16 @@
 import pytest
 import torch
 
+from linear_cases import MODES, linear_inputs, linear_kwargs
+
 from hf_accel.kernels.fused_linear import MAX_ROWS, fused_linear, fused_linear_ref
 
 
-def _inputs(rows, hidden, out, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, hidden, generator=g).to(dtype)
-    r = torch.randn(rows, hidden, generator=g).to(dtype)
-    w = (torch.randn(out, hidden, generator=g) / hidden**0.5).to(dtype)
-    nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
-    b = torch.randn(out, generator=g).to(dtype)
-    return x, r, w, nw, b
-
-
 @pytest.mark.parametrize("rows,hidden,out", [(1, 64, 48), (3, 96, 80), (16, 40, 16), (20, 333, 40)])
-@pytest.mark.parametrize("mode", ["plain", "bias", "norm", "norm_residual", "norm_residual_swiglu", "norm_f32"])
+@pytest.mark.parametrize("mode", MODES)
 def test_matches_reference_fp32(rows, hidden, out, mode):
-    x, r, w, nw, b = _inputs(rows, hidden, out, torch.float32)
-    kw = {}
-    if mode == "bias":
-        kw["bias"] = b
-    if mode.startswith("norm"):
-        kw.update(norm_weight=nw, eps=1e-5)
-    if "residual" in mode:
-        kw["residual"] = r
-    if "swiglu" in mode:
-        kw["swiglu"] = True
-    if mode == "norm_f32":
-        kw["out_dtype"] = torch.float32
+    x, r, w, nw, b = linear_inputs(rows, hidden, out, torch.float32)
+    kw = linear_kwargs(mode, r, nw, b)
     got = fused_linear(x, w, **kw)
     want = fused_linear_ref(x, w, **kw)
     if "residual" in mode:
@@ -43,7 +25,7 @@ def test_matches_reference_fp32(rows, hidden, out, mode):
 def test_half_rounding_close_to_reference():
     # float16: Triton's interpreter truncates float32 -> bfloat16 and cannot run bfloat16 tl.dot, so the
     # bfloat16 case is in test_fused_gpu.py.
-    x, r, w, nw, _ = _inputs(4, 128, 64, torch.float16, seed=1)
+    x, r, w, nw, _ = linear_inputs(4, 128, 64, torch.float16, seed=1)
     got, res = fused_linear(x, w, norm_weight=nw, eps=1e-6, residual=r, swiglu=True)
     want, want_res = fused_linear_ref(x, w, norm_weight=nw, eps=1e-6, residual=r, swiglu=True)
     assert torch.equal(res, want_res)
@@ -53,14 +35,14 @@ def test_half_rounding_close_to_reference():
 
 def test_wrong_norm_or_residual_is_detected():
     # The reference check above would fail if the kernel skipped the norm or the residual: make sure.
-    x, r, w, nw, _ = _inputs(2, 64, 32, torch.float32, seed=2)
+    x, r, w, nw, _ = linear_inputs(2, 64, 32, torch.float32, seed=2)
     got = fused_linear(x, w, norm_weight=nw, residual=r)[0]
     assert not torch.allclose(got, fused_linear_ref(x, w, norm_weight=nw))
     assert not torch.allclose(got, fused_linear_ref(x + r, w))
 
 
 def test_bad_inputs_raise():
-    x, r, w, nw, b = _inputs(2, 64, 32, torch.float32)
+    x, r, w, nw, b = linear_inputs(2, 64, 32, torch.float32)
     with pytest.raises(ValueError, match="at most"):
         fused_linear(torch.zeros(MAX_ROWS + 1, 64), w)
     with pytest.raises(ValueError, match="residual needs norm_weight"):

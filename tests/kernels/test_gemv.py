@@ -3,45 +3,25 @@ reference (:func:`~hf_accel.kernels.fused_linear.fused_linear_ref`, the same op 
 
 import pytest
 import torch
+from linear_cases import MODES, linear_inputs, linear_kwargs
 
 from hf_accel.kernels.fused_linear import fused_linear_ref
 from hf_accel.kernels.gemv import gemv
 
 
 def _inputs(hidden, out, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, hidden, generator=g).to(dtype)
-    r = torch.randn(1, hidden, generator=g).to(dtype)
-    w = (torch.randn(out, hidden, generator=g) / hidden**0.5).to(dtype)
-    nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
-    b = torch.randn(out, generator=g).to(dtype)
-    return x, r, w, nw, b
-
-
-def _kwargs(mode, r, nw, b):
-    kw = {}
-    if mode == "bias":
-        kw["bias"] = b
-    if mode.startswith("norm"):
-        kw.update(norm_weight=nw, eps=1e-5)
-    if "residual" in mode:
-        kw["residual"] = r
-    if "swiglu" in mode:
-        kw["swiglu"] = True
-    if mode == "norm_f32":
-        kw["out_dtype"] = torch.float32
-    return kw
+    return linear_inputs(1, hidden, out, dtype, seed)
 
 
 # Widths not multiple of the K tile (333, 97) and output counts not multiple of the row block (50, 7).
 @pytest.mark.parametrize("hidden,out,tiles", [(64, 48, {}), (333, 50, {}), (97, 14, dict(block_n=4, block_k=32)),
                                               (128, 7, dict(block_n=2, block_k=16, num_warps=2))])
-@pytest.mark.parametrize("mode", ["plain", "bias", "norm", "norm_residual", "norm_residual_swiglu", "norm_f32"])
+@pytest.mark.parametrize("mode", MODES)
 def test_matches_reference_fp32(hidden, out, tiles, mode):
     if "swiglu" in mode and out % 2:
         out += 1
     x, r, w, nw, b = _inputs(hidden, out, torch.float32)
-    kw = _kwargs(mode, r, nw, b)
+    kw = linear_kwargs(mode, r, nw, b)
     got = gemv(x, w, **kw, **tiles)
     want = fused_linear_ref(x, w, **kw)
     if "residual" in mode:
