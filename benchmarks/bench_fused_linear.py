@@ -14,7 +14,11 @@ per weight set. Rows:
   ``F.linear`` -> ... -> ``swiglu`` -> ``F.linear``, 7 kernels) vs fused (4 kernels, default tiles and the
   best tiles of the sweep).
 
-    python benchmarks/bench_fused_linear.py [--quick]
+* ``split`` (``--split``): default tiles, launched with / without PDL, split-K in 1-6 shares per output
+  tile (the last program to arrive reduces; arrival counters shared by the calls) and with / without the
+  weight preload before the PDL wait; per kind and for the whole layer.
+
+    python benchmarks/bench_fused_linear.py [--quick | --split]
 """
 
 from __future__ import annotations
@@ -78,7 +82,10 @@ def main():
     ap.add_argument("--full", action="store_true", help="36 tiling configs")
     ap.add_argument("--rows", default="1,8,16,32")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--split", action="store_true", help="split-K / PDL / preload variants at default tiles")
     args = ap.parse_args()
+    if args.split:
+        return split_main(args)
     if args.quick:
         grid = list(itertools.product([16, 32], [128, 256], [4], [4]))
     elif args.full:
@@ -142,6 +149,57 @@ def main():
                            f"fused-best {t_best:8.2f}")
             print(summary[-1], flush=True)
     write_results("bench_fused_linear", results)
+    print("\n".join(summary))
+
+
+def split_main(args):
+    from hf_accel.kernels.fused_linear import split_k_for
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    counters = torch.zeros(1 << 14, dtype=torch.int32, device="cuda")
+    variants = [("plain", dict()), ("pdl", dict(pdl=True)), ("pdl-preload", dict(pdl=True, preload=True))]
+    for sk in (2, 3, 6):
+        variants.append((f"pdl-split{sk}", dict(pdl=True, split_k=sk, counters=counters)))
+    variants.append(("pdl-split-auto", dict(pdl=True, split_k="auto", counters=counters)))
+    variants.append(("pdl-split-auto2", dict(pdl=True, split_k="auto2", counters=counters)))
+    results, summary = [], []
+    for model in args.models.split(","):
+        cfg = MODELS[model]
+        ws = _weights(cfg, cfg["copies"])
+        lm = dict(w=(torch.randn(cfg["vocab"], cfg["hidden"], device="cuda") / cfg["hidden"]**0.5).to(torch.bfloat16),
+                  n=torch.ones(cfg["hidden"], device="cuda", dtype=torch.bfloat16))
+        for rows in [int(v) for v in args.rows.split(",")]:
+            shape = dict(model=model, rows=rows, dtype="bfloat16")
+            kinds = _kinds(cfg, rows, ws, lm)
+
+            def opts(kind, w, v):
+                v = dict(v)
+                if v.get("split_k") in ("auto", "auto2"):
+                    wt = lm["w"] if kind[3] == "lm" else w[kind[3]]
+                    n = wt.shape[0] // (2 if kind[0].startswith("gate_up") else 1)
+                    v["split_k"] = split_k_for(n, wt.shape[1], (1 if v["split_k"] == "auto" else 2) * sms, rows)
+                return v
+
+            for name, v in variants:
+                line = f"{model:14s} rows {rows:3d} {name:16s}"
+                for kind in kinds:
+                    sets = [ws[0]] if kind[3] == "lm" else ws
+                    ref = kind[2](sets[0])
+                    got = kind[1](sets[0], opts(kind, sets[0], v))
+                    got = got[0] if isinstance(got, tuple) else got
+                    err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    t = graph_replay_us(lambda: [kind[1](w, opts(kind, w, v)) for w in sets], len(sets))
+                    results.append(dict(bench="fused_linear", provider=f"split-{name}",
+                                        shape={**shape, "kind": kind[0]}, metric="latency", unit="us", value=t,
+                                        rel_err=err))
+                    line += f" {kind[0][:7]} {t:6.2f}"
+                t = graph_replay_us(lambda: [k[1](w, opts(k, w, v)) for w in ws for k in kinds[:4]], len(ws))
+                results.append(dict(bench="fused_linear", provider=f"split-{name}", shape={**shape, "kind": "layer"},
+                                    metric="latency", unit="us", value=t))
+                line += f"  LAYER {t:6.2f}"
+                summary.append(line)
+                print(line, flush=True)
+    write_results("bench_fused_linear-split", results)
     print("\n".join(summary))
 
 

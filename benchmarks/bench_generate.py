@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import decode_step_overrides, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 
@@ -88,6 +88,8 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
     if provider == "ours-ids-per-tile":
         # A/B of the paged kernel's block-id chunks: the same engine with ids loaded by each tile.
         pa.CHUNK_TOKENS = 0
+    overrides = decode_step_overrides(provider.partition("@")[2])  # "ours@NAME=VALUE+...": an A/B of switches
+    overrides.__enter__()
     if provider.startswith("ours"):
         hf_accel.accelerate_model(model)
     else:
@@ -122,6 +124,7 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
     print(table[-1], flush=True)
     if provider.startswith("ours"):
         hf_accel.revert_model(model)
+    overrides.__exit__(None, None, None)
     decode_step.FUSED_LINEAR_MAX_ROWS = fused_rows
     pa.CHUNK_TOKENS = chunk_tokens
     for k, v in saved.items():
@@ -152,7 +155,8 @@ def main():
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
     ap.add_argument("--providers", default="hf-eager,hf-sdpa,ours",
-                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile, ours-no-gemv, ours-no-pdl, ours-attention-no-pdl")
+                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile, ours-no-gemv, ours-no-pdl, ours-attention-no-pdl, "
+                         "or ours@NAME=VALUE+NAME=VALUE (switches of hf_accel.engine.decode_step)")
     ap.add_argument("--bs-8b", default="1,8,32", help="batch sizes of the 8B-shaped model")
     ap.add_argument("--bs-smollm2", default="1,16", help="batch sizes of SmolLM2")
     args = ap.parse_args()

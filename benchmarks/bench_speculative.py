@@ -80,7 +80,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import decode_step_overrides, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 
@@ -476,6 +476,8 @@ def parse_args(argv):
     ap.add_argument("--exit-layer", type=int, default=None,
                     help="passed as SpeculativeConfig(exit_layer=...) to early_exit (default: the library's)")
     ap.add_argument("--dtype", default=None, help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--set", default="", metavar="NAME=VALUE+...",
+                    help="switches of hf_accel.engine.decode_step for the whole run (A/B of a kernel choice)")
     args = ap.parse_args(argv)
     args.max_new_tokens = args.max_new_tokens or (16 if args.tiny else 128)
     args.repeats = args.repeats or (1 if args.tiny else 3)
@@ -505,6 +507,11 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    with decode_step_overrides(args.set):
+        return _main(args)
+
+
+def _main(args) -> int:
     dev = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     dtype_name = args.dtype or ("bfloat16" if dev == "cuda" else "float32")
     private = args.tiny or dev != "cuda"

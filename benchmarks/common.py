@@ -71,3 +71,41 @@ def graph_replay_us(fn, per: int, rep_ms: int = 25) -> float:
     with torch.cuda.graph(g):
         fn()
     return triton.testing.do_bench(g.replay, warmup=5, rep=rep_ms) * 1e3 / per
+
+
+def parse_overrides(spec: str) -> dict:
+    """``"NAME=VALUE+NAME=VALUE"`` -> {NAME: value} for module constants of
+    :mod:`hf_accel.engine.decode_step` (A/B runs of its switches); values are Python literals."""
+    import ast
+
+    from hf_accel.engine import decode_step
+
+    out = {}
+    for item in filter(None, spec.split("+")):
+        name, _, value = item.partition("=")
+        if not hasattr(decode_step, name) or not name.isupper():
+            raise ValueError(f"{name!r} is not a switch of hf_accel.engine.decode_step")
+        out[name] = ast.literal_eval(value)
+    return out
+
+
+class decode_step_overrides:  # noqa: N801 (used as a context manager)
+    """Sets :func:`parse_overrides` values on :mod:`hf_accel.engine.decode_step` and restores them on exit."""
+
+    def __init__(self, spec: str):
+        from hf_accel.engine import decode_step
+
+        self.module = decode_step
+        self.values = parse_overrides(spec)
+        self.saved = {}
+
+    def __enter__(self):
+        self.saved = {k: getattr(self.module, k) for k in self.values}
+        for k, v in self.values.items():
+            setattr(self.module, k, v)
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(self.module, k, v)
+        return False

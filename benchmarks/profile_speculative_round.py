@@ -1,8 +1,10 @@
 """Where the time of a speculative verify round goes (CUDA, real SmolLM2, bf16, bs1).
 
 Times, with CUDA graphs replayed back to back (median of 50 replays, CUDA events): the plain decode step
-(q_len 1), the target forward over q_len = k + 1 tokens, and whole prompt-lookup rounds at k = 0 and k = 8;
-then a torch.profiler table of the k = 8 round's kernels. Writes ``profile_speculative_round-<date>.json``.
+(q_len 1), the target forward over q_len = k + 1 tokens, and whole prompt-lookup rounds at k = 0, 8 and 15;
+then a torch.profiler table of the k = 15 round's kernels. Writes ``profile_speculative_round-<date>.json``.
+
+    python benchmarks/profile_speculative_round.py [--set NAME=VALUE+...]   # decode_step switches (A/B)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import decode_step_overrides, write_results  # noqa: E402
 
 
 def time_graph(fn, reps=50):
@@ -39,6 +41,15 @@ def time_graph(fn, reps=50):
 
 
 def main():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--set", default="", help="switches of hf_accel.engine.decode_step (NAME=VALUE+...)")
+    with decode_step_overrides(ap.parse_args().set):
+        _main()
+
+
+def _main():
     from pydoc_data.topics import topics
 
     from hf_accel import SpeculativeConfig, accelerate_model
@@ -60,7 +71,7 @@ def main():
         prompt_len = ids.shape[1]
         step.cache_lens[:1] = prompt_len
         res["plain_step_ms"], _ = time_graph(lambda: step._forward())
-        for k in (1, 4, 8, 16):
+        for k in (1, 4, 8, 15, 16):
             v = fast._step_for(1, nb, q_len=k + 1)
             v.input_ids.copy_(ids[:, : k + 1])
             v.position_ids.copy_(torch.arange(prompt_len, prompt_len + k + 1, device="cuda")[None])
@@ -76,16 +87,16 @@ def main():
         st.remaining[0] = 120
         st.active[0] = True
         ctx = {"warp": lambda x: x, "do_sample": False, "block_table": step.block_table, "key_mask": step.key_mask,
-               "use_graph": True, "kernels": True, "verify": {k: fast._step_for(1, nb, q_len=k + 1) for k in (0, 8)}}
+               "use_graph": True, "kernels": True, "verify": {k: fast._step_for(1, nb, q_len=k + 1) for k in (0, 8, 15)}}
         saved = st.snapshot()
 
         def round_k(k):
             st.restore(saved)
             spec._round(k, st, ctx)
 
-        for k in (0, 8):
+        for k in (0, 8, 15):
             res[f"round_k{k}_ms"], _ = time_graph(lambda: round_k(k))
-        _, g8 = time_graph(lambda: round_k(8), reps=1)
+        _, g8 = time_graph(lambda: round_k(15), reps=1)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -96,13 +107,13 @@ def main():
         events = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
         top = [{"name": e.key[:90], "calls_per_round": e.count / 10,
                 "us_per_round": getattr(e, "device_time_total", 0) / 10} for e in events[:30]]
-        res["kernels_per_round_k8"] = sum(e.count for e in events) / 10
+        res["kernels_per_round_k15"] = sum(e.count for e in events) / 10
     shape = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "bs": 1, "prompt_len": prompt_len}
     for key, value in res.items():
         print(f"{key:28s} {value}")
         rows.append({"bench": "profile_speculative_round", "provider": "ours", "shape": shape, "metric": key,
                      "unit": "ms" if key.endswith("_ms") else "count", "value": value})
-    rows.append({"bench": "profile_speculative_round", "provider": "ours", "shape": {**shape, "k": 8},
+    rows.append({"bench": "profile_speculative_round", "provider": "ours", "shape": {**shape, "k": 15},
                  "metric": "top_kernels", "unit": "us per round", "value": top})
     write_results("profile_speculative_round", rows)
 

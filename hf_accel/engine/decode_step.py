@@ -30,7 +30,7 @@ import torch
 import triton
 
 from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
-from hf_accel.kernels.fused_linear import fused_linear
+from hf_accel.kernels.fused_linear import fused_linear, split_k_for
 from hf_accel.kernels.gemv import gemv
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
@@ -97,6 +97,20 @@ GEMV_ONE_ROW = True
 DECODE_PDL = True
 ATTENTION_PDL = True
 
+#: Split-KV partitions are merged inside the paged attention kernel (the last split program of a row block
+#: to arrive merges; ``merge_counters`` of :func:`~hf_accel.kernels.paged_attention.paged_attention`) instead
+#: of a second kernel per layer.
+FUSED_MERGE = True
+
+#: With PDL, the paged attention kernel lets the next kernel (o_proj) launch once its programs pass their
+#: wait, so o_proj's first weight loads overlap the attention.
+ATTENTION_TRIGGER = True
+
+#: fused_linear calls of the step (2-16 token rows) split K so that a matmul of few output tiles runs
+#: about this many programs per SM (capped at one K tile per program; 0 turns split-K off). Each program
+#: then loads its whole weight share before its PDL wait, as the one-row GEMV does.
+FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM = 1.0
+
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
@@ -120,6 +134,11 @@ def fused_linear_supported(model, merged, check_hidden: bool = True) -> str | No
     if any(n.weight.dtype != dtype for n in norms):
         return "a norm weight in another dtype than the model"
     return None
+
+
+def attention_row_blocks(rows: int) -> int:
+    """Row blocks of the paged attention grid for ``rows`` = q_len x GQA group query rows per KV head."""
+    return triton.cdiv(rows, 16 if rows <= 16 else (32 if rows <= 32 else 64))
 
 
 def default_num_splits(programs: int, capacity: int, device) -> int:
@@ -189,9 +208,15 @@ class DecodeStep:
         # fused=None: on CUDA when supported. fused=True on CPU runs the Triton kernels (interpreter; tests).
         self.fused = (dev.type == "cuda" if fused is None else fused) and fused_supported(model) is None
         self.merged = merged  # list of MergedLayer (fused step only) or None; sets small_linear
-        rows = q_len * (self.num_heads // self.num_kv_heads)
-        row_blocks = triton.cdiv(rows, 16 if rows <= 16 else (32 if rows <= 32 else 64))
+        row_blocks = attention_row_blocks(q_len * (self.num_heads // self.num_kv_heads))
         self.num_splits = default_num_splits(batch * self.num_kv_heads * row_blocks, self.capacity, dev)
+        # Arrival counters (zeros; every launch leaves them at zero) of the split-KV merge inside the
+        # attention kernel and of fused_linear's split-K, owned by this step: its kernels run one at a time.
+        self.merge_counters = torch.zeros(batch * self.num_kv_heads * row_blocks, dtype=torch.int32, device=dev)
+        widest = max([model.lm_head.weight.shape[0]] + [m.weight.shape[0] for m in model.modules()
+                                                         if isinstance(m, torch.nn.Linear)])
+        self.linear_counters = torch.zeros(triton.cdiv(2 * widest, 16), dtype=torch.int32, device=dev)
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
     @property
     def merged(self):
@@ -246,8 +271,12 @@ class DecodeStep:
         one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
         small = not one_row and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
         # gemv and fused_linear take the same arguments: the layer's matmuls with norm / SwiGLU fused in
-        linear = gemv if one_row else (fused_linear if small else None)
+        linear = gemv if one_row else (self._split_linear if small else None)
         pdl = DECODE_PDL
+        attn_kw = {"merge_counters": self.merge_counters if FUSED_MERGE else None,
+                   "trigger": ATTENTION_TRIGGER and pdl and ATTENTION_PDL}
+        if attention_row_blocks(t * (h // self.num_kv_heads)) * b * self.num_kv_heads > self.merge_counters.numel():
+            attn_kw["merge_counters"] = None  # a forward over more rows than the step's own (prefill)
         for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm
@@ -279,7 +308,7 @@ class DecodeStep:
                                pdl=pdl and ATTENTION_PDL)
             o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
                                 seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits,
-                                num_stages=DECODE_ATTENTION_STAGES, pdl=pdl and ATTENTION_PDL)
+                                num_stages=DECODE_ATTENTION_STAGES, pdl=pdl and ATTENTION_PDL, **attn_kw)
             ln = layer.post_attention_layernorm
             if linear is not None:
                 delta = linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)
@@ -309,6 +338,15 @@ class DecodeStep:
         hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
         logits = model.lm_head(hidden).float()
         return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
+
+    def _split_linear(self, x, weight, **kw):
+        """:func:`fused_linear` with split-K sized by :data:`FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM` and this step's
+        arrival counters."""
+        split = 1
+        if FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM > 0:
+            split = split_k_for(weight.shape[0] // (2 if kw.get("swiglu") else 1), weight.shape[1],
+                                FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM * self.sms)
+        return fused_linear(x, weight, split_k=split, counters=self.linear_counters, **kw)
 
     def _forward_modules(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only):
         model = self.model

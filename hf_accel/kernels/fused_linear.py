@@ -39,9 +39,44 @@ MAX_ROWS = 32
 
 
 @triton.jit
+def _x_tile2d(x_rows, r_rows, NormW, offs_k, xm, k_ok, rstd, dt, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Input rows' columns ``offs_k`` after the residual add and RMSNorm, rounded as transformers rounds."""
+    x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+    if NORM:
+        if RESIDUAL:
+            r = tl.load(r_rows + offs_k[None, :], mask=xm, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+        nw = tl.load(NormW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+    return x
+
+
+@triton.jit
+def _dot_t(x, w, IEEE_DOT: tl.constexpr):
+    if IEEE_DOT:
+        return tl.dot(x, tl.trans(w), input_precision="ieee")
+    return tl.dot(x, tl.trans(w))
+
+
+@triton.jit
+def _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """Bias, rounding to the model dtype, SwiGLU; stores the output tile."""
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(dt)
+    if SWIGLU:
+        g = out.to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt)
+        out = (s.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
+    y_ptrs = Y + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _fused_linear_kernel(
-    X, R, NormW, W, Bias, Y, ROut,
-    M, N, K, up_offset,
+    X, R, NormW, W, Bias, Y, ROut, Part, Counters,
+    M, N, K, up_offset, k_per_split,
     stride_xm, stride_rm, stride_wn, stride_ym, stride_rom,
     eps,
     NORM: tl.constexpr,
@@ -54,11 +89,11 @@ def _fused_linear_kernel(
     EVEN_K: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     dt = X.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -67,10 +102,23 @@ def _fused_linear_kernel(
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
     r_rows = R + rows[:, None].to(tl.int64) * stride_rm
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    if PDL:
+        gdc_launch_dependents()
+    if PRELOAD:
+        # The first weight tile(s) of this program's K range before waiting: no kernel writes weights.
+        offs_k0 = k_lo + tl.arange(0, BLOCK_K)
+        wm0 = n_ok[:, None] & (offs_k0[None, :] < k_hi)
+        w0 = tl.load(w_rows + offs_k0[None, :], mask=wm0, other=0.0)
+        if SWIGLU:
+            wu0 = tl.load(w_rows + up_offset * stride_wn + offs_k0[None, :], mask=wm0, other=0.0)
+    if PDL:
+        gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
-        # Pass 1: mean square of each row (of x + residual when given, rounded to the dtype first).
+        # Pass 1: mean square of each row over the whole K (of x + residual when given, rounded first).
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -79,7 +127,7 @@ def _fused_linear_kernel(
             if RESIDUAL:
                 r = tl.load(r_rows + offs_k[None, :], mask=xm, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-                if pid_n == 0:
+                if (pid_n == 0) & (pid_k == 0):
                     tl.store(ROut + rows[:, None].to(tl.int64) * stride_rom + offs_k[None, :], x, mask=xm)
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, 1)
@@ -87,42 +135,54 @@ def _fused_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    first = k_lo
+    if PRELOAD:
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_hi
+        x = _x_tile2d(x_rows, r_rows, NormW, offs_k, row_ok[:, None] & k_ok[None, :], k_ok, rstd, dt, NORM, RESIDUAL)
+        acc += _dot_t(x, w0, IEEE_DOT)
+        if SWIGLU:
+            acc_up += _dot_t(x, wu0, IEEE_DOT)
+        first = k_lo + BLOCK_K
+    for k0 in range(first, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_hi
         if EVEN_K:
             xm = row_ok[:, None]
             wm = n_ok[:, None]
         else:
-            xm = row_ok[:, None] & (offs_k[None, :] < K)
-            wm = n_ok[:, None] & (offs_k[None, :] < K)
-        x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
-        if NORM:
-            if RESIDUAL:
-                r = tl.load(r_rows + offs_k[None, :], mask=xm, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-            nw = tl.load(NormW + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+            xm = row_ok[:, None] & k_ok[None, :]
+            wm = n_ok[:, None] & k_ok[None, :]
+        x = _x_tile2d(x_rows, r_rows, NormW, offs_k, xm, k_ok, rstd, dt, NORM, RESIDUAL)
         w = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)
-        if IEEE_DOT:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc += _dot_t(x, w, IEEE_DOT)
         if SWIGLU:
             wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=wm, other=0.0)
-            if IEEE_DOT:
-                acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee")
-            else:
-                acc_up += tl.dot(x, tl.trans(wu))
+            acc_up += _dot_t(x, wu, IEEE_DOT)
 
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = acc.to(dt)
-    if SWIGLU:
-        g = out.to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt)
-        out = (s.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
-    y_ptrs = Y + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    if SPLIT_K > 1:
+        # Split-K: each program stores its float32 partial sums; the last program of this output tile to
+        # arrive (atomic counter, acquire/release at GPU scope) adds them in split order (deterministic),
+        # resets the counter for the next launch and runs the epilogue.
+        tile = rows[:, None] * N + offs_n[None, :]
+        tmask = row_ok[:, None] & n_ok[None, :]
+        tl.store(Part + pid_k * (BLOCK_M * N) + tile, acc, mask=tmask)
+        if SWIGLU:
+            tl.store(Part + (SPLIT_K + pid_k) * (BLOCK_M * N) + tile, acc_up, mask=tmask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(Part + s * (BLOCK_M * N) + tile, mask=tmask, other=0.0, cache_modifier=".cg")
+                if SWIGLU:
+                    acc_up += tl.load(Part + (SPLIT_K + s) * (BLOCK_M * N) + tile, mask=tmask, other=0.0,
+                                      cache_modifier=".cg")
+            tl.atomic_xchg(Counters + pid_n, 0)
+            _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU, HAS_BIAS)
+    else:
+        _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU, HAS_BIAS)
 
 
 def check_linear_args(x, weight, bias, norm_weight, residual, swiglu) -> tuple[int, int, int]:
@@ -185,6 +245,14 @@ def _tiles(rows: int, n: int, k: int, norm: bool, block_n: int | None, block_k: 
     return block_m, block_n, block_k, num_stages
 
 
+def split_k_for(out_features: int, k: int, target_programs: float, rows: int = 16) -> int:
+    """A ``split_k`` for :func:`fused_linear` with default tiles: about ``target_programs`` programs in all,
+    at least one K tile (``block_k`` columns) per program."""
+    _, block_n, block_k, _ = _tiles(rows, out_features, k, False, None, None, None)
+    tiles = triton.cdiv(out_features, block_n)
+    return max(1, min(triton.cdiv(k, block_k), round(target_programs / tiles)))
+
+
 def fused_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -200,6 +268,9 @@ def fused_linear(
     num_warps: int = 4,
     num_stages: int | None = None,
     pdl: bool = False,
+    split_k: int = 1,
+    counters: torch.Tensor | None = None,
+    preload: bool | None = None,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows, in one kernel.
 
@@ -220,17 +291,29 @@ def fused_linear(
             ``torch.float32`` gives the same numbers as ``F.linear(...).float()``.
         block_n, block_k, num_warps, num_stages: tiling overrides (benchmark sweeps).
         pdl: launch with programmatic dependent launch where available (:mod:`.pdl`; ignored elsewhere).
+        split_k: programs per output tile, each taking a contiguous share of the ``hidden`` columns (rounded
+            up to ``block_k``); their float32 partial sums go to a workspace and the last program to arrive
+            adds them in split order and runs the epilogue (serial split-K reduction, as in CUTLASS's
+            "serial split-K"). More programs in flight for matmuls of few output tiles; 1 = no split.
+        counters: with ``split_k`` > 1, an int32 tensor of at least ``ceil(out_features / block_n)`` zeros
+            (one arrival counter per output tile, left at zero again by every launch). Pass a buffer owned by
+            the caller and used by one stream at a time; without it a zeroed one is allocated per call.
+        preload: load the first weight tile of each program before the PDL wait (default: with ``split_k``
+            > 1 and PDL, where it is the whole weight share of the program).
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
 
     Raises:
-        ValueError: more than :data:`MAX_ROWS` rows, shape/dtype mismatches, or a combination the kernel
-            does not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``).
+        ValueError: more than :data:`MAX_ROWS` rows, shape/dtype mismatches, a combination the kernel does
+            not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``), ``split_k`` not an int
+            >= 1, or ``counters`` that are not a contiguous int32 tensor of enough elements on x's device.
     """
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
     if rows > MAX_ROWS:
         raise ValueError(f"fused_linear takes at most {MAX_ROWS} rows, got {rows}")
+    if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
+        raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
     y = torch.empty(rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     if rows == 0:
@@ -239,15 +322,33 @@ def fused_linear(
                                                    num_stages)
     r_in = residual if residual is not None else x
     pdl = use_pdl(pdl, x)
-    grid = (triton.cdiv(out_features, block_n),)
+    n_tiles = triton.cdiv(out_features, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty splits
+    part = y
+    if split_k > 1:
+        if counters is None:
+            counters = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
+        elif (counters.dtype != torch.int32 or counters.device != x.device or not counters.is_contiguous()
+              or counters.numel() < n_tiles):
+            raise ValueError(f"counters must be a contiguous int32 tensor of >= {n_tiles} zeros on {x.device}, "
+                             f"got {counters.dtype} {tuple(counters.shape)} on {counters.device}")
+        part = torch.empty((2 if swiglu else 1) * split_k * block_m * out_features, dtype=torch.float32,
+                           device=x.device)
+    else:
+        counters = y
+    if preload is None:
+        preload = split_k > 1 and pdl
+    grid = (n_tiles, split_k)
     _fused_linear_kernel[grid](
         x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y, r_out,
-        rows, out_features, k, out_features if swiglu else 0,
+        part, counters,
+        rows, out_features, k, out_features if swiglu else 0, k_per_split,
         x.stride(0), r_in.stride(0), weight.stride(0), y.stride(0), r_out.stride(0),
         eps,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        IEEE_DOT=x.dtype == torch.float32, PDL=pdl,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0 and k_per_split % block_k == 0,
+        IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=split_k, PRELOAD=bool(preload),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (y, r_out) if residual is not None else y

@@ -54,7 +54,7 @@ def _attend_tile(q, KCache, VCache, KeyMask, phys, offs_n, end, m_i, l_i, acc, o
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, KCache, VCache, BlockTable, SeqLens, KeyMask, Out, PartOut, PartLse,
+    Q, KCache, VCache, BlockTable, SeqLens, KeyMask, Out, PartOut, PartLse, Counters,
     sm_scale_log2,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -75,9 +75,13 @@ def _paged_attention_kernel(
     IEEE_DOT: tl.constexpr,
     CHUNK_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     if PDL:
         gdc_wait()  # Q and the cache are written by the kernels before this one
+        if TRIGGER:
+            gdc_launch_dependents()  # the next kernel may launch and load its weights while this one runs
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -155,6 +159,36 @@ def _paged_attention_kernel(
         tl.store(p_ptrs, out, mask=io_mask)
         tl.store(PartLse + pid_s * stride_ls + b64 * stride_lb + q_pos.to(tl.int64) * stride_lm + q_head,
                  lse, mask=row_valid)
+        if FUSED_MERGE:
+            # The last split program of these rows to arrive merges all splits (no merge kernel): partials
+            # stored by every thread, then an acquire/release arrival count at GPU scope.
+            tl.debug_barrier()
+            counter = Counters + pid_bh * tl.num_programs(0) + pid_m
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(2) - 1:
+                row_off = b64 * stride_lb + q_pos.to(tl.int64) * stride_lm + q_head
+                m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for s in range(tl.num_programs(2)):
+                    ls = tl.load(PartLse + s * stride_ls + row_off, mask=row_valid, other=float("-inf"),
+                                 cache_modifier=".cg")
+                    m = tl.maximum(m, ls)
+                m_safe = tl.where(m == float("-inf"), 0.0, m)
+                total = tl.zeros([BLOCK_M], dtype=tl.float32)
+                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                p_rows = (PartOut + b64 * stride_pb + q_pos[:, None].to(tl.int64) * stride_pm
+                          + q_head[:, None].to(tl.int64) * stride_ph + offs_d[None, :])
+                for s in range(tl.num_programs(2)):
+                    ls = tl.load(PartLse + s * stride_ls + row_off, mask=row_valid, other=float("-inf"),
+                                 cache_modifier=".cg")
+                    w = tl.exp2(ls - m_safe)
+                    part = tl.load(p_rows + s * stride_ps, mask=io_mask, other=0.0, cache_modifier=".cg")
+                    merged += part * w[:, None]
+                    total += w
+                merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+                tl.atomic_xchg(counter, 0)  # zero again for the next launch
+                o_ptrs = (Out + b64 * stride_ob + q_pos[:, None].to(tl.int64) * stride_om
+                          + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od)
+                tl.store(o_ptrs, merged.to(Out.dtype.element_ty), mask=io_mask)
     else:
         o_ptrs = (Out + b64 * stride_ob + q_pos[:, None].to(tl.int64) * stride_om
                   + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od)
@@ -243,6 +277,8 @@ def paged_attention(
     num_stages: int | None = None,
     chunk_tokens: int | None = None,
     pdl: bool = False,
+    merge_counters: torch.Tensor | None = None,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -274,6 +310,12 @@ def paged_attention(
             4.15 vs 3.78 chunked; B64 S2k (512 programs, unsplit) 4.02 per tile vs 3.30 chunked.
         pdl: launch both kernels with programmatic dependent launch where available (:mod:`.pdl`;
             ignored elsewhere).
+        merge_counters: with split-KV, merge the splits inside the attention kernel instead of a second
+            kernel: the last split program of each row block to arrive (an atomic arrival counter) merges
+            them. An int32 tensor of at least ``batch * num_kv_heads * ceil(q_len * group / block_m)`` zeros
+            owned by the caller, used by one stream at a time; every launch leaves it at zero.
+        trigger: with ``pdl``, let the next kernel launch as soon as this one's programs pass their wait
+            (the next projection's weight loads then overlap the attention).
 
     Returns:
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
@@ -281,7 +323,7 @@ def paged_attention(
     Raises:
         ValueError: shape/dtype mismatches (``out`` included), head_dim > 256, a ``key_mask`` narrower than
             ``max_seq_len``, ``num_splits`` < 1, ``block_n`` not a power of 2 >= 16, ``chunk_tokens`` not an
-            int >= 0.
+            int >= 0, ``merge_counters`` not a contiguous int32 tensor of enough elements on the query's device.
     """
     batch, num_heads, num_kv_heads, q_len, head_dim = _check(query, key_cache, value_cache, block_table,
                                                              seq_lens, key_mask)
@@ -353,10 +395,19 @@ def paged_attention(
     chunk_blocks = (min(MAX_CHUNK_BLOCKS, triton.next_power_of_2(triton.cdiv(chunk_tokens, block_size)))
                     if chunk_tokens else 0)
     grid = (m_blocks, batch * num_kv_heads, num_splits)
+    fused_merge = split and merge_counters is not None
+    if merge_counters is not None:
+        need = m_blocks * batch * num_kv_heads
+        if (merge_counters.dtype != torch.int32 or merge_counters.device != query.device
+                or not merge_counters.is_contiguous() or merge_counters.numel() < need):
+            raise ValueError(f"merge_counters must be a contiguous int32 tensor of >= {need} zeros on "
+                             f"{query.device}, got {merge_counters.dtype} {tuple(merge_counters.shape)} on "
+                             f"{merge_counters.device}")
     pdl = use_pdl(pdl, query)
     pdl_launch = {"launch_pdl": True} if pdl else {}
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
+        merge_counters if fused_merge else seq_lens,
         sm_scale * _LOG2E,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
         *out.stride(), *p_strides, *l_strides,
@@ -364,9 +415,10 @@ def paged_attention(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
         IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl,
+        FUSED_MERGE=fused_merge, TRIGGER=bool(trigger),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
-    if split:
+    if split and not fused_merge:
         out_rows = out.view(batch * q_len * num_heads, head_dim) if out.is_contiguous() else None
         target = out_rows if out_rows is not None else torch.empty(batch * q_len * num_heads, head_dim,
                                                                    dtype=out.dtype, device=out.device)

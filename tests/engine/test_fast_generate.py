@@ -415,3 +415,36 @@ def test_batch1_fused_step_runs_gemv(model_type, tiny, monkeypatch):
     assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
     layers = model.config.num_hidden_layers
     assert len(calls) == 5 * (4 * layers + 1) and calls.count(True) == 5 * layers  # 5 decode steps
+
+
+def test_fused_step_split_k_and_in_kernel_merge(tiny, monkeypatch):
+    """Batch-3 fused decode steps with fused_linear split into 2 K shares per output tile and 3 KV splits
+    merged inside the attention kernel (both through the step's arrival counters, reused by every layer
+    and step): greedy output token-identical to stock in float32, counters back at zero."""
+    from hf_accel.engine import decode_step
+
+    seen = {"split": 0, "merge": 0}
+    linear, attention = decode_step.fused_linear, decode_step.paged_attention
+
+    def split_linear(x, w, **kw):
+        seen["split"] += 1
+        return linear(x, w, **{**kw, "split_k": 2, "block_k": 16})
+
+    def merging_attention(*a, **kw):
+        seen["merge"] += kw.get("merge_counters") is not None and kw.get("num_splits") == 3
+        return attention(*a, **kw)
+
+    monkeypatch.setattr(decode_step, "fused_linear", split_linear)
+    monkeypatch.setattr(decode_step, "paged_attention", merging_attention)
+    monkeypatch.setattr(decode_step, "default_num_splits", lambda *a: 3)
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
+    ours = _accelerated(model, fused=True)
+    out = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    layers = model.config.num_hidden_layers
+    assert seen["split"] == 4 * 4 * layers and seen["merge"] == 4 * layers  # 4 decode steps
+    for step in ours._hf_accel_engine.steps.values():
+        assert step.num_splits == 3
+        assert int(step.merge_counters.abs().sum()) == 0 and int(step.linear_counters.abs().sum()) == 0

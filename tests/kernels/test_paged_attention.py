@@ -342,3 +342,32 @@ def test_argument_errors(bad):
     with pytest.raises(ValueError):
         paged_attention(q, kc, vc, table, lens, max_len, mask)
 
+
+
+@pytest.mark.parametrize(
+    "heads,q_len,block_size,num_splits",
+    [((8, 2), 1, 16, 3), ((8, 1), 3, 32, 2), ((16, 1), 5, 16, 4)],
+    ids=["gqa-decode-s3", "mqa-q3-s2", "rows80-two-m-blocks-s4"],
+)
+def test_fused_merge_matches_merge_kernel(heads, q_len, block_size, num_splits, monkeypatch):
+    """Splits merged by the last split program to arrive (merge_counters): no merge kernel launched, the
+    output equal to the merge kernel's within fp32 summation order, and the counters left at zero for the
+    next launch (run twice on the same counters)."""
+    num_heads, num_kv_heads = heads
+    case = Case([q_len + 12, 45, 33], num_heads, num_kv_heads, q_len, block_size, seed=7 + num_splits)
+    want, _ = case.check(num_splits=num_splits, block_n=16)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    spy = SplitSpy(monkeypatch)
+    for _ in range(2):
+        got, _ = case.check(num_splits=num_splits, block_n=16, merge_counters=counters)
+        assert not spy.grids, "the merge kernel ran although the attention kernel merges"
+        assert int(counters.abs().sum()) == 0, "arrival counters not reset"
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_merge_counters_checked():
+    case = Case([40], 8, 2, 1, 16)
+    with pytest.raises(ValueError, match="merge_counters must be"):
+        paged_attention(*case.args(), num_splits=2, merge_counters=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="merge_counters must be"):
+        paged_attention(*case.args(), num_splits=2, merge_counters=torch.zeros(8, dtype=torch.int64, device=DEVICE))
