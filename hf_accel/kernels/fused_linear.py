@@ -174,7 +174,7 @@ def _fused_linear_kernel(
         if arrived == SPLIT_K - 1:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(SPLIT_K):
+            for s in tl.static_range(SPLIT_K):  # unrolled: every split's loads in flight at once
                 acc += tl.load(Part + s * (BLOCK_M * N) + tile, mask=tmask, other=0.0, cache_modifier=".cg")
                 if SWIGLU:
                     acc_up += tl.load(Part + (SPLIT_K + s) * (BLOCK_M * N) + tile, mask=tmask, other=0.0,

@@ -77,6 +77,7 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     TRIGGER: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     if PDL:
         gdc_wait()  # Q and the cache are written by the kernels before this one
@@ -165,25 +166,26 @@ def _paged_attention_kernel(
             tl.debug_barrier()
             counter = Counters + pid_bh * tl.num_programs(0) + pid_m
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(2) - 1:
+            if arrived == NUM_SPLITS - 1:
                 row_off = b64 * stride_lb + q_pos.to(tl.int64) * stride_lm + q_head
-                m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                for s in range(tl.num_programs(2)):
-                    ls = tl.load(PartLse + s * stride_ls + row_off, mask=row_valid, other=float("-inf"),
-                                 cache_modifier=".cg")
-                    m = tl.maximum(m, ls)
-                m_safe = tl.where(m == float("-inf"), 0.0, m)
-                total = tl.zeros([BLOCK_M], dtype=tl.float32)
-                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
                 p_rows = (PartOut + b64 * stride_pb + q_pos[:, None].to(tl.int64) * stride_pm
                           + q_head[:, None].to(tl.int64) * stride_ph + offs_d[None, :])
-                for s in range(tl.num_programs(2)):
+                # unrolled over the splits so that all their loads can be in flight at once; an online
+                # log-sum-exp merge in split order (deterministic)
+                m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                total = tl.zeros([BLOCK_M], dtype=tl.float32)
+                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for s in tl.static_range(NUM_SPLITS):
                     ls = tl.load(PartLse + s * stride_ls + row_off, mask=row_valid, other=float("-inf"),
                                  cache_modifier=".cg")
-                    w = tl.exp2(ls - m_safe)
                     part = tl.load(p_rows + s * stride_ps, mask=io_mask, other=0.0, cache_modifier=".cg")
-                    merged += part * w[:, None]
-                    total += w
+                    m_new = tl.maximum(m, ls)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    scale = tl.exp2(m - m_safe)
+                    w = tl.exp2(ls - m_safe)
+                    merged = merged * scale[:, None] + part * w[:, None]
+                    total = total * scale + w
+                    m = m_new
                 merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
                 tl.atomic_xchg(counter, 0)  # zero again for the next launch
                 o_ptrs = (Out + b64 * stride_ob + q_pos[:, None].to(tl.int64) * stride_om
@@ -255,6 +257,9 @@ CHUNK_TOKENS = 2048
 CHUNKED_MAX_PROGRAMS_PER_SM = 3
 #: Most block ids held in registers per chunk (``chunk_tokens`` is capped to this many blocks).
 MAX_CHUNK_BLOCKS = 4096
+#: Most splits merged inside the attention kernel (``merge_counters``; its merge loop is unrolled over the
+#: splits); more go through the merge kernel.
+MAX_FUSED_MERGE_SPLITS = 32
 #: KV splits target about this many programs per SM (see ``num_splits``).
 SPLIT_PROGRAMS_PER_SM = 2
 
@@ -312,7 +317,7 @@ def paged_attention(
             ignored elsewhere).
         merge_counters: with split-KV, merge the splits inside the attention kernel instead of a second
             kernel: the last split program of each row block to arrive (an atomic arrival counter) merges
-            them. An int32 tensor of at least ``batch * num_kv_heads * ceil(q_len * group / block_m)`` zeros
+            them (up to :data:`MAX_FUSED_MERGE_SPLITS` splits; more use the merge kernel). An int32 tensor of at least ``batch * num_kv_heads * ceil(q_len * group / block_m)`` zeros
             owned by the caller, used by one stream at a time; every launch leaves it at zero.
         trigger: with ``pdl``, let the next kernel launch as soon as this one's programs pass their wait
             (the next projection's weight loads then overlap the attention).
@@ -395,7 +400,7 @@ def paged_attention(
     chunk_blocks = (min(MAX_CHUNK_BLOCKS, triton.next_power_of_2(triton.cdiv(chunk_tokens, block_size)))
                     if chunk_tokens else 0)
     grid = (m_blocks, batch * num_kv_heads, num_splits)
-    fused_merge = split and merge_counters is not None
+    fused_merge = split and merge_counters is not None and num_splits <= MAX_FUSED_MERGE_SPLITS
     if merge_counters is not None:
         need = m_blocks * batch * num_kv_heads
         if (merge_counters.dtype != torch.int32 or merge_counters.device != query.device
@@ -415,7 +420,7 @@ def paged_attention(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
         IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl,
-        FUSED_MERGE=fused_merge, TRIGGER=bool(trigger),
+        FUSED_MERGE=fused_merge, TRIGGER=bool(trigger), NUM_SPLITS=num_splits if fused_merge else 1,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
     if split and not fused_merge:
