@@ -31,7 +31,7 @@ import triton
 
 from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
 from hf_accel.kernels.fused_linear import fused_linear, split_k_for
-from hf_accel.kernels.gemv import gemv
+from hf_accel.kernels.gemv import gemv, gemv_rope
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from hf_accel.kernels.rms_norm import rms_norm
@@ -97,19 +97,24 @@ GEMV_ONE_ROW = True
 DECODE_PDL = True
 ATTENTION_PDL = True
 
+#: One-row steps of models without a per-head q/k norm run RoPE and the K/V cache write as the Q/K/V
+#: GEMV's epilogue (:func:`~hf_accel.kernels.gemv.gemv_rope`, bitwise the separate kernels' results):
+#: one kernel less per layer.
+GEMV_ROPE = True
+
 #: Split-KV partitions are merged inside the paged attention kernel (the last split program of a row block
 #: to arrive merges; ``merge_counters`` of :func:`~hf_accel.kernels.paged_attention.paged_attention`) instead
 #: of a second kernel per layer.
-FUSED_MERGE = True
+FUSED_MERGE = False
 
 #: With PDL, the paged attention kernel lets the next kernel (o_proj) launch once its programs pass their
 #: wait, so o_proj's first weight loads overlap the attention.
-ATTENTION_TRIGGER = True
+ATTENTION_TRIGGER = False
 
 #: fused_linear calls of the step (2-16 token rows) split K so that a matmul of few output tiles runs
 #: about this many programs per SM (capped at one K tile per program; 0 turns split-K off). Each program
 #: then loads its whole weight share before its PDL wait, as the one-row GEMV does.
-FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM = 1.0
+FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM = 0
 
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
@@ -136,6 +141,10 @@ def fused_linear_supported(model, merged, check_hidden: bool = True) -> str | No
     return None
 
 
+#: Fewest keys per KV split of the step's paged attention (:func:`default_num_splits`).
+DECODE_MIN_SPLIT_KEYS = 64
+
+
 def attention_row_blocks(rows: int) -> int:
     """Row blocks of the paged attention grid for ``rows`` = q_len x GQA group query rows per KV head."""
     return triton.cdiv(rows, 16 if rows <= 16 else (32 if rows <= 32 else 64))
@@ -153,7 +162,7 @@ def default_num_splits(programs: int, capacity: int, device) -> int:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = triton.cdiv((4 if programs < 32 else 2) * sms, programs)
-    return max(1, min(want, triton.cdiv(capacity, 64)))
+    return max(1, min(want, triton.cdiv(capacity, DECODE_MIN_SPLIT_KEYS)))
 
 
 class DecodeStep:
@@ -281,7 +290,20 @@ class DecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm
             mw = self.merged[layer_idx] if self.merged is not None else None
-            if linear is not None:
+            pools = self.cache.layers[layer_idx]
+            q_norm = getattr(attn, "q_norm", None)
+            if one_row and GEMV_ROPE and q_norm is None:
+                # Residual add + RMSNorm + Q/K/V + RoPE + K/V cache write in one kernel.
+                rope_args = (cos, sin, pools.keys, pools.values, slot_mapping, h)
+                if delta is None:
+                    q = gemv_rope(residual, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
+                                  eps=ln.variance_epsilon, pdl=pdl)
+                else:
+                    q, residual = gemv_rope(delta, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
+                                            eps=ln.variance_epsilon, residual=residual, pdl=pdl)
+                roped = True
+            elif linear is not None:
+                roped = False
                 # Residual add + RMSNorm + Q/K/V in one kernel (hf_accel.kernels.gemv / fused_linear).
                 if delta is None:
                     qkv = linear(residual, mw.qkv_weight, bias=mw.qkv_bias, norm_weight=ln.weight,
@@ -291,6 +313,7 @@ class DecodeStep:
                                            eps=ln.variance_epsilon, residual=residual, pdl=pdl)
                 q, k, v = qkv.split(mw.qkv_split, dim=1)
             else:
+                roped = False
                 if delta is None:
                     x = rms_norm(residual, ln.weight, ln.variance_epsilon)
                 else:
@@ -299,13 +322,12 @@ class DecodeStep:
                     q, k, v = torch.nn.functional.linear(x, mw.qkv_weight, mw.qkv_bias).split(mw.qkv_split, dim=1)
                 else:
                     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            pools = self.cache.layers[layer_idx]
-            q_norm = getattr(attn, "q_norm", None)
-            q = rope_and_cache(q, k, v, cos, sin, pools.keys, pools.values, slot_mapping,
-                               q_norm.weight if q_norm is not None else None,
-                               attn.k_norm.weight if q_norm is not None else None,
-                               q_norm.variance_epsilon if q_norm is not None else 1e-6,
-                               pdl=pdl and ATTENTION_PDL)
+            if not roped:
+                q = rope_and_cache(q, k, v, cos, sin, pools.keys, pools.values, slot_mapping,
+                                   q_norm.weight if q_norm is not None else None,
+                                   attn.k_norm.weight if q_norm is not None else None,
+                                   q_norm.variance_epsilon if q_norm is not None else 1e-6,
+                                   pdl=pdl and ATTENTION_PDL)
             o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
                                 seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits,
                                 num_stages=DECODE_ATTENTION_STAGES, pdl=pdl and ATTENTION_PDL, **attn_kw)

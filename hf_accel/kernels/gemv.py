@@ -50,10 +50,48 @@ def _x_tile(X, R, NormW, offs_k, k_ok, rstd, NORM: tl.constexpr, RESIDUAL: tl.co
 
 
 @triton.jit
+def _rope_epilogue(y_lo, y_hi, Y, Cos, Sin, KCache, VCache, SlotMapping, head, lane, dt,
+                   num_heads, num_kv_heads, head_dim, block_size, stride_kcb, stride_kcs, stride_kch,
+                   BLOCK_N: tl.constexpr):
+    """Q/K/V projection rows ``lane`` and ``lane + head_dim / 2`` of flat head ``head`` (q heads, then k,
+    then v): RoPE on q and k rounded as :mod:`.rope_cache` rounds it, q to ``Y``, k and v to the cache
+    slot ``SlotMapping[0]`` (-1: not written)."""
+    half = head_dim // 2
+    lo = y_lo.to(dt)
+    hi = y_hi.to(dt)
+    is_v = head >= num_heads + num_kv_heads
+    if not is_v:
+        cos_lo = tl.load(Cos + lane).to(tl.float32)
+        sin_lo = tl.load(Sin + lane).to(tl.float32)
+        cos_hi = tl.load(Cos + lane + half).to(tl.float32)
+        sin_hi = tl.load(Sin + lane + half).to(tl.float32)
+        lo_f, hi_f = lo.to(tl.float32), hi.to(tl.float32)
+        new_lo = ((lo_f * cos_lo).to(dt).to(tl.float32) + ((-hi_f) * sin_lo).to(dt).to(tl.float32)).to(dt)
+        new_hi = ((hi_f * cos_hi).to(dt).to(tl.float32) + (lo_f * sin_hi).to(dt).to(tl.float32)).to(dt)
+        lo, hi = new_lo, new_hi
+    if head < num_heads:
+        tl.store(Y + head * head_dim + lane, lo.to(Y.dtype.element_ty))
+        tl.store(Y + head * head_dim + lane + half, hi.to(Y.dtype.element_ty))
+    else:
+        slot = tl.load(SlotMapping).to(tl.int64)
+        if slot >= 0:
+            kv_head = (head - num_heads) % num_kv_heads
+            dst = (slot // block_size) * stride_kcb + (slot % block_size) * stride_kcs + kv_head * stride_kch
+            if is_v:
+                tl.store(VCache + dst + lane, lo.to(VCache.dtype.element_ty))
+                tl.store(VCache + dst + lane + half, hi.to(VCache.dtype.element_ty))
+            else:
+                tl.store(KCache + dst + lane, lo.to(KCache.dtype.element_ty))
+                tl.store(KCache + dst + lane + half, hi.to(KCache.dtype.element_ty))
+
+
+@triton.jit
 def _gemv_kernel(
     X, R, NormW, W, Bias, Y, ROut,
+    Cos, Sin, KCache, VCache, SlotMapping,
     N, K, up_offset, stride_wn,
     eps,
+    num_heads, num_kv_heads, head_dim, block_size, stride_kcb, stride_kcs, stride_kch,
     NORM: tl.constexpr,
     RESIDUAL: tl.constexpr,
     SWIGLU: tl.constexpr,
@@ -61,10 +99,18 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = X.dtype.element_ty
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        # BLOCK_N lanes of one head's first half and their partners ``up_offset`` (= head_dim / 2) rows on
+        lanes_per_head = up_offset // BLOCK_N
+        head = pid // lanes_per_head
+        lane = (pid % lanes_per_head) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = head * head_dim + lane
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
@@ -73,7 +119,7 @@ def _gemv_kernel(
         gdc_launch_dependents()
     # The first weight tile(s) before waiting: the previous kernel does not write weights.
     w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    if SWIGLU:
+    if SWIGLU or ROPE:
         wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                      other=0.0)
     if PDL:
@@ -97,29 +143,37 @@ def _gemv_kernel(
 
     x = _x_tile(X, R, NormW, offs_k, k_ok, rstd, NORM, RESIDUAL)
     acc = w.to(tl.float32) * x[None, :]
-    if SWIGLU:
+    if SWIGLU or ROPE:
         acc_up = wu.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         o = k0 + offs_k
         om = o < K
         wm = n_ok[:, None] & om[None, :]
         w = tl.load(w_rows + o[None, :], mask=wm, other=0.0)
-        if SWIGLU:
+        if SWIGLU or ROPE:
             wu = tl.load(w_rows + up_offset * stride_wn + o[None, :], mask=wm, other=0.0)
         x = _x_tile(X, R, NormW, o, om, rstd, NORM, RESIDUAL)
         acc += w.to(tl.float32) * x[None, :]
-        if SWIGLU:
+        if SWIGLU or ROPE:
             acc_up += wu.to(tl.float32) * x[None, :]
 
     y = tl.sum(acc, 1)
-    if HAS_BIAS:
-        y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    out = y.to(dt)
-    if SWIGLU:
-        g = out.to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt)
-        out = (s.to(tl.float32) * tl.sum(acc_up, 1).to(dt).to(tl.float32)).to(dt)
-    tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=n_ok)
+    if ROPE:
+        y_hi = tl.sum(acc_up, 1)
+        if HAS_BIAS:
+            y += tl.load(Bias + offs_n).to(tl.float32)
+            y_hi += tl.load(Bias + offs_n + up_offset).to(tl.float32)
+        _rope_epilogue(y, y_hi, Y, Cos, Sin, KCache, VCache, SlotMapping, head, lane, dt, num_heads, num_kv_heads,
+                       head_dim, block_size, stride_kcb, stride_kcs, stride_kch, BLOCK_N)
+    else:
+        if HAS_BIAS:
+            y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        out = y.to(dt)
+        if SWIGLU:
+            g = out.to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dt)
+            out = (s.to(tl.float32) * tl.sum(acc_up, 1).to(dt).to(tl.float32)).to(dt)
+        tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=n_ok)
 
 
 def default_tiles(out_features: int, k: int) -> tuple[int, int, int]:
@@ -202,10 +256,98 @@ def gemv(
     _gemv_kernel[grid](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else x, y, r_out,
+        x, x, x, x, x,  # RoPE operands (unused)
         out_features, k, out_features if swiglu else 0, weight.stride(0),
         eps,
+        0, 0, 0, 0, 0, 0, 0,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
-        PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k,
+        PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=False,
         num_warps=num_warps, num_stages=1, **extra,
     )
     return (y, r_out) if residual is not None else y
+
+
+def gemv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    *,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    pdl: bool = False,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+):
+    """The merged Q/K/V projection of one decode token with RoPE and the cache write as its epilogue:
+    :func:`gemv` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one kernel,
+    bitwise the same results.
+
+    Each program takes 2 rows of one head's first half and their partners ``head_dim / 2`` rows on (the
+    pairs RoPE rotates together, "rotate_half" layout; RoFormer, Su et al. 2021, §3.4.2), so the rotation
+    needs no exchange between programs.
+
+    Args:
+        x: [1, hidden]; weight: [(num_heads + 2 * num_kv_heads) * head_dim, hidden], q rows, then k, then v;
+            bias: optional [same rows]; norm_weight, eps, residual: as :func:`gemv`.
+        cos, sin: [1, head_dim], the rotary tables at the token's position (transformers' layout), x's dtype.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], x's dtype, same strides,
+            contiguous last dimension.
+        slot_mapping: [1] int32 — ``block * block_size + offset`` of the token; -1 = not written.
+        num_heads: query heads.
+        pdl, block_k, num_warps: as :func:`gemv`.
+
+    Returns:
+        rotated q [1, num_heads * head_dim], or ``(q, x + residual)`` when ``residual`` is given.
+
+    Raises:
+        ValueError: as :func:`gemv`, and for weight rows that are not (num_heads + 2 * num_kv_heads) x
+            head_dim, an odd head_dim or one whose half is not a multiple of 2, cos/sin/cache/slot shapes,
+            dtypes or strides that differ.
+    """
+    rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, False)
+    if rows != 1:
+        raise ValueError(f"gemv_rope takes one row, got {rows}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise ValueError(f"eps must be a Python float, got {type(eps).__name__}")
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
+        raise ValueError(f"key_cache/value_cache must be equal-strided [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim]; got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    block_n = 2
+    if head_dim % (2 * block_n) or out_features != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"weight rows {out_features} must be (num_heads {num_heads} + 2 x num_kv_heads "
+                         f"{num_kv_heads}) x head_dim {head_dim}, head_dim a multiple of {2 * block_n}")
+    if cos.shape != (1, head_dim) or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError(f"cos/sin must be contiguous [1, {head_dim}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if key_cache.stride(3) != 1 or slot_mapping.shape != (1,) or slot_mapping.dtype != torch.int32:
+        raise ValueError("the caches need a contiguous last dimension and slot_mapping must be [1] int32")
+    if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype}) != 1:
+        raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, cache {key_cache.dtype}")
+    _, d_k, d_w = default_tiles(out_features, k)
+    block_k = d_k if block_k is None else block_k
+    num_warps = d_w if num_warps is None else num_warps
+    q = torch.empty(1, num_heads * head_dim, dtype=x.dtype, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else q
+    pdl = use_pdl(pdl, x)
+    extra = {"launch_pdl": True} if pdl else {}
+    grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2 // block_n),)
+    _gemv_kernel[grid](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else x, q, r_out,
+        cos, sin, key_cache, value_cache, slot_mapping,
+        out_features, k, head_dim // 2, weight.stride(0),
+        eps,
+        num_heads, num_kv_heads, head_dim, key_cache.shape[1], key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2),
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
+        PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=True,
+        num_warps=num_warps, num_stages=1, **extra,
+    )
+    return (q, r_out) if residual is not None else q

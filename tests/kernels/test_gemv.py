@@ -76,3 +76,57 @@ def test_bad_input_raises(bad, match):
     x, r, w, nw, _ = _inputs(64, 33, torch.float32, seed=4)
     with pytest.raises(ValueError, match=match):
         bad(x, w, nw, r)
+
+
+def _rope_case(dtype, heads, kv_heads, d, hidden, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = (heads + 2 * kv_heads) * d
+    x, r, w, nw, b = linear_inputs(1, hidden, rows, dtype, seed)
+    ang = torch.rand(1, d // 2, generator=g) * 50
+    cos = torch.cat([ang.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([ang.sin()] * 2, -1).to(dtype)
+    kc = torch.randn(6, 4, kv_heads, d, generator=g).to(dtype)
+    vc = torch.randn(6, 4, kv_heads, d, generator=g).to(dtype)
+    return x, r, w, nw, (b if bias else None), cos, sin, kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d,hidden,bias", [(3, 1, 16, 96, False), (4, 2, 8, 333, True)])
+@pytest.mark.parametrize("slot", [13, -1])
+def test_gemv_rope_is_gemv_then_rope_and_cache(dtype, heads, kv_heads, d, hidden, bias, slot):
+    """Q/K/V GEMV with RoPE + cache write as its epilogue: bitwise gemv followed by rope_and_cache (same
+    roundings), the cache untouched elsewhere (and everywhere for slot -1), the residual sum returned."""
+    from hf_accel.kernels.gemv import gemv_rope
+    from hf_accel.kernels.rope_cache import rope_and_cache
+
+    x, r, w, nw, b, cos, sin, kc, vc = _rope_case(dtype, heads, kv_heads, d, hidden, bias, seed=d + slot)
+    slots = torch.tensor([slot], dtype=torch.int32)
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    qkv, res = gemv(x, w, bias=b, norm_weight=nw, eps=1e-5, residual=r)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    want_q = rope_and_cache(q, k, v, cos, sin, kc1, vc1, slots)
+    got_q, got_res = gemv_rope(x, w, cos, sin, kc2, vc2, slots, heads, bias=b, norm_weight=nw, eps=1e-5, residual=r)
+    assert torch.equal(got_res, res)
+    assert torch.equal(got_q, want_q.reshape(1, -1))
+    assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1)
+    changed = (kc1 != kc).any(-1).any(-1)
+    if slot < 0:
+        assert not changed.any()
+    else:
+        assert changed.sum() == 1 and changed[slot // 4, slot % 4]
+        assert not torch.equal(got_q, q), "q was not rotated"
+
+
+def test_gemv_rope_bad_inputs_raise():
+    from hf_accel.kernels.gemv import gemv_rope
+
+    x, r, w, nw, b, cos, sin, kc, vc = _rope_case(torch.float32, 3, 1, 16, 64, False)
+    slots = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="weight rows"):
+        gemv_rope(x, w, cos, sin, kc, vc, slots, 4)
+    with pytest.raises(ValueError, match="cos/sin"):
+        gemv_rope(x, w, cos[:, :8], sin[:, :8], kc, vc, slots, 3)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        gemv_rope(x, w, cos, sin, kc, vc, slots.long(), 3)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        gemv_rope(x, w, cos.half(), sin.half(), kc, vc, slots, 3)
