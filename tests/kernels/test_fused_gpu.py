@@ -215,3 +215,30 @@ def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain(rows):
         assert torch.equal(a, b)
     for a, b in zip(outs[False, True], outs[False, False]):  # fp32 merge in another order, then 4 layers
         assert (a.float() - b.float()).abs().mean() <= 0.01 * b.float().abs().mean()
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,d,hidden", [(9, 3, 64, 576), (32, 8, 128, 4096)])
+def test_gemv_rope_bf16_is_gemv_then_rope_and_cache(heads, kv_heads, d, hidden, pdl):
+    """Compiled for the GPU in bf16: the fused Q/K/V + RoPE + cache-write GEMV gives bitwise the results
+    of gemv followed by rope_and_cache."""
+    from hf_accel.kernels.gemv import gemv, gemv_rope
+
+    torch.manual_seed(d)
+    dt = torch.bfloat16
+    x, r = torch.randn(1, hidden, device="cuda", dtype=dt), torch.randn(1, hidden, device="cuda", dtype=dt)
+    w = (torch.randn((heads + 2 * kv_heads) * d, hidden, device="cuda") / hidden**0.5).to(dt)
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dt)
+    ang = torch.rand(1, d // 2, device="cuda") * 100
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dt), torch.cat([ang.sin()] * 2, -1).to(dt)
+    kc = torch.randn(8, 16, kv_heads, d, device="cuda", dtype=dt)
+    vc = torch.randn_like(kc)
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    slots = torch.tensor([37], dtype=torch.int32, device="cuda")
+    qkv, res = gemv(x, w, norm_weight=nw, eps=1e-5, residual=r, pdl=pdl)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    want = rope_and_cache(q, k, v, cos, sin, kc1, vc1, slots, pdl=pdl)
+    got, got_res = gemv_rope(x, w, cos, sin, kc2, vc2, slots, heads, norm_weight=nw, eps=1e-5, residual=r, pdl=pdl)
+    torch.cuda.synchronize()
+    assert torch.equal(got_res, res) and torch.equal(got, want.reshape(1, -1))
+    assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1) and not torch.equal(kc1, kc)
