@@ -141,6 +141,10 @@ def fused_linear_supported(model, merged, check_hidden: bool = True) -> str | No
     return None
 
 
+#: With PDL, the step's paged attention loads its first tile's cached K/V (all but this step's new tokens)
+#: before waiting for the Q/K/V kernel (``preload_kv``); that kernel (gemv_rope) lets it launch early.
+ATTENTION_PRELOAD = True
+
 #: Fewest keys per KV split of the step's paged attention (:func:`default_num_splits`).
 DECODE_MIN_SPLIT_KEYS = 64
 
@@ -283,7 +287,8 @@ class DecodeStep:
         linear = gemv if one_row else (self._split_linear if small else None)
         pdl = DECODE_PDL
         attn_kw = {"merge_counters": self.merge_counters if FUSED_MERGE else None,
-                   "trigger": ATTENTION_TRIGGER and pdl and ATTENTION_PDL}
+                   "trigger": ATTENTION_TRIGGER and pdl and ATTENTION_PDL,
+                   "preload_kv": ATTENTION_PRELOAD and pdl and ATTENTION_PDL}
         if attention_row_blocks(t * (h // self.num_kv_heads)) * b * self.num_kv_heads > self.merge_counters.numel():
             attn_kw["merge_counters"] = None  # a forward over more rows than the step's own (prefill)
         for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):

@@ -78,8 +78,9 @@ def _paged_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     TRIGGER: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PRELOAD_KV: tl.constexpr,
 ):
-    if PDL:
+    if PDL and not PRELOAD_KV:
         gdc_wait()  # Q and the cache are written by the kernels before this one
         if TRIGGER:
             gdc_launch_dependents()  # the next kernel may launch and load its weights while this one runs
@@ -97,9 +98,6 @@ def _paged_attention_kernel(
     row_valid = q_pos < q_len
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < head_dim
-    q = tl.load(Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
-                + q_pos[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
 
     causal_shift = seq_len - q_len
     start = pid_s * tokens_per_split
@@ -116,10 +114,40 @@ def _paged_attention_kernel(
     kh_off = kv_head.to(tl.int64) * stride_kh
     vh_off = kv_head.to(tl.int64) * stride_vh
     table = BlockTable + b64 * stride_tb
+    first = start
+    if PRELOAD_KV:
+        # Before the PDL wait: the block ids and the K/V of the split's first tile that were cached before
+        # this step's q_len new tokens (the kernel before this one writes only the new tokens' slots).
+        offs_n0 = start + tl.arange(0, BLOCK_N)
+        in0 = offs_n0 < end
+        old0 = offs_n0 < tl.minimum(end, causal_shift)
+        phys0 = tl.load(table + (offs_n0 // block_size) * stride_tn, mask=in0, other=0).to(tl.int64)
+        slot0 = offs_n0 % block_size
+        k_ptr0 = KCache + phys0[None, :] * stride_kb + slot0[None, :] * stride_ks + kh_off + offs_d[:, None] * stride_kd
+        v_ptr0 = VCache + phys0[:, None] * stride_vb + slot0[:, None] * stride_vs + vh_off + offs_d[None, :] * stride_vd
+        k0 = tl.load(k_ptr0, mask=old0[None, :] & d_valid[:, None], other=0.0)
+        v0 = tl.load(v_ptr0, mask=old0[:, None] & d_valid[None, :], other=0.0)
+        if PDL:
+            gdc_wait()  # Q and the new tokens' K/V are written by the kernel before this one
+            if TRIGGER:
+                gdc_launch_dependents()
+    q = tl.load(Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
+                + q_pos[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if PRELOAD_KV:
+        if start < end:
+            new0 = in0 & ~old0
+            k0 = tl.where(old0[None, :], k0, tl.load(k_ptr0, mask=new0[None, :] & d_valid[:, None], other=0.0))
+            v0 = tl.where(old0[:, None], v0, tl.load(v_ptr0, mask=new0[:, None] & d_valid[None, :], other=0.0))
+            p, m_i, l_i, acc = _tile_probs(q, k0, offs_n0, in0, row_valid, q_pos, causal_shift, KeyMask, b64,
+                                           stride_mb, stride_mn, m_i, l_i, acc, sm_scale_log2,
+                                           IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT)
+            acc += _dot(p.to(v0.dtype), v0, IEEE_DOT)
+        first = start + BLOCK_N
     if CHUNK_BLOCKS == 0:
         # each tile loads its own block ids: Triton's pipeliner then puts the id load one stage ahead of
         # K/V and keeps a single K/V buffer (small shared memory, more programs per SM)
-        for start_n in range(start, end, BLOCK_N):
+        for start_n in range(first, end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             phys = tl.load(table + (offs_n // block_size) * stride_tn, mask=offs_n < end, other=0)
             m_i, l_i, acc = _attend_tile(
@@ -284,6 +312,7 @@ def paged_attention(
     pdl: bool = False,
     merge_counters: torch.Tensor | None = None,
     trigger: bool = False,
+    preload_kv: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -321,6 +350,10 @@ def paged_attention(
             owned by the caller, used by one stream at a time; every launch leaves it at zero.
         trigger: with ``pdl``, let the next kernel launch as soon as this one's programs pass their wait
             (the next projection's weight loads then overlap the attention).
+        preload_kv: with ``pdl``, each program loads the block ids and the K/V of its first tile that
+            precede the ``q_len`` new tokens before waiting for the previous kernel. Only valid when that
+            kernel writes no block table, ``seq_lens`` or cached K/V other than the new tokens' (a decode
+            step's Q/K/V + cache-write kernel). Uses the per-tile block-id loads (``chunk_tokens=0``).
 
     Returns:
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
@@ -399,6 +432,8 @@ def paged_attention(
     # cache blocks per chunk whose ids are loaded at once (power of 2; 0 = ids loaded by each tile)
     chunk_blocks = (min(MAX_CHUNK_BLOCKS, triton.next_power_of_2(triton.cdiv(chunk_tokens, block_size)))
                     if chunk_tokens else 0)
+    if preload_kv:
+        chunk_blocks = 0
     grid = (m_blocks, batch * num_kv_heads, num_splits)
     fused_merge = split and merge_counters is not None and num_splits <= MAX_FUSED_MERGE_SPLITS
     if merge_counters is not None:
@@ -421,6 +456,7 @@ def paged_attention(
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
         IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl,
         FUSED_MERGE=fused_merge, TRIGGER=bool(trigger), NUM_SPLITS=num_splits if fused_merge else 1,
+        PRELOAD_KV=bool(preload_kv),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
     if split and not fused_merge:

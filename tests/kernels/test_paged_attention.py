@@ -371,3 +371,13 @@ def test_fused_merge_counters_checked():
         paged_attention(*case.args(), num_splits=2, merge_counters=torch.zeros(1, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="merge_counters must be"):
         paged_attention(*case.args(), num_splits=2, merge_counters=torch.zeros(8, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("q_len,num_splits", [(1, 1), (1, 3), (4, 2), (5, 4)])
+def test_preload_kv_matches_reference(q_len, num_splits):
+    """The first tile's old K/V loaded ahead (``preload_kv``), the new tokens' rows loaded after: same
+    attention as the reference, with splits starting inside and outside the new tokens."""
+    case = Case([q_len + 12, 45, 33], 8, 2, q_len, 16, seed=3 + q_len)
+    mask = _left_pad_mask([q_len + 12, 45, 33], [0, 3, 0])
+    case.check(mask, num_splits=num_splits, block_n=16, preload_kv=True)
+    case.check(num_splits=num_splits, block_n=16, preload_kv=True)
