@@ -97,23 +97,31 @@ GEMV_ONE_ROW = True
 DECODE_PDL = True
 ATTENTION_PDL = True
 
-#: One-row steps of models without a per-head q/k norm run RoPE and the K/V cache write as the Q/K/V
-#: GEMV's epilogue (:func:`~hf_accel.kernels.gemv.gemv_rope`, bitwise the separate kernels' results):
-#: one kernel less per layer.
-GEMV_ROPE = True
+#: One-row steps of models without a per-head q/k norm can run RoPE and the K/V cache write as the Q/K/V
+#: GEMV's epilogue (:func:`~hf_accel.kernels.gemv.gemv_rope`, bitwise the separate kernels' results; one
+#: kernel less per layer). Off: no gain measured. H200, Llama-3-8B shape bs1, ``bench_generate`` tok/s in
+#: one run (``bench_generate-gemv-rope-ab-20261201-3899aa9.json``): 234.7 with it, 235.2 without.
+GEMV_ROPE = False
 
-#: Split-KV partitions are merged inside the paged attention kernel (the last split program of a row block
-#: to arrive merges; ``merge_counters`` of :func:`~hf_accel.kernels.paged_attention.paged_attention`) instead
-#: of a second kernel per layer.
+#: Split-KV partitions can be merged inside the paged attention kernel (the last split program of a row
+#: block to arrive merges; ``merge_counters`` of :func:`~hf_accel.kernels.paged_attention.paged_attention`)
+#: instead of a second kernel per layer. Off: slower on the H200. ``bench_generate`` in one run
+#: (``bench_generate-merge-trigger-ab-20261201-2f27f97.json``), tok/s: Llama-3-8B shape bs1 231.8 with it
+#: vs 235.2 without; SmolLM2 bs1 1613.6 vs 1660.0. SmolLM2 verify pass of 16 tokens
+#: (``profile_speculative_round-switches-20261201-2f27f97.json``): 0.962 ms without it vs 0.988 with it
+#: (trigger and split-K on in both).
 FUSED_MERGE = False
 
-#: With PDL, the paged attention kernel lets the next kernel (o_proj) launch once its programs pass their
-#: wait, so o_proj's first weight loads overlap the attention.
+#: With PDL, the paged attention kernel can let the next kernel (o_proj) launch once its programs pass their
+#: wait, so o_proj's first weight loads overlap the attention. Off: Llama-3-8B shape bs1 218.8 tok/s with
+#: it vs 235.2 without (same run as above; SmolLM2 bs1 1707.5 vs 1660.0).
 ATTENTION_TRIGGER = False
 
-#: fused_linear calls of the step (2-16 token rows) split K so that a matmul of few output tiles runs
-#: about this many programs per SM (capped at one K tile per program; 0 turns split-K off). Each program
-#: then loads its whole weight share before its PDL wait, as the one-row GEMV does.
+#: fused_linear calls of the step (2-16 token rows) can split K so that a matmul of few output tiles runs
+#: about this many programs per SM (capped at one K tile per program; each program then loads its weight
+#: share before its PDL wait, as the one-row GEMV does); 0 = no split. Off: SmolLM2's 16-token verify
+#: pass took 0.988 ms with 1 program per SM vs 0.942 ms without (same profile runs);
+#: one layer's four matmuls alone, 16 rows, 20.96 vs 22.75 us (``bench_fused_linear-split-20261201-2f27f97.json``).
 FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM = 0
 
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
@@ -141,9 +149,11 @@ def fused_linear_supported(model, merged, check_hidden: bool = True) -> str | No
     return None
 
 
-#: With PDL, the step's paged attention loads its first tile's cached K/V (all but this step's new tokens)
-#: before waiting for the Q/K/V kernel (``preload_kv``); that kernel (gemv_rope) lets it launch early.
-ATTENTION_PRELOAD = True
+#: With PDL, the step's paged attention can load its first tile's cached K/V (all but this step's new
+#: tokens) before waiting for the Q/K/V kernel (``preload_kv``; with :data:`GEMV_ROPE` that kernel lets it
+#: launch early). Off: no gain measured (``bench_generate-preload-ab-20261201-c93ff88.json``, 8B bs1:
+#: 232.7 tok/s with gemv_rope + preload, 233.6 with gemv_rope alone, 233.4 with neither).
+ATTENTION_PRELOAD = False
 
 #: Fewest keys per KV split of the step's paged attention (:func:`default_num_splits`).
 DECODE_MIN_SPLIT_KEYS = 64
