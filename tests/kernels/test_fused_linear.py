@@ -60,8 +60,8 @@ def test_bad_inputs_raise():
         fused_linear(x, w, norm_weight=torch.stack([nw, nw], 1)[:, 0])
 
 
-@pytest.mark.parametrize("preload", [False, True])
-@pytest.mark.parametrize("rows,hidden,out,split_k", [(1, 64, 48, 4), (3, 96, 80, 3), (16, 80, 16, 2), (5, 333, 40, 5)])
+@pytest.mark.parametrize("rows,hidden,out,split_k,preload", [(1, 64, 48, 4, False), (3, 96, 80, 3, True),
+                                                              (16, 80, 16, 2, False), (5, 333, 40, 5, True)])
 @pytest.mark.parametrize("mode", MODES)
 def test_split_k_matches_reference_fp32(rows, hidden, out, split_k, mode, preload):
     """Split-K (partials reduced by the last program of each output tile to arrive) against the reference,
