@@ -52,6 +52,12 @@ def _weights(cfg, copies):
                  n2=(1 + 0.1 * torch.randn(h, device="cuda")).to(dt)) for _ in range(copies)]
 
 
+def _lm_head(cfg):
+    """LM head weight [vocab, hidden] and a final-norm weight of ones, bf16."""
+    w = (torch.randn(cfg["vocab"], cfg["hidden"], device="cuda") / cfg["hidden"]**0.5).to(torch.bfloat16)
+    return dict(w=w, n=torch.ones(cfg["hidden"], device="cuda", dtype=torch.bfloat16))
+
+
 def _kinds(cfg, rows, ws, lm):
     """(name, weight bytes, fused call(w, tiles), old call(w)) per matmul kind."""
     h = cfg["hidden"]
@@ -96,9 +102,7 @@ def main():
     summary = []
     for model in args.models.split(","):
         cfg = MODELS[model]
-        ws = _weights(cfg, cfg["copies"])
-        lm = dict(w=(torch.randn(cfg["vocab"], cfg["hidden"], device="cuda") / cfg["hidden"]**0.5).to(torch.bfloat16),
-                  n=torch.ones(cfg["hidden"], device="cuda", dtype=torch.bfloat16))
+        ws, lm = _weights(cfg, cfg["copies"]), _lm_head(cfg)
         for rows in [int(v) for v in args.rows.split(",")]:
             shape = dict(model=model, rows=rows, dtype="bfloat16")
             best = {}
@@ -165,9 +169,7 @@ def split_main(args):
     results, summary = [], []
     for model in args.models.split(","):
         cfg = MODELS[model]
-        ws = _weights(cfg, cfg["copies"])
-        lm = dict(w=(torch.randn(cfg["vocab"], cfg["hidden"], device="cuda") / cfg["hidden"]**0.5).to(torch.bfloat16),
-                  n=torch.ones(cfg["hidden"], device="cuda", dtype=torch.bfloat16))
+        ws, lm = _weights(cfg, cfg["copies"]), _lm_head(cfg)
         for rows in [int(v) for v in args.rows.split(",")]:
             shape = dict(model=model, rows=rows, dtype="bfloat16")
             kinds = _kinds(cfg, rows, ws, lm)
