@@ -108,8 +108,9 @@ GEMV_ROPE = False
 #: instead of a second kernel per layer. Off: slower on the H200. ``bench_generate`` in one run
 #: (``bench_generate-merge-trigger-ab-20261201-2f27f97.json``), tok/s: Llama-3-8B shape bs1 231.8 with it
 #: vs 235.2 without; SmolLM2 bs1 1613.6 vs 1660.0. SmolLM2 verify pass of 16 tokens
-#: (``profile_speculative_round-switches-20261201-2f27f97.json``): 0.962 ms without it vs 0.988 with it
-#: (trigger and split-K on in both).
+#: (``profile_speculative_round`` at 2f27f97, one run per switch setting; only the all-on run's JSON,
+#: ``profile_speculative_round-20261201-2f27f97.json``, was kept): 0.962 ms without it vs 0.988 with it
+#: (trigger and split-K on in both); all three switches off 0.849 ms.
 FUSED_MERGE = False
 
 #: With PDL, the paged attention kernel can let the next kernel (o_proj) launch once its programs pass their
@@ -123,6 +124,12 @@ ATTENTION_TRIGGER = False
 #: pass took 0.988 ms with 1 program per SM vs 0.942 ms without (same profile runs);
 #: one layer's four matmuls alone, 16 rows, 20.96 vs 22.75 us (``bench_fused_linear-split-20261201-2f27f97.json``).
 FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM = 0
+
+#: With PDL, the step's paged attention can load its first tile's cached K/V (all but this step's new
+#: tokens) before waiting for the Q/K/V kernel (``preload_kv``; with :data:`GEMV_ROPE` that kernel lets it
+#: launch early). Off: no gain measured (``bench_generate-preload-ab-20261201-c93ff88.json``, 8B bs1:
+#: 232.7 tok/s with gemv_rope + preload, 233.6 with gemv_rope alone, 233.4 with neither).
+ATTENTION_PRELOAD = False
 
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
@@ -149,13 +156,9 @@ def fused_linear_supported(model, merged, check_hidden: bool = True) -> str | No
     return None
 
 
-#: With PDL, the step's paged attention can load its first tile's cached K/V (all but this step's new
-#: tokens) before waiting for the Q/K/V kernel (``preload_kv``; with :data:`GEMV_ROPE` that kernel lets it
-#: launch early). Off: no gain measured (``bench_generate-preload-ab-20261201-c93ff88.json``, 8B bs1:
-#: 232.7 tok/s with gemv_rope + preload, 233.6 with gemv_rope alone, 233.4 with neither).
-ATTENTION_PRELOAD = False
-
-#: Fewest keys per KV split of the step's paged attention (:func:`default_num_splits`).
+#: Fewest keys per KV split of the step's paged attention (:func:`default_num_splits`). H200, Llama-3-8B
+#: shape bs1 (``bench_generate-gemv-rope-ab-20261201-3899aa9.json``): 234.7 tok/s at 64, 230.7 at 128,
+#: 235.1 at 32.
 DECODE_MIN_SPLIT_KEYS = 64
 
 
