@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.arrival import check_counters, last_to_arrive, reset_arrivals
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from hf_accel.kernels.rms_norm import rms_norm_ref
 from hf_accel.kernels.swiglu import swiglu_ref
@@ -169,9 +170,7 @@ def _fused_linear_kernel(
         tl.store(Part + pid_k * (BLOCK_M * N) + tile, acc, mask=tmask)
         if SWIGLU:
             tl.store(Part + (SPLIT_K + pid_k) * (BLOCK_M * N) + tile, acc_up, mask=tmask)
-        tl.debug_barrier()  # every thread's partial is stored before the release below
-        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if last_to_arrive(Counters + pid_n, SPLIT_K):
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # unrolled: every split's loads in flight at once
@@ -179,7 +178,7 @@ def _fused_linear_kernel(
                 if SWIGLU:
                     acc_up += tl.load(Part + (SPLIT_K + s) * (BLOCK_M * N) + tile, mask=tmask, other=0.0,
                                       cache_modifier=".cg")
-            tl.atomic_xchg(Counters + pid_n, 0)
+            reset_arrivals(Counters + pid_n)
             _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU, HAS_BIAS)
     else:
         _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU, HAS_BIAS)
@@ -329,10 +328,8 @@ def fused_linear(
     if split_k > 1:
         if counters is None:
             counters = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
-        elif (counters.dtype != torch.int32 or counters.device != x.device or not counters.is_contiguous()
-              or counters.numel() < n_tiles):
-            raise ValueError(f"counters must be a contiguous int32 tensor of >= {n_tiles} zeros on {x.device}, "
-                             f"got {counters.dtype} {tuple(counters.shape)} on {counters.device}")
+        else:
+            check_counters(counters, n_tiles, x.device)
         part = torch.empty((2 if swiglu else 1) * split_k * block_m * out_features, dtype=torch.float32,
                            device=x.device)
     else:

@@ -188,6 +188,23 @@ def default_tiles(out_features: int, k: int) -> tuple[int, int, int]:
     return 4, block_k, 4
 
 
+def _launch_tiles(out_features, k, eps, block_n, block_k, num_warps) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)``: the overrides given, else :func:`default_tiles`; raises ValueError
+    for tiles that are not powers of two in range and for a non-float ``eps``."""
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise ValueError(f"eps must be a Python float, got {type(eps).__name__}")
+    d_n, d_k, d_w = default_tiles(out_features, k)
+    block_n = d_n if block_n is None else block_n
+    block_k = d_k if block_k is None else block_k
+    num_warps = d_w if num_warps is None else num_warps
+    for name, v, most in (("block_n", block_n, 256), ("block_k", block_k, 8192), ("num_warps", num_warps, 16)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1) or v > most:
+            raise ValueError(f"{name} must be a power of two in [1, {most}], got {v!r}")
+    if block_n * block_k > 1 << 16:
+        raise ValueError(f"block_n x block_k must be at most 65536 values, got {block_n} x {block_k}")
+    return block_n, block_k, num_warps
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -237,17 +254,7 @@ def gemv(
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
     if rows != 1:
         raise ValueError(f"gemv takes one row, got {rows} (use fused_linear or a matmul)")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise ValueError(f"eps must be a Python float, got {type(eps).__name__}")
-    d_n, d_k, d_w = default_tiles(out_features, k)
-    block_n = d_n if block_n is None else block_n
-    block_k = d_k if block_k is None else block_k
-    num_warps = d_w if num_warps is None else num_warps
-    for name, v, most in (("block_n", block_n, 256), ("block_k", block_k, 8192), ("num_warps", num_warps, 16)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1) or v > most:
-            raise ValueError(f"{name} must be a power of two in [1, {most}], got {v!r}")
-    if block_n * block_k > 1 << 16:
-        raise ValueError(f"block_n x block_k must be at most 65536 values, got {block_n} x {block_k}")
+    block_n, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps)
     y = torch.empty(1, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     pdl = use_pdl(pdl, x)
@@ -314,8 +321,6 @@ def gemv_rope(
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, False)
     if rows != 1:
         raise ValueError(f"gemv_rope takes one row, got {rows}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise ValueError(f"eps must be a Python float, got {type(eps).__name__}")
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
         raise ValueError(f"key_cache/value_cache must be equal-strided [num_blocks, block_size, num_kv_heads, "
                          f"head_dim]; got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
@@ -330,9 +335,7 @@ def gemv_rope(
         raise ValueError("the caches need a contiguous last dimension and slot_mapping must be [1] int32")
     if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype}) != 1:
         raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, cache {key_cache.dtype}")
-    _, d_k, d_w = default_tiles(out_features, k)
-    block_k = d_k if block_k is None else block_k
-    num_warps = d_w if num_warps is None else num_warps
+    _, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps)
     q = torch.empty(1, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q
     pdl = use_pdl(pdl, x)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.kernels.attention import _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref
+from hf_accel.kernels.arrival import check_counters, last_to_arrive, reset_arrivals
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
@@ -191,10 +192,8 @@ def _paged_attention_kernel(
         if FUSED_MERGE:
             # The last split program of these rows to arrive merges all splits (no merge kernel): partials
             # stored by every thread, then an acquire/release arrival count at GPU scope.
-            tl.debug_barrier()
             counter = Counters + pid_bh * tl.num_programs(0) + pid_m
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
+            if last_to_arrive(counter, NUM_SPLITS):
                 row_off = b64 * stride_lb + q_pos.to(tl.int64) * stride_lm + q_head
                 p_rows = (PartOut + b64 * stride_pb + q_pos[:, None].to(tl.int64) * stride_pm
                           + q_head[:, None].to(tl.int64) * stride_ph + offs_d[None, :])
@@ -215,7 +214,7 @@ def _paged_attention_kernel(
                     total = total * scale + w
                     m = m_new
                 merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
-                tl.atomic_xchg(counter, 0)  # zero again for the next launch
+                reset_arrivals(counter)
                 o_ptrs = (Out + b64 * stride_ob + q_pos[:, None].to(tl.int64) * stride_om
                           + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od)
                 tl.store(o_ptrs, merged.to(Out.dtype.element_ty), mask=io_mask)
@@ -437,12 +436,7 @@ def paged_attention(
     grid = (m_blocks, batch * num_kv_heads, num_splits)
     fused_merge = split and merge_counters is not None and num_splits <= MAX_FUSED_MERGE_SPLITS
     if merge_counters is not None:
-        need = m_blocks * batch * num_kv_heads
-        if (merge_counters.dtype != torch.int32 or merge_counters.device != query.device
-                or not merge_counters.is_contiguous() or merge_counters.numel() < need):
-            raise ValueError(f"merge_counters must be a contiguous int32 tensor of >= {need} zeros on "
-                             f"{query.device}, got {merge_counters.dtype} {tuple(merge_counters.shape)} on "
-                             f"{merge_counters.device}")
+        check_counters(merge_counters, m_blocks * batch * num_kv_heads, query.device, "merge_counters")
     pdl = use_pdl(pdl, query)
     pdl_launch = {"launch_pdl": True} if pdl else {}
     _paged_attention_kernel[grid](

@@ -130,3 +130,7 @@ def test_gemv_rope_bad_inputs_raise():
         gemv_rope(x, w, cos, sin, kc, vc, slots.long(), 3)
     with pytest.raises(ValueError, match="dtypes differ"):
         gemv_rope(x, w, cos.half(), sin.half(), kc, vc, slots, 3)
+    with pytest.raises(ValueError, match="block_k must be"):
+        gemv_rope(x, w, cos, sin, kc, vc, slots, 3, block_k=48)
+    with pytest.raises(ValueError, match="eps must be"):
+        gemv_rope(x, w, cos, sin, kc, vc, slots, 3, eps=torch.tensor(1e-6))
