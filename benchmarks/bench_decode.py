@@ -168,10 +168,16 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None, shapes=SHAPES)
             configs = [(64, 4, 3, None, None)] if quick else list(itertools.product(
                 (64,), (4,), (2, 3), (None, 2, 4, 32, 64), (None, 0)))
         for block_n, warps, stages, splits, *rest in configs:
+            extra = rest[1] if len(rest) > 1 else {}
             chunk = rest[0] if rest else None  # chunk_tokens (0: block ids loaded by each tile)
             kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
             if chunk is not None:
                 kw["chunk_tokens"] = chunk
+            kw.update({k: bool(v) for k, v in extra.items() if k in ("pdl", "trigger", "preload_kv")})
+            if extra.get("split_multiple"):
+                kw["split_multiple"] = extra["split_multiple"]
+            if extra.get("merge"):
+                kw["merge_counters"] = torch.zeros(B * H_KV, dtype=torch.int32, device="cuda")
             try:
                 out = paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, **kw)
             except Exception as e:  # a tiling the compiler rejects (e.g. out of shared memory)
@@ -183,6 +189,7 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None, shapes=SHAPES)
             tag = f"n{block_n}w{warps}s{stages}{'-splits' + str(splits) if splits else ''}"
             if chunk is not None:
                 tag += f"-chunk{chunk}" if chunk else "-ids-in-loop"
+            tag += "".join(f"-{k}{v}" for k, v in extra.items())
             tbs = record("ours-sweep", ms, {"config": tag})
             print(f"B{B} S{S} {tag:34} {tbs:6.2f} TB/s", flush=True)
             if best is None or tbs > best[0]:
@@ -261,11 +268,18 @@ def main():
     ap.add_argument("--skip-memory", action="store_true", help="bandwidth part only")
     ap.add_argument("--shapes", default=None, help="only these (B, S): 'BxS,...', e.g. '1x32768'")
     ap.add_argument("--configs", default=None,
-                    help="sweep only these: 'block_n,warps,stages,splits|None[,chunk_tokens];...'")
+                    help="sweep only these: 'block_n,warps,stages,splits|None[,chunk_tokens][,key=int...];...' "
+                         "with keys pdl, trigger, preload_kv (0/1: PDL launches between the graph's calls), "
+                         "merge (1: splits merged in the kernel), split_multiple (keys per split rounded to it)")
     args = ap.parse_args()
     configs = None
     if args.configs:
-        configs = [tuple(None if v == "None" else int(v) for v in c.split(",")) for c in args.configs.split(";")]
+        configs = []
+        for c in args.configs.split(";"):
+            items = c.split(",")
+            pos = [None if v == "None" else int(v) for v in items if "=" not in v]
+            extra = {k: int(v) for k, v in (item.split("=") for item in items if "=" in item)}
+            configs.append(tuple(pos + ([None] if len(pos) < 5 else []) + [extra]) if extra else tuple(pos))
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     rows = []
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]

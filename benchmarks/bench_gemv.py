@@ -118,6 +118,9 @@ def per_shape(rows, dt, copies, configs):
     return table
 
 
+_SHORT = {"block_n": "n", "block_k": "k", "num_warps": "w", "preload_tiles": "p"}
+
+
 def chain(rows, dt, variants):
     """All matmuls of one token on 32 distinct layers + LM head; ``variants``: (pdl, tiles or None)."""
     from hf_accel.kernels.gemv import gemv as _gemv
@@ -171,7 +174,7 @@ def chain(rows, dt, variants):
     table = []
     runs = [("cublas", run_cublas, None)]
     for p, tiles in variants:
-        cfg = None if tiles is None else "n{block_n}k{block_k}w{num_warps}".format(**tiles)
+        cfg = None if tiles is None else "".join(f"{_SHORT[k]}{v}" for k, v in tiles.items())
         runs.append((f"ours{'-pdl' if p else ''}", run_gemv(p, tiles or {}), cfg))
     for name, fn, cfg in runs:
         out = fn().float()
@@ -195,6 +198,8 @@ def main(argv=None):
     ap.add_argument("--pdl-only", action="store_true", help="sweep only the PDL launches")
     ap.add_argument("--chain-configs", default="",
                     help="'block_n,block_k,warps;...' chains with PDL besides the defaults with and without PDL")
+    ap.add_argument("--chain-preload", default="",
+                    help="'2,4': chains with PDL and this many weight tiles loaded before each wait (default tiles)")
     ap.add_argument("--skip-per-shape", action="store_true")
     ap.add_argument("--skip-chain", action="store_true")
     args = ap.parse_args(argv)
@@ -217,6 +222,8 @@ def main(argv=None):
         for c in filter(None, args.chain_configs.split(";")):
             bn, bk, nw = (int(v) for v in c.split(","))
             variants.append((True, dict(block_n=bn, block_k=bk, num_warps=nw)))
+        for p in filter(None, args.chain_preload.split(",")):
+            variants.append((True, dict(preload_tiles=int(p))))
         for name, ms, tbs, tps, err in chain(rows, dt, variants):
             print(f"chain {name:22s} {ms:7.3f} ms {tbs:6.2f} TB/s  bound {tps:6.1f} tok/s  rel err {err:.2e}")
     write_results("bench_gemv", rows, {"seconds": time.perf_counter() - t0, "check_rel_err": errs})

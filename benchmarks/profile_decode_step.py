@@ -3,7 +3,8 @@ an eager run of the same step) next to the replay time of the captured CUDA grap
 
 Models: the real SmolLM2-135M (bf16, ``HF_ACCEL_GGUF`` or the embedded file) and a Llama-3-8B-shaped
 model with random bf16 weights; batch 1, a 512-token context. Output: a table per model (kernel name,
-calls per step, total µs per step) and ``profile_decode_step-<date>.json``.
+calls per step, total µs per step) and ``profile_decode_step-<date>.json``. ``--ablate`` instead times the
+captured step (logits only) with switch overrides or with pieces removed (timing only), side by side.
 """
 
 from __future__ import annotations
@@ -98,19 +99,81 @@ def profile(name, model, batch, context, rows):
                  "kernels": [{"name": k, "calls": c, "us": t} for k, c, t in kernels]})
 
 
+#: Ablations (``--ablate``): pieces of the step replaced by nothing, for timing only (their outputs are
+#: wrong): what each one costs on the step's critical path.
+def _skip_rope(q, *args, **kwargs):
+    return q
+
+
+def _skip_attention(q, *args, **kwargs):
+    return q.transpose(1, 2)  # [b, t, h, d]: the shape the attention output has
+
+
+ABLATIONS = {"no-rope": {"rope_and_cache": _skip_rope}, "no-attention": {"paged_attention": _skip_attention},
+             "no-rope-no-attention": {"rope_and_cache": _skip_rope, "paged_attention": _skip_attention}}
+
+
+def ablate(name, model, batch, context, rows, variants):
+    """Graph replay time of the step (logits only, no sampling) for each variant: ``NAME=VALUE+...`` switch
+    overrides of :mod:`hf_accel.engine.decode_step` or an :data:`ABLATIONS` key; the first is ``default``."""
+    from common import decode_step_overrides
+
+    from hf_accel.engine import decode_step
+
+    step = _prepare(model, batch, context)
+    shape = {"model": name, "batch": batch, "context": context, "dtype": "bfloat16"}
+    results = []
+    for variant in ["default", *variants] * 2:  # twice, interleaved: run-to-run drift shows
+        patches = ABLATIONS.get(variant, {})
+        saved = {k: getattr(decode_step, k) for k in patches}
+        spec = "" if variant == "default" or variant in ABLATIONS else variant
+        try:
+            for k, v in patches.items():
+                setattr(decode_step, k, v)
+            with decode_step_overrides(spec):
+                step.graph = None
+                step.run()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                times = []
+                for _ in range(5):
+                    start.record()
+                    for _ in range(100):
+                        step.graph.replay()
+                    end.record()
+                    torch.cuda.synchronize()
+                    times.append(start.elapsed_time(end) * 10)  # us per replay
+        finally:
+            for k, v in saved.items():
+                setattr(decode_step, k, v)
+            step.graph = None
+        us = sorted(times)[2]
+        results.append((variant, us))
+        rows.append({"bench": "decode_step_ablation", "provider": "hf_accel", "shape": {**shape, "variant": variant},
+                     "metric": "graph_replay", "unit": "us", "value": us})
+        print(f"{name} {variant:40s} {us:8.1f} us", flush=True)
+    return results
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--ablate", default=None,
+                    help="only time step variants, ','-separated: switch overrides 'NAME=VALUE+...' or "
+                         + ", ".join(ABLATIONS))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode_step needs a CUDA GPU")
     rows = []
     t0 = time.perf_counter()
     for name, model in _models(args):
-        profile(name, model, args.batch, args.context, rows)
+        if args.ablate is not None:
+            ablate(name, model, args.batch, args.context, rows, list(filter(None, args.ablate.split(","))))
+        else:
+            profile(name, model, args.batch, args.context, rows)
         del model
         torch.cuda.empty_cache()
     write_results("profile_decode_step", rows, {"seconds": time.perf_counter() - t0})

@@ -131,6 +131,10 @@ FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM = 0
 #: 232.7 tok/s with gemv_rope + preload, 233.6 with gemv_rope alone, 233.4 with neither).
 ATTENTION_PRELOAD = False
 
+#: Weight tiles each one-row GEMV program loads before its PDL wait (``preload_tiles`` of
+#: :func:`~hf_accel.kernels.gemv.gemv`): more bytes in flight while the kernel before it drains.
+GEMV_PRELOAD_TILES = 1
+
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
@@ -297,7 +301,7 @@ class DecodeStep:
         one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
         small = not one_row and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
         # gemv and fused_linear take the same arguments: the layer's matmuls with norm / SwiGLU fused in
-        linear = gemv if one_row else (self._split_linear if small else None)
+        linear = self._gemv if one_row else (self._split_linear if small else None)
         pdl = DECODE_PDL
         attn_kw = {"merge_counters": self.merge_counters if FUSED_MERGE else None,
                    "trigger": ATTENTION_TRIGGER and pdl and ATTENTION_PDL,
@@ -315,10 +319,11 @@ class DecodeStep:
                 rope_args = (cos, sin, pools.keys, pools.values, slot_mapping, h)
                 if delta is None:
                     q = gemv_rope(residual, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                  eps=ln.variance_epsilon, pdl=pdl)
+                                  eps=ln.variance_epsilon, pdl=pdl, preload_tiles=GEMV_PRELOAD_TILES)
                 else:
                     q, residual = gemv_rope(delta, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                            eps=ln.variance_epsilon, residual=residual, pdl=pdl)
+                                            eps=ln.variance_epsilon, residual=residual, pdl=pdl,
+                                            preload_tiles=GEMV_PRELOAD_TILES)
                 roped = True
             elif linear is not None:
                 roped = False
@@ -371,13 +376,18 @@ class DecodeStep:
         norm = inner.norm
         if one_row and self.gemv_lm_head:
             # Final residual add + RMSNorm + LM head in one kernel; logits rounded to the dtype, then float32.
-            logits, _ = gemv(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
+            logits, _ = self._gemv(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
                              norm_weight=norm.weight, eps=norm.variance_epsilon, residual=residual.contiguous(),
                              out_dtype=torch.float32, pdl=pdl)
             return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
         hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
         logits = model.lm_head(hidden).float()
         return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
+
+    @staticmethod
+    def _gemv(x, weight, **kw):
+        """:func:`gemv` with :data:`GEMV_PRELOAD_TILES`."""
+        return gemv(x, weight, preload_tiles=GEMV_PRELOAD_TILES, **kw)
 
     def _split_linear(self, x, weight, **kw):
         """:func:`fused_linear` with split-K sized by :data:`FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM` and this step's

@@ -100,6 +100,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROPE: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = X.dtype.element_ty
@@ -117,10 +118,13 @@ def _gemv_kernel(
     k_ok = offs_k < K
     if PDL:
         gdc_launch_dependents()
-    # The first weight tile(s) before waiting: the previous kernel does not write weights.
-    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    # The first PRELOAD weight tiles (one [BLOCK_N, PRELOAD * BLOCK_K] tile) before waiting: the previous
+    # kernel does not write weights.
+    offs_pre = tl.arange(0, PRELOAD * BLOCK_K)
+    pre_ok = offs_pre < K
+    w = tl.load(w_rows + offs_pre[None, :], mask=n_ok[:, None] & pre_ok[None, :], other=0.0)
     if SWIGLU or ROPE:
-        wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+        wu = tl.load(w_rows + up_offset * stride_wn + offs_pre[None, :], mask=n_ok[:, None] & pre_ok[None, :],
                      other=0.0)
     if PDL:
         gdc_wait()  # x, the residual and every output may belong to the previous kernel
@@ -141,11 +145,19 @@ def _gemv_kernel(
             ss += xf * xf
         rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
 
-    x = _x_tile(X, R, NormW, offs_k, k_ok, rstd, NORM, RESIDUAL)
-    acc = w.to(tl.float32) * x[None, :]
-    if SWIGLU or ROPE:
-        acc_up = wu.to(tl.float32) * x[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    x = _x_tile(X, R, NormW, offs_pre, pre_ok, rstd, NORM, RESIDUAL)
+    if PRELOAD == 1:
+        acc = w.to(tl.float32) * x[None, :]
+        if SWIGLU or ROPE:
+            acc_up = wu.to(tl.float32) * x[None, :]
+    else:
+        # the preloaded columns are reduced on their own; the loop accumulates the rest tile by tile
+        y_pre = tl.sum(w.to(tl.float32) * x[None, :], 1)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if SWIGLU or ROPE:
+            y_pre_up = tl.sum(wu.to(tl.float32) * x[None, :], 1)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(PRELOAD * BLOCK_K, K, BLOCK_K):
         o = k0 + offs_k
         om = o < K
         wm = n_ok[:, None] & om[None, :]
@@ -158,8 +170,12 @@ def _gemv_kernel(
             acc_up += wu.to(tl.float32) * x[None, :]
 
     y = tl.sum(acc, 1)
+    if PRELOAD > 1:
+        y += y_pre
     if ROPE:
         y_hi = tl.sum(acc_up, 1)
+        if PRELOAD > 1:
+            y_hi += y_pre_up
         if HAS_BIAS:
             y += tl.load(Bias + offs_n).to(tl.float32)
             y_hi += tl.load(Bias + offs_n + up_offset).to(tl.float32)
@@ -172,7 +188,10 @@ def _gemv_kernel(
         if SWIGLU:
             g = out.to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(dt)
-            out = (s.to(tl.float32) * tl.sum(acc_up, 1).to(dt).to(tl.float32)).to(dt)
+            up = tl.sum(acc_up, 1)
+            if PRELOAD > 1:
+                up += y_pre_up
+            out = (s.to(tl.float32) * up.to(dt).to(tl.float32)).to(dt)
         tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=n_ok)
 
 
@@ -186,6 +205,19 @@ def default_tiles(out_features: int, k: int) -> tuple[int, int, int]:
     within 3% of it, except down (3.82 vs 3.86 TB/s at n4k2048) and the LM head (4.33 vs 4.45)."""
     block_k = 2048 if (k >= 8192 or out_features >= 65536) else min(1024, max(16, triton.next_power_of_2(k)))
     return 4, block_k, 4
+
+
+def _preload_tiles(preload_tiles, k: int, block_n: int, block_k: int) -> int:
+    """Validated ``preload_tiles``, halved while the tiles before the last one already cover ``k``."""
+    if not isinstance(preload_tiles, int) or isinstance(preload_tiles, bool) or preload_tiles < 1 or \
+            preload_tiles & (preload_tiles - 1) or preload_tiles > 8:
+        raise ValueError(f"preload_tiles must be a power of two in [1, 8], got {preload_tiles!r}")
+    while preload_tiles > 1 and (preload_tiles // 2) * block_k >= k:
+        preload_tiles //= 2
+    if block_n * block_k * preload_tiles > 1 << 16:
+        raise ValueError(f"block_n x block_k x preload_tiles must be at most 65536 values, got "
+                         f"{block_n} x {block_k} x {preload_tiles}")
+    return preload_tiles
 
 
 def _launch_tiles(out_features, k, eps, block_n, block_k, num_warps) -> tuple[int, int, int]:
@@ -219,6 +251,7 @@ def gemv(
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    preload_tiles: int = 1,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for one token row, in one kernel.
 
@@ -241,6 +274,8 @@ def gemv(
             the previous one before it touches anything but ``weight``.
         block_n, block_k, num_warps: tiling overrides (benchmark sweeps): powers of two, block_n <= 256,
             block_k <= 8192, block_n x block_k <= 65536, num_warps <= 16.
+        preload_tiles: weight tiles (``block_k`` columns each) each program loads before its PDL wait: 1, 2,
+            4 or 8 (fewer where fewer cover ``hidden``); block_n x block_k x preload_tiles <= 65536.
 
     Returns:
         ``y`` [1, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -255,6 +290,7 @@ def gemv(
     if rows != 1:
         raise ValueError(f"gemv takes one row, got {rows} (use fused_linear or a matmul)")
     block_n, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps)
+    preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)
     y = torch.empty(1, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     pdl = use_pdl(pdl, x)
@@ -268,7 +304,7 @@ def gemv(
         eps,
         0, 0, 0, 0, 0, 0, 0,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
-        PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=False,
+        PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=False, PRELOAD=preload_tiles,
         num_warps=num_warps, num_stages=1, **extra,
     )
     return (y, r_out) if residual is not None else y
@@ -291,6 +327,7 @@ def gemv_rope(
     pdl: bool = False,
     block_k: int | None = None,
     num_warps: int | None = None,
+    preload_tiles: int = 1,
 ):
     """The merged Q/K/V projection of one decode token with RoPE and the cache write as its epilogue:
     :func:`gemv` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one kernel,
@@ -308,7 +345,7 @@ def gemv_rope(
             contiguous last dimension.
         slot_mapping: [1] int32 — ``block * block_size + offset`` of the token; -1 = not written.
         num_heads: query heads.
-        pdl, block_k, num_warps: as :func:`gemv`.
+        pdl, block_k, num_warps, preload_tiles: as :func:`gemv`.
 
     Returns:
         rotated q [1, num_heads * head_dim], or ``(q, x + residual)`` when ``residual`` is given.
@@ -336,6 +373,7 @@ def gemv_rope(
     if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype}) != 1:
         raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, cache {key_cache.dtype}")
     _, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps)
+    preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)
     q = torch.empty(1, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q
     pdl = use_pdl(pdl, x)
@@ -350,7 +388,7 @@ def gemv_rope(
         num_heads, num_kv_heads, head_dim, key_cache.shape[1], key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2),
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
-        PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=True,
+        PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=True, PRELOAD=preload_tiles,
         num_warps=num_warps, num_stages=1, **extra,
     )
     return (q, r_out) if residual is not None else q

@@ -312,6 +312,7 @@ def paged_attention(
     merge_counters: torch.Tensor | None = None,
     trigger: bool = False,
     preload_kv: bool = False,
+    split_multiple: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -353,6 +354,8 @@ def paged_attention(
             precede the ``q_len`` new tokens before waiting for the previous kernel. Only valid when that
             kernel writes no block table, ``seq_lens`` or cached K/V other than the new tokens' (a decode
             step's Q/K/V + cache-write kernel). Uses the per-tile block-id loads (``chunk_tokens=0``).
+        split_multiple: keys per split are rounded up to a multiple of this (default ``block_n``: whole
+            tiles); 1 gives every split the same share to within one key (any count of splits).
 
     Returns:
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
@@ -403,7 +406,11 @@ def paged_attention(
         else:
             want = 1
         num_splits = max(1, min(want, triton.cdiv(max(max_seq_len, 1), 256)))
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    if split_multiple is None:
+        split_multiple = block_n
+    elif not isinstance(split_multiple, int) or isinstance(split_multiple, bool) or split_multiple < 1:
+        raise ValueError(f"split_multiple must be an int >= 1, got {split_multiple!r}")
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), split_multiple) * split_multiple
     num_splits = triton.cdiv(max(max_seq_len, 1), tokens_per_split)
     split = num_splits > 1
     if key_mask is not None and key_mask.dtype == torch.bool:

@@ -31,6 +31,24 @@ def test_matches_reference_fp32(hidden, out, tiles, mode):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+# K 333 with 32-column tiles: 2 and 4 preloaded tiles leave a loop with a masked last tile; 8 covers all of K
+# (and is capped at what K needs); K 64 caps every count at 2 tiles.
+@pytest.mark.parametrize("hidden,out", [(333, 50), (64, 14)])
+@pytest.mark.parametrize("preload", [2, 4, 8])
+@pytest.mark.parametrize("mode", MODES)
+def test_preloaded_tiles_match_reference_fp32(hidden, out, preload, mode):
+    if "swiglu" in mode and out % 2:
+        out += 1
+    x, r, w, nw, b = _inputs(hidden, out, torch.float32, seed=5)
+    kw = linear_kwargs(mode, r, nw, b)
+    got = gemv(x, w, **kw, block_n=4, block_k=32, preload_tiles=preload)
+    want = fused_linear_ref(x, w, **kw)
+    if "residual" in mode:
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        got, want = got[0], want[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_half_rounding_close_to_reference():
     x, r, w, nw, _ = _inputs(128, 64, torch.float16, seed=1)
     got, res = gemv(x, w, norm_weight=nw, eps=1e-6, residual=r, swiglu=True, block_k=32)
@@ -64,6 +82,8 @@ def test_pdl_is_ignored_off_gpu():
     (lambda x, w, nw, r: gemv(x, w, block_n=4.0), "power of two"),
     (lambda x, w, nw, r: gemv(x, w, num_warps=3), "power of two"),
     (lambda x, w, nw, r: gemv(x, w, block_n=256, block_k=8192), "at most 65536"),
+    (lambda x, w, nw, r: gemv(x, w, preload_tiles=3), "preload_tiles"),
+    (lambda x, w, nw, r: gemv(x, w, preload_tiles=0), "preload_tiles"),
     (lambda x, w, nw, r: gemv(x, w, norm_weight=nw, eps=torch.tensor(1e-6)), "eps"),
     (lambda x, w, nw, r: gemv(x, w, bias=torch.ones(33, dtype=torch.float64)), "dtypes differ"),
     (lambda x, w, nw, r: gemv(x[:, :0], w[:, :0]), "0 input features"),
@@ -76,6 +96,12 @@ def test_bad_input_raises(bad, match):
     x, r, w, nw, _ = _inputs(64, 33, torch.float32, seed=4)
     with pytest.raises(ValueError, match=match):
         bad(x, w, nw, r)
+
+
+def test_too_many_preloaded_values_raise():
+    x, w = torch.zeros(1, 4096), torch.zeros(8, 4096)
+    with pytest.raises(ValueError, match="preload_tiles"):
+        gemv(x, w, block_n=64, block_k=512, preload_tiles=4)
 
 
 def _rope_case(dtype, heads, kv_heads, d, hidden, bias, seed=0):
@@ -92,8 +118,8 @@ def _rope_case(dtype, heads, kv_heads, d, hidden, bias, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden,bias", [(3, 1, 16, 96, False), (4, 2, 8, 333, True)])
-@pytest.mark.parametrize("slot", [13, -1])
-def test_gemv_rope_is_gemv_then_rope_and_cache(dtype, heads, kv_heads, d, hidden, bias, slot):
+@pytest.mark.parametrize("slot,preload", [(13, 1), (-1, 1), (13, 2)])
+def test_gemv_rope_is_gemv_then_rope_and_cache(dtype, heads, kv_heads, d, hidden, bias, slot, preload):
     """Q/K/V GEMV with RoPE + cache write as its epilogue: bitwise gemv followed by rope_and_cache (same
     roundings), the cache untouched elsewhere (and everywhere for slot -1), the residual sum returned."""
     from hf_accel.kernels.gemv import gemv_rope
@@ -102,10 +128,12 @@ def test_gemv_rope_is_gemv_then_rope_and_cache(dtype, heads, kv_heads, d, hidden
     x, r, w, nw, b, cos, sin, kc, vc = _rope_case(dtype, heads, kv_heads, d, hidden, bias, seed=d + slot)
     slots = torch.tensor([slot], dtype=torch.int32)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    qkv, res = gemv(x, w, bias=b, norm_weight=nw, eps=1e-5, residual=r)
+    tiles = {} if preload == 1 else dict(block_k=32, preload_tiles=preload)  # preloaded tiles + a loop
+    qkv, res = gemv(x, w, bias=b, norm_weight=nw, eps=1e-5, residual=r, **tiles)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     want_q = rope_and_cache(q, k, v, cos, sin, kc1, vc1, slots)
-    got_q, got_res = gemv_rope(x, w, cos, sin, kc2, vc2, slots, heads, bias=b, norm_weight=nw, eps=1e-5, residual=r)
+    got_q, got_res = gemv_rope(x, w, cos, sin, kc2, vc2, slots, heads, bias=b, norm_weight=nw, eps=1e-5, residual=r,
+                               **tiles)
     assert torch.equal(got_res, res)
     assert torch.equal(got_q, want_q.reshape(1, -1))
     assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1)

@@ -93,9 +93,9 @@ class Case:
 class SplitSpy:
     """Counts launches of the split-merge kernel (so a forced split really split)."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, name="_merge_splits_kernel"):
         self.grids = []
-        kernel = pa._merge_splits_kernel
+        kernel = getattr(pa, name)
         spy = self
 
         class Wrapped:
@@ -103,7 +103,7 @@ class SplitSpy:
                 spy.grids.append(grid)
                 return kernel[grid]
 
-        monkeypatch.setattr(pa, "_merge_splits_kernel", Wrapped())
+        monkeypatch.setattr(pa, name, Wrapped())
 
 
 def _left_pad_mask(seq_lens, pads, width=None):
@@ -195,6 +195,29 @@ def test_block_id_chunks(chunk_tokens, block_size, head_dim, q_len):
     if chunk_tokens:
         ref, _ = case.check(mask, num_splits=3, block_n=16, chunk_tokens=0)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 2048], ids=["ids-per-tile", "chunks-of-2048"])
+@pytest.mark.parametrize("num_splits", [9, 11])
+def test_unaligned_split_lengths(chunk_tokens, num_splits, monkeypatch):
+    """split_multiple=1: splits of ceil(300 / n) keys (34 or 28), starting inside tiles and cache blocks;
+    as many splits as asked (whole 16-key tiles would round them to 7 splits of 48, 10 of 32)."""
+    seq_lens = [300, 37, 5]
+    case = Case(seq_lens, 8, 2, 1, 16, seed=num_splits)
+    mask = _left_pad_mask(seq_lens, [5, 0, 1])
+    spy = SplitSpy(monkeypatch, "_paged_attention_kernel")
+    out, _ = case.check(mask, num_splits=num_splits, block_n=16, chunk_tokens=chunk_tokens, split_multiple=1)
+    assert spy.grids[-1][2] == num_splits
+    monkeypatch.undo()
+    ref, _ = case.check(mask, num_splits=1, block_n=16)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, 2.0, True])
+def test_split_multiple_errors(bad):
+    case = Case([5, 9], 4, 2, 1, 16)
+    with pytest.raises(ValueError, match="split_multiple"):
+        paged_attention(*case.args(), split_multiple=bad)
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, True])
