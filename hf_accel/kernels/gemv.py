@@ -161,13 +161,13 @@ def _gemv_kernel(
         o = k0 + offs_k
         om = o < K
         wm = n_ok[:, None] & om[None, :]
-        w = tl.load(w_rows + o[None, :], mask=wm, other=0.0)
+        wt = tl.load(w_rows + o[None, :], mask=wm, other=0.0)
         if SWIGLU or ROPE:
-            wu = tl.load(w_rows + up_offset * stride_wn + o[None, :], mask=wm, other=0.0)
-        x = _x_tile(X, R, NormW, o, om, rstd, NORM, RESIDUAL)
-        acc += w.to(tl.float32) * x[None, :]
+            wut = tl.load(w_rows + up_offset * stride_wn + o[None, :], mask=wm, other=0.0)
+        xt = _x_tile(X, R, NormW, o, om, rstd, NORM, RESIDUAL)
+        acc += wt.to(tl.float32) * xt[None, :]
         if SWIGLU or ROPE:
-            acc_up += wu.to(tl.float32) * x[None, :]
+            acc_up += wut.to(tl.float32) * xt[None, :]
 
     y = tl.sum(acc, 1)
     if PRELOAD > 1:
