@@ -113,9 +113,10 @@ GEMV_ROPE = False
 #: (trigger and split-K on in both); all three switches off 0.849 ms.
 FUSED_MERGE = False
 
-#: With PDL, the paged attention kernel can let the next kernel (o_proj) launch once its programs pass their
-#: wait, so o_proj's first weight loads overlap the attention. Off: Llama-3-8B shape bs1 218.8 tok/s with
-#: it vs 235.2 without (same run as above; SmolLM2 bs1 1707.5 vs 1660.0).
+#: With PDL, the paged attention kernel can let the next kernel (the split merge, or o_proj) launch early:
+#: ``trigger`` of :func:`~hf_accel.kernels.paged_attention.paged_attention` (True: once its programs pass
+#: their wait; "after_keys": once their K/V tiles are in). Off: Llama-3-8B shape bs1 218.8 tok/s with True
+#: vs 235.2 without (same run as above; SmolLM2 bs1 1707.5 vs 1660.0).
 ATTENTION_TRIGGER = False
 
 #: fused_linear calls of the step (2-16 token rows) can split K so that a matmul of few output tiles runs
@@ -304,7 +305,7 @@ class DecodeStep:
         linear = self._gemv if one_row else (self._split_linear if small else None)
         pdl = DECODE_PDL
         attn_kw = {"merge_counters": self.merge_counters if FUSED_MERGE else None,
-                   "trigger": ATTENTION_TRIGGER and pdl and ATTENTION_PDL,
+                   "trigger": ATTENTION_TRIGGER if pdl and ATTENTION_PDL else False,
                    "preload_kv": ATTENTION_PRELOAD and pdl and ATTENTION_PDL}
         if attention_row_blocks(t * (h // self.num_kv_heads)) * b * self.num_kv_heads > self.merge_counters.numel():
             attn_kw["merge_counters"] = None  # a forward over more rows than the step's own (prefill)

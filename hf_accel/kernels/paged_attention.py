@@ -80,6 +80,7 @@ def _paged_attention_kernel(
     TRIGGER: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
+    TRIGGER_AFTER_KEYS: tl.constexpr,
 ):
     if PDL and not PRELOAD_KV:
         gdc_wait()  # Q and the cache are written by the kernels before this one
@@ -176,6 +177,8 @@ def _paged_attention_kernel(
                     stride_ks, stride_kb, stride_kd, stride_vb, stride_vs, stride_vd, stride_mb, stride_mn,
                     IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT)
 
+    if PDL and TRIGGER_AFTER_KEYS:
+        gdc_launch_dependents()  # every K/V load of this program has returned: the next kernel may launch
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if seq_len > covered:  # NaN rather than attention over a prefix of the keys
@@ -310,7 +313,7 @@ def paged_attention(
     chunk_tokens: int | None = None,
     pdl: bool = False,
     merge_counters: torch.Tensor | None = None,
-    trigger: bool = False,
+    trigger: bool | str = False,
     preload_kv: bool = False,
     split_multiple: int | None = None,
 ) -> torch.Tensor:
@@ -348,8 +351,10 @@ def paged_attention(
             kernel: the last split program of each row block to arrive (an atomic arrival counter) merges
             them (up to :data:`MAX_FUSED_MERGE_SPLITS` splits; more use the merge kernel). An int32 tensor of at least ``batch * num_kv_heads * ceil(q_len * group / block_m)`` zeros
             owned by the caller, used by one stream at a time; every launch leaves it at zero.
-        trigger: with ``pdl``, let the next kernel launch as soon as this one's programs pass their wait
-            (the next projection's weight loads then overlap the attention).
+        trigger: with ``pdl``, when to let the next kernel launch: False (as the programs exit), True or
+            ``"after_wait"`` (as soon as they pass their wait: the next projection's weight loads then
+            overlap the attention's), ``"after_keys"`` (once every K/V tile of the program is in: they
+            overlap only the split merge).
         preload_kv: with ``pdl``, each program loads the block ids and the K/V of its first tile that
             precede the ``q_len`` new tokens before waiting for the previous kernel. Only valid when that
             kernel writes no block table, ``seq_lens`` or cached K/V other than the new tokens' (a decode
@@ -442,6 +447,8 @@ def paged_attention(
         chunk_blocks = 0
     grid = (m_blocks, batch * num_kv_heads, num_splits)
     fused_merge = split and merge_counters is not None and num_splits <= MAX_FUSED_MERGE_SPLITS
+    if not (isinstance(trigger, bool) or trigger in ("after_wait", "after_keys")):
+        raise ValueError(f"trigger must be False, True, 'after_wait' or 'after_keys', got {trigger!r}")
     if merge_counters is not None:
         check_counters(merge_counters, m_blocks * batch * num_kv_heads, query.device, "merge_counters")
     pdl = use_pdl(pdl, query)
@@ -456,7 +463,8 @@ def paged_attention(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
         IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl,
-        FUSED_MERGE=fused_merge, TRIGGER=bool(trigger), NUM_SPLITS=num_splits if fused_merge else 1,
+        FUSED_MERGE=fused_merge, TRIGGER=trigger is True or trigger == "after_wait",
+        TRIGGER_AFTER_KEYS=trigger == "after_keys", NUM_SPLITS=num_splits if fused_merge else 1,
         PRELOAD_KV=bool(preload_kv),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )

@@ -141,8 +141,9 @@ def test_gemv_bf16(hidden, out, mode, pdl):
     _check_linear_bf16(lambda x, w, **kw: gemv(x, w, pdl=pdl, **kw), 1, hidden, out, mode)
 
 
+@pytest.mark.parametrize("trigger", [True, "after_keys"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain(rows):
+def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain(rows, trigger):
     """A chain of dependent matmuls (each reads the previous output; norm + residual, SwiGLU: gemv at 1 row,
     split-K fused_linear at 4) plus RoPE + cache write and split-KV paged attention merged in the kernel,
     captured in a CUDA graph and replayed: launched with PDL (attention triggering its dependents) it must
@@ -190,7 +191,7 @@ def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain(rows):
             q = rope_and_cache(q, k, v, cos, sin, kc, vc, slots, pdl=pdl)
             o = paged_attention(q.view(1, rows, heads, d).transpose(1, 2), kc, vc, table, seq_lens, blocks * block_size,
                                 num_splits=8, pdl=pdl, merge_counters=merge_counters if fused_merge else None,
-                                trigger=True)
+                                trigger=trigger)
             delta = gemv(o.view(rows, heads * d), ly["o"], pdl=pdl)
             a, res = gemv(delta, ly["gu"], norm_weight=ly["n2"], eps=1e-5, residual=res, swiglu=True, pdl=pdl)
             delta = gemv(a, ly["down"], pdl=pdl)

@@ -213,6 +213,22 @@ def test_unaligned_split_lengths(chunk_tokens, num_splits, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("trigger", [True, "after_wait", "after_keys"])
+def test_trigger_positions_run_without_pdl(trigger):
+    """The trigger is a no-op without PDL (CPU): every position gives the same output."""
+    case = Case([70, 9], 4, 2, 1, 16, seed=7)
+    out, _ = case.check(num_splits=3, block_n=16, pdl=True, trigger=trigger)
+    ref, _ = case.check(num_splits=3, block_n=16)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("bad", ["late", 1])
+def test_trigger_errors(bad):
+    case = Case([5, 9], 4, 2, 1, 16)
+    with pytest.raises(ValueError, match="trigger"):
+        paged_attention(*case.args(), trigger=bad)
+
+
 @pytest.mark.parametrize("bad", [0, 2.0, True])
 def test_split_multiple_errors(bad):
     case = Case([5, 9], 4, 2, 1, 16)
