@@ -55,6 +55,13 @@ def _kinds():
              F.linear(rms_norm(x, w["n2"], 1e-5, r)[0], w["gate_up"]))),
         ("down", "down", inter, lambda w, r: {}, lambda x, w, r: F.linear(x, w["down"])),
         ("lm_head", "lm_head", CFG["hidden"], lambda w, r: {}, lambda x, w, r: F.linear(x, w["lm_head"])),
+        # the decode step's LM head (final norm fused), and the normed kinds without their norm: what the
+        # per-program norm prologue costs
+        ("lm_head_norm", "lm_head", CFG["hidden"], lambda w, r: dict(norm_weight=w["n1"], residual=r, eps=1e-5),
+         lambda x, w, r: F.linear(rms_norm(x, w["n1"], 1e-5, r)[0], w["lm_head"])),
+        ("qkv", "qkv", CFG["hidden"], lambda w, r: {}, lambda x, w, r: F.linear(x, w["qkv"])),
+        ("gate_up_swiglu", "gate_up", CFG["hidden"], lambda w, r: dict(swiglu=True),
+         lambda x, w, r: (lambda gu: swiglu(gu[:, :inter], gu[:, inter:]))(F.linear(x, w["gate_up"]))),
     ]
 
 
@@ -83,7 +90,7 @@ def check(dt):
     return out
 
 
-def per_shape(rows, dt, copies, configs):
+def per_shape(rows, dt, copies, configs, kinds=None):
     from hf_accel.kernels.gemv import gemv
 
     layers = [_layer(dt, 100 + i) for i in range(copies)]
@@ -92,7 +99,9 @@ def per_shape(rows, dt, copies, configs):
         ly["lm_head"] = lm[i % 2]
     table = []
     for kind, key, width, kw, cublas in _kinds():
-        n = 2 if kind == "lm_head" else copies
+        if kinds and kind not in kinds:
+            continue
+        n = 2 if kind.startswith("lm_head") else copies
         x = torch.randn(1, width, device="cuda", dtype=dt)
         r = torch.randn(1, width, device="cuda", dtype=dt)
         nbytes = layers[0][key].numel() * layers[0][key].element_size()
@@ -200,6 +209,7 @@ def main(argv=None):
                     help="'block_n,block_k,warps;...' chains with PDL besides the defaults with and without PDL")
     ap.add_argument("--chain-preload", default="",
                     help="'2,4': chains with PDL and this many weight tiles loaded before each wait (default tiles)")
+    ap.add_argument("--kinds", default="", help="per-shape timing of only these kinds (','-separated)")
     ap.add_argument("--skip-per-shape", action="store_true")
     ap.add_argument("--skip-chain", action="store_true")
     args = ap.parse_args(argv)
@@ -215,7 +225,8 @@ def main(argv=None):
     errs = check(dt)
     print("relative error vs float32 reference:", {k: f"{v:.2e}" for k, v in errs.items()})
     if not args.skip_per_shape:
-        for kind, prov, cfg, us, tbs in per_shape(rows, dt, args.copies, configs):
+        for kind, prov, cfg, us, tbs in per_shape(rows, dt, args.copies, configs,
+                                                  list(filter(None, args.kinds.split(","))) or None):
             print(f"{kind:22s} {prov:8s} {cfg:16s} {us:8.2f} us {tbs:6.2f} TB/s")
     if not args.skip_chain:
         variants = [(False, None), (True, None)]

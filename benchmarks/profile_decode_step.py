@@ -10,6 +10,7 @@ captured step (logits only) with switch overrides or with pieces removed (timing
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections import defaultdict
@@ -109,6 +110,33 @@ def _skip_attention(q, *args, **kwargs):
     return q.transpose(1, 2)  # [b, t, h, d]: the shape the attention output has
 
 
+class _StaticPrologue:
+    """Rotary tables and cache slots computed once, outside the graph (timing only)."""
+
+    def __init__(self, step):
+        self.step = step
+        self.saved = None
+
+    def __enter__(self):
+        from hf_accel.engine.decode_step import DecodeStep
+
+        step, inner = self.step, self.step.model.model
+        n = step.batch * step.q_len
+        hidden = inner.embed_tokens(step.input_ids.reshape(n))
+        cos, sin = inner.rotary_emb(hidden[:, None], step.position_ids.reshape(n, 1))
+        slots = DecodeStep._slots(step, step.cache_lens, step.block_table, step.q_len)
+        self.saved = (inner.rotary_emb.forward, DecodeStep._slots)
+        inner.rotary_emb.forward = lambda *a, **k: (cos, sin)
+        DecodeStep._slots = lambda *a, **k: slots
+        return self
+
+    def __exit__(self, *exc):
+        from hf_accel.engine.decode_step import DecodeStep
+
+        self.step.model.model.rotary_emb.forward, DecodeStep._slots = self.saved
+        return False
+
+
 ABLATIONS = {"no-rope": {"rope_and_cache": _skip_rope}, "no-attention": {"paged_attention": _skip_attention},
              "no-rope-no-attention": {"rope_and_cache": _skip_rope, "paged_attention": _skip_attention}}
 
@@ -126,11 +154,12 @@ def ablate(name, model, batch, context, rows, variants):
     for variant in ["default", *variants] * 2:  # twice, interleaved: run-to-run drift shows
         patches = ABLATIONS.get(variant, {})
         saved = {k: getattr(decode_step, k) for k in patches}
-        spec = "" if variant == "default" or variant in ABLATIONS else variant
+        spec = "" if variant in ("default", "static-prologue") or variant in ABLATIONS else variant
         try:
             for k, v in patches.items():
                 setattr(decode_step, k, v)
-            with decode_step_overrides(spec):
+            with decode_step_overrides(spec), (_StaticPrologue(step) if variant == "static-prologue"
+                                               else contextlib.nullcontext()):
                 step.graph = None
                 step.run()
                 torch.cuda.synchronize()
@@ -163,7 +192,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--ablate", default=None,
                     help="only time step variants, ','-separated: switch overrides 'NAME=VALUE+...' or "
-                         + ", ".join(ABLATIONS))
+                         + ", ".join([*ABLATIONS, "static-prologue"]))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode_step needs a CUDA GPU")

@@ -136,6 +136,11 @@ ATTENTION_PRELOAD = False
 #: :func:`~hf_accel.kernels.gemv.gemv`): more bytes in flight while the kernel before it drains.
 GEMV_PRELOAD_TILES = 1
 
+#: One-row steps fuse the final residual add + RMSNorm into the LM head GEMV (True), or run the
+#: :func:`~hf_accel.kernels.rms_norm.rms_norm` kernel first (False): with the norm fused, each of the head's
+#: ~32k programs re-reads the hidden state and the residual to compute it.
+GEMV_LM_HEAD_NORM = True
+
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
@@ -376,10 +381,15 @@ class DecodeStep:
             delta, residual = delta.view(b, t, -1)[:, -1], residual.view(b, t, -1)[:, -1]
         norm = inner.norm
         if one_row and self.gemv_lm_head:
-            # Final residual add + RMSNorm + LM head in one kernel; logits rounded to the dtype, then float32.
-            logits, _ = self._gemv(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
-                             norm_weight=norm.weight, eps=norm.variance_epsilon, residual=residual.contiguous(),
-                             out_dtype=torch.float32, pdl=pdl)
+            if GEMV_LM_HEAD_NORM:
+                # Final residual add + RMSNorm + LM head in one kernel; logits rounded to the dtype, then float32.
+                logits, _ = self._gemv(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
+                                       norm_weight=norm.weight, eps=norm.variance_epsilon,
+                                       residual=residual.contiguous(), out_dtype=torch.float32, pdl=pdl)
+            else:
+                hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
+                logits = self._gemv(hidden, model.lm_head.weight, bias=model.lm_head.bias, out_dtype=torch.float32,
+                                    pdl=pdl)
             return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
         hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
         logits = model.lm_head(hidden).float()

@@ -397,14 +397,17 @@ def test_right_padded_batch_falls_back_to_stock(tiny, hf_log):
     assert _messages(hf_log, "right-padded batch")
 
 
-@pytest.mark.parametrize("gemv_rope", [False, True], ids=["rope-kernel", "rope-in-gemv"])
+@pytest.mark.parametrize("gemv_rope,head_norm", [(False, True), (True, True), (False, False)],
+                         ids=["rope-kernel", "rope-in-gemv", "lm-head-norm-kernel"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_batch1_fused_step_runs_gemv(model_type, gemv_rope, tiny, monkeypatch):
+def test_batch1_fused_step_runs_gemv(model_type, gemv_rope, head_norm, tiny, monkeypatch):
     """Batch-1 decode steps of the fused step run every matmul, the LM head included, through gemv
-    (interpreter), and greedy output stays token-identical to stock in float32."""
+    (interpreter), and greedy output stays token-identical to stock in float32 (with the final norm fused
+    into the LM head or not)."""
     from hf_accel.engine import decode_step
 
     monkeypatch.setattr(decode_step, "GEMV_ROPE", gemv_rope)
+    monkeypatch.setattr(decode_step, "GEMV_LM_HEAD_NORM", head_norm)
     calls = []
     original, original_rope = decode_step.gemv, decode_step.gemv_rope
     monkeypatch.setattr(decode_step, "gemv", lambda *a, **k: calls.append(k.get("swiglu", False)) or original(*a, **k))
