@@ -122,9 +122,10 @@ class _StaticPrologue:
 
         step, inner = self.step, self.step.model.model
         n = step.batch * step.q_len
-        hidden = inner.embed_tokens(step.input_ids.reshape(n))
-        cos, sin = inner.rotary_emb(hidden[:, None], step.position_ids.reshape(n, 1))
-        slots = DecodeStep._slots(step, step.cache_lens, step.block_table, step.q_len)
+        with torch.inference_mode():
+            hidden = inner.embed_tokens(step.input_ids.reshape(n))
+            cos, sin = inner.rotary_emb(hidden[:, None], step.position_ids.reshape(n, 1))
+            slots = DecodeStep._slots(step, step.cache_lens, step.block_table, step.q_len)
         self.saved = (inner.rotary_emb.forward, DecodeStep._slots)
         inner.rotary_emb.forward = lambda *a, **k: (cos, sin)
         DecodeStep._slots = lambda *a, **k: slots

@@ -136,6 +136,10 @@ ATTENTION_PRELOAD = False
 #: :func:`~hf_accel.kernels.gemv.gemv`): more bytes in flight while the kernel before it drains.
 GEMV_PRELOAD_TILES = 1
 
+#: Input columns per step of the one-row GEMVs' RMSNorm prologue (``norm_k`` of
+#: :func:`~hf_accel.kernels.gemv.gemv`): None = the whole row at once, 0 = one K tile per step.
+GEMV_NORM_K = None
+
 #: One-row steps fuse the final residual add + RMSNorm into the LM head GEMV (True), or run the
 #: :func:`~hf_accel.kernels.rms_norm.rms_norm` kernel first (False): with the norm fused, each of the head's
 #: ~32k programs re-reads the hidden state and the residual to compute it.
@@ -325,11 +329,12 @@ class DecodeStep:
                 rope_args = (cos, sin, pools.keys, pools.values, slot_mapping, h)
                 if delta is None:
                     q = gemv_rope(residual, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                  eps=ln.variance_epsilon, pdl=pdl, preload_tiles=GEMV_PRELOAD_TILES)
+                                  eps=ln.variance_epsilon, pdl=pdl, preload_tiles=GEMV_PRELOAD_TILES,
+                                  norm_k=GEMV_NORM_K)
                 else:
                     q, residual = gemv_rope(delta, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
                                             eps=ln.variance_epsilon, residual=residual, pdl=pdl,
-                                            preload_tiles=GEMV_PRELOAD_TILES)
+                                            preload_tiles=GEMV_PRELOAD_TILES, norm_k=GEMV_NORM_K)
                 roped = True
             elif linear is not None:
                 roped = False
@@ -397,8 +402,8 @@ class DecodeStep:
 
     @staticmethod
     def _gemv(x, weight, **kw):
-        """:func:`gemv` with :data:`GEMV_PRELOAD_TILES`."""
-        return gemv(x, weight, preload_tiles=GEMV_PRELOAD_TILES, **kw)
+        """:func:`gemv` with :data:`GEMV_PRELOAD_TILES` and :data:`GEMV_NORM_K`."""
+        return gemv(x, weight, preload_tiles=GEMV_PRELOAD_TILES, norm_k=GEMV_NORM_K, **kw)
 
     def _split_linear(self, x, weight, **kw):
         """:func:`fused_linear` with split-K sized by :data:`FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM` and this step's

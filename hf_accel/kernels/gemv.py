@@ -101,6 +101,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     ROPE: tl.constexpr,
     PRELOAD: tl.constexpr,
+    NORM_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = X.dtype.element_ty
@@ -131,9 +132,12 @@ def _gemv_kernel(
 
     rstd = 0.0
     if NORM:
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            o = k0 + offs_k
+        # NORM_K columns per step (the whole row where it fits): the steps' loads wait on one another, so
+        # each step costs an L2 round trip before the first weight tile can be used
+        offs_nk = tl.arange(0, NORM_K)
+        ss = tl.zeros([NORM_K], dtype=tl.float32)
+        for k0 in range(0, K, NORM_K):
+            o = k0 + offs_nk
             om = o < K
             x = tl.load(X + o, mask=om, other=0.0)
             if RESIDUAL:
@@ -220,6 +224,24 @@ def _preload_tiles(preload_tiles, k: int, block_n: int, block_k: int) -> int:
     return preload_tiles
 
 
+#: Most input columns the RMSNorm prologue of :func:`gemv` reads per step (:func:`_norm_k`).
+MAX_NORM_K = 8192
+
+
+def _norm_k(k: int, block_k: int, norm_k: int | None) -> int:
+    """Columns per step of the norm prologue: by default the whole row (padded to a power of two, at most
+    :data:`MAX_NORM_K`); ``norm_k`` 0 = ``block_k`` (the row walked in K tiles, as before); else ``norm_k``
+    (a power of two in [16, MAX_NORM_K]). Raises ValueError for other values."""
+    if norm_k is None:
+        return min(MAX_NORM_K, max(16, triton.next_power_of_2(k)))
+    if norm_k == 0:
+        return block_k
+    if not isinstance(norm_k, int) or isinstance(norm_k, bool) or norm_k < 16 or norm_k & (norm_k - 1) \
+            or norm_k > MAX_NORM_K:
+        raise ValueError(f"norm_k must be 0 or a power of two in [16, {MAX_NORM_K}], got {norm_k!r}")
+    return norm_k
+
+
 def _launch_tiles(out_features, k, eps, block_n, block_k, num_warps) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)``: the overrides given, else :func:`default_tiles`; raises ValueError
     for tiles that are not powers of two in range and for a non-float ``eps``."""
@@ -252,6 +274,7 @@ def gemv(
     block_k: int | None = None,
     num_warps: int | None = None,
     preload_tiles: int = 1,
+    norm_k: int | None = None,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for one token row, in one kernel.
 
@@ -276,6 +299,8 @@ def gemv(
             block_k <= 8192, block_n x block_k <= 65536, num_warps <= 16.
         preload_tiles: weight tiles (``block_k`` columns each) each program loads before its PDL wait: 1, 2,
             4 or 8 (fewer where fewer cover ``hidden``); block_n x block_k x preload_tiles <= 65536.
+        norm_k: input columns the RMSNorm prologue reads per step: default the whole row (padded to a power
+            of two, at most :data:`MAX_NORM_K`), so its loads are in flight at once; 0 = ``block_k``.
 
     Returns:
         ``y`` [1, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -305,6 +330,7 @@ def gemv(
         0, 0, 0, 0, 0, 0, 0,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=False, PRELOAD=preload_tiles,
+        NORM_K=_norm_k(k, block_k, norm_k),
         num_warps=num_warps, num_stages=1, **extra,
     )
     return (y, r_out) if residual is not None else y
@@ -328,6 +354,7 @@ def gemv_rope(
     block_k: int | None = None,
     num_warps: int | None = None,
     preload_tiles: int = 1,
+    norm_k: int | None = None,
 ):
     """The merged Q/K/V projection of one decode token with RoPE and the cache write as its epilogue:
     :func:`gemv` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one kernel,
@@ -345,7 +372,7 @@ def gemv_rope(
             contiguous last dimension.
         slot_mapping: [1] int32 — ``block * block_size + offset`` of the token; -1 = not written.
         num_heads: query heads.
-        pdl, block_k, num_warps, preload_tiles: as :func:`gemv`.
+        pdl, block_k, num_warps, preload_tiles, norm_k: as :func:`gemv`.
 
     Returns:
         rotated q [1, num_heads * head_dim], or ``(q, x + residual)`` when ``residual`` is given.
@@ -389,6 +416,7 @@ def gemv_rope(
         key_cache.stride(2),
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
         PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=True, PRELOAD=preload_tiles,
+        NORM_K=_norm_k(k, block_k, norm_k),
         num_warps=num_warps, num_stages=1, **extra,
     )
     return (q, r_out) if residual is not None else q

@@ -49,6 +49,17 @@ def test_preloaded_tiles_match_reference_fp32(hidden, out, preload, mode):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+# The norm prologue over the whole row (default), in 32-column steps (norm_k=32: 11 steps of K 333), and in
+# the K tiles (0).
+@pytest.mark.parametrize("norm_k", [None, 32, 0])
+def test_norm_prologue_steps_match_reference_fp32(norm_k):
+    x, r, w, nw, _ = _inputs(333, 20, torch.float32, seed=6)
+    got, res = gemv(x, w, norm_weight=nw, eps=1e-5, residual=r, block_k=64, norm_k=norm_k)
+    want, want_res = fused_linear_ref(x, w, norm_weight=nw, eps=1e-5, residual=r)
+    torch.testing.assert_close(res, want_res, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_half_rounding_close_to_reference():
     x, r, w, nw, _ = _inputs(128, 64, torch.float16, seed=1)
     got, res = gemv(x, w, norm_weight=nw, eps=1e-6, residual=r, swiglu=True, block_k=32)
@@ -83,6 +94,8 @@ def test_pdl_is_ignored_off_gpu():
     (lambda x, w, nw, r: gemv(x, w, num_warps=3), "power of two"),
     (lambda x, w, nw, r: gemv(x, w, block_n=256, block_k=8192), "at most 65536"),
     (lambda x, w, nw, r: gemv(x, w, preload_tiles=3), "preload_tiles"),
+    (lambda x, w, nw, r: gemv(x, w, norm_weight=nw, norm_k=24), "norm_k"),
+    (lambda x, w, nw, r: gemv(x, w, norm_weight=nw, norm_k=16384), "norm_k"),
     (lambda x, w, nw, r: gemv(x, w, preload_tiles=0), "preload_tiles"),
     (lambda x, w, nw, r: gemv(x, w, norm_weight=nw, eps=torch.tensor(1e-6)), "eps"),
     (lambda x, w, nw, r: gemv(x, w, bias=torch.ones(33, dtype=torch.float64)), "dtypes differ"),
