@@ -34,6 +34,7 @@ from hf_accel.kernels.fused_linear import fused_linear, split_k_for
 from hf_accel.kernels.gemv import gemv, gemv_rope
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+from hf_accel.kernels.reshape_and_cache import slot_mapping as slot_mapping_kernel
 from hf_accel.kernels.rms_norm import rms_norm
 from hf_accel.kernels.rope_cache import rope_and_cache
 from hf_accel.kernels.swiglu import swiglu
@@ -140,10 +141,21 @@ GEMV_PRELOAD_TILES = 1
 #: :func:`~hf_accel.kernels.gemv.gemv`): None = the whole row at once, 0 = one K tile per step.
 GEMV_NORM_K = None
 
+#: The same for the step's fused_linear calls (2-16 rows): None = the kernel's default (512 columns at 16
+#: rows), 0 = one K tile per step.
+FUSED_LINEAR_NORM_K = None
+
 #: One-row steps fuse the final residual add + RMSNorm into the LM head GEMV (True), or run the
 #: :func:`~hf_accel.kernels.rms_norm.rms_norm` kernel first (False): with the norm fused, each of the head's
 #: ~32k programs re-reads the hidden state and the residual to compute it.
 GEMV_LM_HEAD_NORM = True
+
+#: The fused step looks each token's rotary cos/sin up in a table computed once per step object by the
+#: model's rotary module (one gather kernel; the module's per-step computation is ~8 kernels), and computes
+#: cache slots and sequence lengths in one kernel (:func:`~hf_accel.kernels.reshape_and_cache.slot_mapping`;
+#: ~8 PyTorch kernels otherwise). Both give bitwise the same values.
+ROTARY_TABLE = True
+SLOT_KERNEL = True
 
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
@@ -238,6 +250,7 @@ class DecodeStep:
         self.greedy = None
         self.graphs: dict = {}  # extra captured programs (DecodeStep.replay), keyed by their owner
         self.prefill_buffers: dict = {}  # static inputs of the bucketed prefill, keyed by padded length
+        self._rotary_rows = None  # fused step: the rotary table (_rotary_table)
         self.use_graph = use_graph and dev.type == "cuda"
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
@@ -289,6 +302,20 @@ class DecodeStep:
             raise NotImplementedError("logits_index needs the fused step")
         return self._forward_modules(input_ids, position_ids, cache_lens, block_table, key_mask, last_only)
 
+    def _rotary_table(self, dtype) -> torch.Tensor:
+        """[positions, 2 * head_dim] cos | sin of the model's rotary embedding at positions 0 .. capacity +
+        q_len - 1, computed once by the model's own rotary module (position-independent frequencies: the
+        fast path refuses rope types whose frequencies depend on the sequence length), so each row is
+        bitwise what the module returns for that position."""
+        table = self._rotary_rows
+        if table is None or table.dtype != dtype:
+            count = self.capacity + self.q_len
+            pos = torch.arange(count, device=self.input_ids.device)[:, None]
+            with torch.inference_mode():
+                cos, sin = self.model.model.rotary_emb(torch.empty(count, 1, 1, dtype=dtype, device=pos.device), pos)
+            table = self._rotary_rows = torch.cat([cos.reshape(count, -1), sin.reshape(count, -1)], dim=1)
+        return table
+
     def _slots(self, cache_lens, block_table, t):
         pos = cache_lens.long()[:, None] + torch.arange(t, device=cache_lens.device)
         blk = block_table.gather(1, pos // self.block_size).long()
@@ -301,10 +328,17 @@ class DecodeStep:
         (b, t), h, d = input_ids.shape, self.num_heads, self.head_dim
         n = b * t
         hidden = inner.embed_tokens(input_ids.reshape(n))
-        cos, sin = inner.rotary_emb(hidden[:, None], position_ids.reshape(n, 1))
-        cos, sin = cos.reshape(n, d), sin.reshape(n, d)
-        slot_mapping = self._slots(cache_lens, block_table, t)
-        seq_lens = cache_lens + t
+        if ROTARY_TABLE:
+            rows = torch.nn.functional.embedding(position_ids.reshape(n), self._rotary_table(hidden.dtype))
+            cos, sin = rows[:, :d], rows[:, d:]
+        else:
+            cos, sin = inner.rotary_emb(hidden[:, None], position_ids.reshape(n, 1))
+            cos, sin = cos.reshape(n, d), sin.reshape(n, d)
+        if SLOT_KERNEL:
+            slot_mapping, seq_lens = slot_mapping_kernel(cache_lens, block_table, t, self.block_size)
+        else:
+            slot_mapping = self._slots(cache_lens, block_table, t)
+            seq_lens = cache_lens + t
         max_seq = block_table.shape[1] * self.block_size
         splits = num_splits if num_splits is not None else (self.num_splits if t == self.q_len else None)
         residual, delta = hidden, None
@@ -412,7 +446,7 @@ class DecodeStep:
         if FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM > 0:
             split = split_k_for(weight.shape[0] // (2 if kw.get("swiglu") else 1), weight.shape[1],
                                 FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM * self.sms)
-        return fused_linear(x, weight, split_k=split, counters=self.linear_counters, **kw)
+        return fused_linear(x, weight, split_k=split, counters=self.linear_counters, norm_k=FUSED_LINEAR_NORM_K, **kw)
 
     def _forward_modules(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only):
         model = self.model

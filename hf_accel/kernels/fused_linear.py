@@ -92,6 +92,7 @@ def _fused_linear_kernel(
     PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     PRELOAD: tl.constexpr,
+    NORM_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -120,9 +121,10 @@ def _fused_linear_kernel(
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
         # Pass 1: mean square of each row over the whole K (of x + residual when given, rounded first).
+        # NORM_K columns per step: the steps' loads wait on one another (an L2 round trip each)
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, NORM_K):
+            offs_k = k0 + tl.arange(0, NORM_K)
             xm = row_ok[:, None] & (offs_k[None, :] < K)
             x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
             if RESIDUAL:
@@ -270,6 +272,7 @@ def fused_linear(
     split_k: int = 1,
     counters: torch.Tensor | None = None,
     preload: bool | None = None,
+    norm_k: int | None = None,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows, in one kernel.
 
@@ -299,6 +302,8 @@ def fused_linear(
             the caller and used by one stream at a time; without it a zeroed one is allocated per call.
         preload: load the first weight tile of each program before the PDL wait (default: with ``split_k``
             > 1 and PDL, where it is the whole weight share of the program).
+        norm_k: input columns per step of the RMSNorm prologue (a power of two >= 16): default ``hidden``
+            padded to a power of two, at most 8192 values per row tile (512 columns at 16 rows); 0 = ``block_k``.
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -320,6 +325,12 @@ def fused_linear(
     block_m, block_n, block_k, num_stages = _tiles(rows, out_features, k, norm_weight is not None, block_n, block_k,
                                                    num_stages)
     r_in = residual if residual is not None else x
+    if norm_k is None:
+        norm_k = min(triton.next_power_of_2(k), max(16, 8192 // block_m))
+    elif norm_k == 0:
+        norm_k = block_k
+    elif not isinstance(norm_k, int) or isinstance(norm_k, bool) or norm_k < 16 or norm_k & (norm_k - 1):
+        raise ValueError(f"norm_k must be 0 or a power of two >= 16, got {norm_k!r}")
     pdl = use_pdl(pdl, x)
     n_tiles = triton.cdiv(out_features, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -345,7 +356,7 @@ def fused_linear(
         eps,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0 and k_per_split % block_k == 0,
-        IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=split_k, PRELOAD=bool(preload),
+        IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=split_k, PRELOAD=bool(preload), NORM_K=norm_k,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (y, r_out) if residual is not None else y

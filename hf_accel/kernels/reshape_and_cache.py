@@ -91,3 +91,63 @@ def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> N
     block_size = key_cache.shape[1]
     key_cache[slots // block_size, slots % block_size] = key[keep].to(key_cache.dtype)
     value_cache[slots // block_size, slots % block_size] = value[keep].to(value_cache.dtype)
+
+
+@triton.jit
+def _slot_mapping_kernel(CacheLens, BlockTable, Slots, SeqLens, q_len, block_size, stride_tb, table_len,
+                         BLOCK_T: tl.constexpr):
+    b = tl.program_id(0)
+    cached = tl.load(CacheLens + b)
+    offs = tl.arange(0, BLOCK_T)
+    ok = offs < q_len
+    pos = cached + offs
+    listed = pos // block_size < table_len
+    blk = tl.load(BlockTable + b.to(tl.int64) * stride_tb + pos // block_size, mask=ok & listed, other=0)
+    tl.store(Slots + b * q_len + offs, tl.where(listed, blk * block_size + pos % block_size, -1), mask=ok)
+    tl.store(SeqLens + b, cached + q_len)
+
+
+def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int, block_size: int):
+    """Cache slots of ``q_len`` new tokens per row appended after ``cache_lens`` cached ones, and the rows'
+    new lengths, in one kernel (a decode step's metadata, computed on the device).
+
+    Args:
+        cache_lens: [batch] int32 — tokens already cached per row.
+        block_table: [batch, max_blocks] int32, contiguous last dimension — physical block ids. A token
+            past the table gets slot -1 (not written; the paged kernels answer such a row with NaN).
+        q_len: new tokens per row (>= 1); block_size: tokens per cache block.
+
+    Returns:
+        ``(slots [batch * q_len] int32, seq_lens [batch] int32)``: token ``t`` of row ``b`` goes to slot
+        ``block_table[b, p // block_size] * block_size + p % block_size`` with ``p = cache_lens[b] + t``;
+        ``seq_lens = cache_lens + q_len``.
+
+    Raises:
+        ValueError: dtypes other than int32, shapes that do not match, ``q_len`` < 1.
+    """
+    if cache_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
+        raise ValueError(f"cache_lens and block_table must be int32, got {cache_lens.dtype}, {block_table.dtype}")
+    if cache_lens.dim() != 1 or block_table.dim() != 2 or block_table.shape[0] != cache_lens.shape[0] \
+            or block_table.stride(1) != 1:
+        raise ValueError(f"cache_lens must be [batch] and block_table a [batch, max_blocks] with a contiguous last "
+                         f"dimension; got {tuple(cache_lens.shape)}, {tuple(block_table.shape)}")
+    if q_len < 1:
+        raise ValueError(f"q_len must be >= 1, got {q_len}")
+    batch = cache_lens.shape[0]
+    slots = torch.empty(batch * q_len, dtype=torch.int32, device=cache_lens.device)
+    seq_lens = torch.empty_like(cache_lens)
+    if batch:
+        _slot_mapping_kernel[(batch,)](cache_lens, block_table, slots, seq_lens, q_len, block_size,
+                                       block_table.stride(0), block_table.shape[1],
+                                       BLOCK_T=triton.next_power_of_2(q_len), num_warps=1)
+    return slots, seq_lens
+
+
+def slot_mapping_ref(cache_lens, block_table, q_len, block_size):
+    """PyTorch reference of :func:`slot_mapping`."""
+    pos = cache_lens.long()[:, None] + torch.arange(q_len, device=cache_lens.device)
+    idx = pos // block_size
+    listed = idx < block_table.shape[1]
+    blk = block_table.gather(1, idx.clamp(max=block_table.shape[1] - 1)).long()
+    slots = torch.where(listed, blk * block_size + pos % block_size, -1).to(torch.int32).reshape(-1)
+    return slots, cache_lens + q_len

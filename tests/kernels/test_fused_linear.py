@@ -22,6 +22,20 @@ def test_matches_reference_fp32(rows, hidden, out, mode):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+# The norm prologue in steps of the padded row (default: 512 columns at 16 rows), of 32 columns (11 steps of
+# K 333) and of the K tile (0).
+@pytest.mark.parametrize("norm_k", [None, 32, 0])
+@pytest.mark.parametrize("rows", [3, 20])
+def test_norm_prologue_steps_match_reference_fp32(rows, norm_k):
+    x, r, w, nw, _ = linear_inputs(rows, 333, 24, torch.float32, seed=7)
+    got, res = fused_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, norm_k=norm_k)
+    want, want_res = fused_linear_ref(x, w, norm_weight=nw, eps=1e-5, residual=r)
+    torch.testing.assert_close(res, want_res, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="norm_k"):
+        fused_linear(x, w, norm_weight=nw, norm_k=48)
+
+
 def test_half_rounding_close_to_reference():
     # float16: Triton's interpreter truncates float32 -> bfloat16 and cannot run bfloat16 tl.dot, so the
     # bfloat16 case is in test_fused_gpu.py.

@@ -145,3 +145,24 @@ def test_shape_and_dtype_errors(bad):
     for fn in (reshape_and_cache, reshape_and_cache_ref):
         with pytest.raises(ValueError):
             fn(key, value, kc, vc, slots)
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_slot_mapping_matches_reference(q_len):
+    """Slots and new lengths of rows at different fill levels, scattered blocks; tokens past the block table
+    get slot -1."""
+    from hf_accel.kernels.reshape_and_cache import slot_mapping, slot_mapping_ref
+
+    g = torch.Generator().manual_seed(q_len)
+    block_size, max_blocks = 4, 6
+    table = torch.randperm(40, generator=g)[: 3 * max_blocks].view(3, max_blocks).to(torch.int32)
+    cache_lens = torch.tensor([0, 9, 4 * max_blocks - 2], dtype=torch.int32)  # the last row runs off the table
+    got = slot_mapping(cache_lens, table, q_len, block_size)
+    want = slot_mapping_ref(cache_lens, table, q_len, block_size)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert int(got[0][q_len]) == int(table[1, 2]) * block_size + 1  # row 1, token 0: position 9
+    assert (got[0][-q_len:] == -1).sum() == max(0, q_len - 2)
+    with pytest.raises(ValueError, match="int32"):
+        slot_mapping(cache_lens.long(), table, q_len, block_size)
+    with pytest.raises(ValueError, match="q_len"):
+        slot_mapping(cache_lens, table, 0, block_size)
