@@ -98,11 +98,15 @@ GEMV_ONE_ROW = True
 DECODE_PDL = True
 ATTENTION_PDL = True
 
-#: One-row steps of models without a per-head q/k norm can run RoPE and the K/V cache write as the Q/K/V
+#: One-row steps of models without a per-head q/k norm run RoPE and the K/V cache write as the Q/K/V
 #: GEMV's epilogue (:func:`~hf_accel.kernels.gemv.gemv_rope`, bitwise the separate kernels' results; one
-#: kernel less per layer). Off: no gain measured. H200, Llama-3-8B shape bs1, ``bench_generate`` tok/s in
-#: one run (``bench_generate-gemv-rope-ab-20261201-3899aa9.json``): 234.7 with it, 235.2 without.
-GEMV_ROPE = False
+#: kernel less per layer). Alone it gained nothing (Llama-3-8B shape bs1, ``bench_generate`` in one run,
+#: ``bench_generate-gemv-rope-ab-20261201-3899aa9.json``: 234.7 tok/s with it, 235.2 without). With it the
+#: attention kernel launches while the GEMV runs, which :data:`ATTENTION_PRELOAD` and
+#: :data:`ATTENTION_TRIGGER` use: the three together, after the whole-row norm prologue
+#: (:data:`GEMV_NORM_K`), 243.6 tok/s vs 240.9 without them (``bench_generate-8b-ab-20261201-983acc2.json``);
+#: the captured step 3.948 vs 3.992 ms (``profile_decode_step-ablate-8b-20261201-983acc2.json``).
+GEMV_ROPE = True
 
 #: Split-KV partitions can be merged inside the paged attention kernel (the last split program of a row
 #: block to arrive merges; ``merge_counters`` of :func:`~hf_accel.kernels.paged_attention.paged_attention`)
@@ -114,11 +118,14 @@ GEMV_ROPE = False
 #: (trigger and split-K on in both); all three switches off 0.849 ms.
 FUSED_MERGE = False
 
-#: With PDL, the paged attention kernel can let the next kernel (the split merge, or o_proj) launch early:
+#: With PDL, the paged attention kernel of one-row steps lets the next kernel (the split merge) launch early:
 #: ``trigger`` of :func:`~hf_accel.kernels.paged_attention.paged_attention` (True: once its programs pass
-#: their wait; "after_keys": once their K/V tiles are in). Off: Llama-3-8B shape bs1 218.8 tok/s with True
-#: vs 235.2 without (same run as above; SmolLM2 bs1 1707.5 vs 1660.0).
-ATTENTION_TRIGGER = False
+#: their wait; "after_keys": once their K/V tiles are in; False: as they exit). Steps of more rows keep
+#: False. With the RoPE kernel in place it lost (Llama-3-8B shape bs1 218.8 tok/s with True vs 235.2
+#: without, same run as above; SmolLM2 bs1 1707.5 vs 1660.0); with :data:`GEMV_ROPE` and
+#: :data:`ATTENTION_PRELOAD` it is part of the gain above. "after_keys" with the merge kernel: 4.100 vs
+#: 4.114 ms per captured step (``profile_decode_step-ablate-8b-trigger-20261201-284a03f.json``).
+ATTENTION_TRIGGER = True
 
 #: fused_linear calls of the step (2-16 token rows) can split K so that a matmul of few output tiles runs
 #: about this many programs per SM (capped at one K tile per program; each program then loads its weight
@@ -127,18 +134,23 @@ ATTENTION_TRIGGER = False
 #: one layer's four matmuls alone, 16 rows, 20.96 vs 22.75 us (``bench_fused_linear-split-20261201-2f27f97.json``).
 FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM = 0
 
-#: With PDL, the step's paged attention can load its first tile's cached K/V (all but this step's new
-#: tokens) before waiting for the Q/K/V kernel (``preload_kv``; with :data:`GEMV_ROPE` that kernel lets it
-#: launch early). Off: no gain measured (``bench_generate-preload-ab-20261201-c93ff88.json``, 8B bs1:
-#: 232.7 tok/s with gemv_rope + preload, 233.6 with gemv_rope alone, 233.4 with neither).
-ATTENTION_PRELOAD = False
+#: With PDL, the paged attention of one-row steps loads its first tile's cached K/V (all but this step's
+#: new tokens) before waiting for the Q/K/V kernel (``preload_kv``; with :data:`GEMV_ROPE` that kernel lets
+#: it launch early). Alone no gain was measured (``bench_generate-preload-ab-20261201-c93ff88.json``, 8B
+#: bs1: 232.7 tok/s with gemv_rope + preload, 233.6 with gemv_rope alone, 233.4 with neither); with
+#: :data:`ATTENTION_TRIGGER` too, see :data:`GEMV_ROPE`. Steps of more rows do not preload.
+ATTENTION_PRELOAD = True
 
 #: Weight tiles each one-row GEMV program loads before its PDL wait (``preload_tiles`` of
 #: :func:`~hf_accel.kernels.gemv.gemv`): more bytes in flight while the kernel before it drains.
 GEMV_PRELOAD_TILES = 1
 
 #: Input columns per step of the one-row GEMVs' RMSNorm prologue (``norm_k`` of
-#: :func:`~hf_accel.kernels.gemv.gemv`): None = the whole row at once, 0 = one K tile per step.
+#: :func:`~hf_accel.kernels.gemv.gemv`): None = the whole row at once, 0 = one K tile per step (before; each
+#: step an L2 round trip before the first weight tile is used). H200, Llama-3-8B shape bs1, captured step
+#: (``profile_decode_step-ablate-8b-norm-20261201-baee8c4.json``): 4.067 ms with the whole row vs 4.120 / 4.129
+#: in K tiles; :data:`GEMV_PRELOAD_TILES` 2 / 4 were slower (4.316 / 4.355 ms vs 4.121,
+#: ``profile_decode_step-ablate-8b-20261201-b3675d9.json``).
 GEMV_NORM_K = None
 
 #: The same for the step's fused_linear calls (2-16 rows): None = the kernel's default (512 columns at 16
@@ -153,7 +165,8 @@ GEMV_LM_HEAD_NORM = True
 #: The fused step looks each token's rotary cos/sin up in a table computed once per step object by the
 #: model's rotary module (one gather kernel; the module's per-step computation is ~8 kernels), and computes
 #: cache slots and sequence lengths in one kernel (:func:`~hf_accel.kernels.reshape_and_cache.slot_mapping`;
-#: ~8 PyTorch kernels otherwise). Both give bitwise the same values.
+#: ~8 PyTorch kernels otherwise). Both give bitwise the same values. Llama-3-8B shape bs1, captured step
+#: (``profile_decode_step-ablate-8b-20261201-983acc2.json``): 3.992 ms with both vs 4.019 without.
 ROTARY_TABLE = True
 SLOT_KERNEL = True
 
@@ -347,9 +360,10 @@ class DecodeStep:
         # gemv and fused_linear take the same arguments: the layer's matmuls with norm / SwiGLU fused in
         linear = self._gemv if one_row else (self._split_linear if small else None)
         pdl = DECODE_PDL
+        overlap = one_row and pdl and ATTENTION_PDL  # measured for one-row steps only
         attn_kw = {"merge_counters": self.merge_counters if FUSED_MERGE else None,
-                   "trigger": ATTENTION_TRIGGER if pdl and ATTENTION_PDL else False,
-                   "preload_kv": ATTENTION_PRELOAD and pdl and ATTENTION_PDL}
+                   "trigger": ATTENTION_TRIGGER if overlap else False,
+                   "preload_kv": ATTENTION_PRELOAD and overlap}
         if attention_row_blocks(t * (h // self.num_kv_heads)) * b * self.num_kv_heads > self.merge_counters.numel():
             attn_kw["merge_counters"] = None  # a forward over more rows than the step's own (prefill)
         for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
@@ -358,7 +372,7 @@ class DecodeStep:
             mw = self.merged[layer_idx] if self.merged is not None else None
             pools = self.cache.layers[layer_idx]
             q_norm = getattr(attn, "q_norm", None)
-            if one_row and GEMV_ROPE and q_norm is None:
+            if one_row and GEMV_ROPE and q_norm is None and d % 4 == 0:  # gemv_rope: 2-row pairs per program
                 # Residual add + RMSNorm + Q/K/V + RoPE + K/V cache write in one kernel.
                 rope_args = (cos, sin, pools.keys, pools.values, slot_mapping, h)
                 if delta is None:
