@@ -154,8 +154,11 @@ GEMV_PRELOAD_TILES = 1
 GEMV_NORM_K = None
 
 #: The same for the step's fused_linear calls (2-16 rows): None = the kernel's default (512 columns at 16
-#: rows), 0 = one K tile per step.
-FUSED_LINEAR_NORM_K = None
+#: rows), 0 = one K tile per step. 0: the wider steps were slower on SmolLM2 (H200, one run each,
+#: ``profile_speculative_round-*-20261201-023be27.json``: 16-token verify forward 0.904 ms with None vs
+#: 0.844 with 0; ``bench_generate-20261201-023be27.json``: bs16 16861 tok/s with None vs 17623 with 0 and
+#: today's other new switches off).
+FUSED_LINEAR_NORM_K = 0
 
 #: One-row steps fuse the final residual add + RMSNorm into the LM head GEMV (True), or run the
 #: :func:`~hf_accel.kernels.rms_norm.rms_norm` kernel first (False): with the norm fused, each of the head's
