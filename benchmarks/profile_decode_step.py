@@ -111,7 +111,8 @@ def _skip_attention(q, *args, **kwargs):
 
 
 class _StaticPrologue:
-    """Rotary tables and cache slots computed once, outside the graph (timing only)."""
+    """The modules' rotary tables and cache slots computed once, outside the graph (timing only). It changes
+    the step only with ``ROTARY_TABLE=False`` / ``SLOT_KERNEL=False`` (the per-step prologue it removes)."""
 
     def __init__(self, step):
         self.step = step

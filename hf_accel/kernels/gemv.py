@@ -15,7 +15,10 @@ removes what it can of it:
   to be launched at its start (``griddepcontrol.launch_dependents``), then loads its first weight tile
   (weights are never written by the kernel before it) and only then waits for the previous kernel to
   finish (``griddepcontrol.wait``) before it reads ``x`` or writes anything. The next projection's
-  launch and first loads thus overlap this one's tail (:mod:`.pdl`).
+  launch and first loads thus overlap this one's tail (:mod:`.pdl`);
+* the RMSNorm prologue reads the whole input row in one step (``norm_k``): walking it in K tiles cost one L2
+  round trip per tile before the first weight tile could be used (~2 µs per normed projection of the
+  Llama-3-8B shape, ``benchmarks/results/bench_gemv-norm-cost-20261201-4ca6f2d.json``).
 
 Rounding follows transformers' modules step by step (residual sum, normalised value, norm-weight product,
 projection output and SiLU rounded to the model dtype), as :mod:`.fused_linear` does; only the order of the
