@@ -35,7 +35,7 @@ def _add_generate(sub):
     p = sub.add_parser("generate", help="stream an answer and compare stock HF generate vs hf-accel")
     p.add_argument("--prompt", required=True, help="the user prompt (chat template applied if the tokenizer has one)")
     p.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded SmolLM2)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
@@ -127,7 +127,7 @@ def _run_generate(args) -> int:
         print(f"{name:22}{a:>14}{b:>14}")
     print(f"greedy tokens identical: {'yes' if identical else 'NO'}   (hf-accel path: {path})")
     if spec is not None:
-        rate = "n/a" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.2f}"
+        rate = "n/a (no drafts proposed)" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.2f}"
         per_step = "n/a" if spec["mean_tokens_per_step"] is None else f"{spec['mean_tokens_per_step']:.2f}"
         print(f"speculative ({spec['method']}): {spec['verify_steps']} verify steps, {spec['backed_off_steps']} plain "
               f"(backed off), acceptance {rate}, tokens per verify step {per_step}")
