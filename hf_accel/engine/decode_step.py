@@ -142,7 +142,8 @@ FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM = 0
 ATTENTION_PRELOAD = True
 
 #: Weight tiles each one-row GEMV program loads before its PDL wait (``preload_tiles`` of
-#: :func:`~hf_accel.kernels.gemv.gemv`): more bytes in flight while the kernel before it drains.
+#: :func:`~hf_accel.kernels.gemv.gemv`): more bytes in flight while the kernel before it drains, but more
+#: registers per program. 1: 2 and 4 were slower (numbers under :data:`GEMV_NORM_K`).
 GEMV_PRELOAD_TILES = 1
 
 #: Input columns per step of the one-row GEMVs' RMSNorm prologue (``norm_k`` of
@@ -153,11 +154,11 @@ GEMV_PRELOAD_TILES = 1
 #: ``profile_decode_step-ablate-8b-20261201-b3675d9.json``).
 GEMV_NORM_K = None
 
-#: The same for the step's fused_linear calls (2-16 rows): None = the kernel's default (512 columns at 16
-#: rows), 0 = one K tile per step. 0: the wider steps were slower on SmolLM2 (H200, one run each,
-#: ``profile_speculative_round-*-20261201-023be27.json``: 16-token verify forward 0.904 ms with None vs
-#: 0.844 with 0; ``bench_generate-20261201-023be27.json``: bs16 16861 tok/s with None vs 17623 with 0 and
-#: today's other new switches off).
+#: The same for the step's fused_linear calls (2-16 rows): 0 = one K tile per step (the kernel's default),
+#: 512 = what was tried. 0: the wider steps were slower on SmolLM2 (H200, one run each,
+#: ``profile_speculative_round-*-20261201-023be27.json``: 16-token verify forward 0.904 ms with 512 vs
+#: 0.844 with 0; ``bench_generate-20261201-023be27.json``: bs16 16861 tok/s with 512 vs 17623 with 0 and
+#: the other switches of that change off; the plain ``ours`` rows of those files ran with 512, the default then).
 FUSED_LINEAR_NORM_K = 0
 
 #: One-row steps fuse the final residual add + RMSNorm into the LM head GEMV (True), or run the

@@ -302,8 +302,9 @@ def fused_linear(
             the caller and used by one stream at a time; without it a zeroed one is allocated per call.
         preload: load the first weight tile of each program before the PDL wait (default: with ``split_k``
             > 1 and PDL, where it is the whole weight share of the program).
-        norm_k: input columns per step of the RMSNorm prologue (a power of two >= 16): default ``hidden``
-            padded to a power of two, at most 8192 values per row tile (512 columns at 16 rows); 0 = ``block_k``.
+        norm_k: input columns per step of the RMSNorm prologue, a power of two >= 16; None or 0 = ``block_k``
+            (default: wider steps, 512 columns at 16 rows, slowed SmolLM2's 16-row matmuls on the H200, see
+            :data:`hf_accel.engine.decode_step.FUSED_LINEAR_NORM_K`).
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -325,9 +326,7 @@ def fused_linear(
     block_m, block_n, block_k, num_stages = _tiles(rows, out_features, k, norm_weight is not None, block_n, block_k,
                                                    num_stages)
     r_in = residual if residual is not None else x
-    if norm_k is None:
-        norm_k = min(triton.next_power_of_2(k), max(16, 8192 // block_m))
-    elif norm_k == 0:
+    if norm_k is None or norm_k == 0:
         norm_k = block_k
     elif not isinstance(norm_k, int) or isinstance(norm_k, bool) or norm_k < 16 or norm_k & (norm_k - 1):
         raise ValueError(f"norm_k must be 0 or a power of two >= 16, got {norm_k!r}")

@@ -22,9 +22,9 @@ def test_matches_reference_fp32(rows, hidden, out, mode):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-# The norm prologue in steps of the padded row (default: 512 columns at 16 rows), of 32 columns (11 steps of
-# K 333) and of the K tile (0).
-@pytest.mark.parametrize("norm_k", [None, 32, 0])
+# The norm prologue in steps of 512 columns (the whole padded row of K 333), of 32 columns (11 steps) and of
+# the K tile (0, the default).
+@pytest.mark.parametrize("norm_k", [512, 32, 0])
 @pytest.mark.parametrize("rows", [3, 20])
 def test_norm_prologue_steps_match_reference_fp32(rows, norm_k):
     x, r, w, nw, _ = linear_inputs(rows, 333, 24, torch.float32, seed=7)
