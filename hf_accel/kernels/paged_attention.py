@@ -360,8 +360,8 @@ def paged_attention(
             valid when that kernel writes no block table, ``seq_lens`` or cached K/V other than the new
             tokens' (a decode step's Q/K/V + cache-write kernel), and when no kernel still running writes
             them: if the previous kernel itself triggers early, this one can start while the kernel before
-            that runs (in the decode step those buffers come from kernels launched without PDL, layers
-            earlier). Uses the per-tile block-id loads (``chunk_tokens=0``).
+            that runs (in the decode step those buffers come from kernels launched without PDL, which finish
+            before the first layer's Q/K/V kernel starts). Uses the per-tile block-id loads (``chunk_tokens=0``).
         split_multiple: keys per split are rounded up to a multiple of this (default ``block_n``: whole
             tiles); 1 gives every split the same share to within one key (any count of splits).
 
