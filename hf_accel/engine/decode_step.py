@@ -35,6 +35,7 @@ from hf_accel.kernels.gemv import gemv, gemv_rope
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from hf_accel.kernels.reshape_and_cache import slot_mapping as slot_mapping_kernel
+from hf_accel.kernels.reshape_and_cache import slot_mapping_ref
 from hf_accel.kernels.rms_norm import rms_norm
 from hf_accel.kernels.rope_cache import rope_and_cache
 from hf_accel.kernels.swiglu import swiglu
@@ -334,9 +335,8 @@ class DecodeStep:
         return table
 
     def _slots(self, cache_lens, block_table, t):
-        pos = cache_lens.long()[:, None] + torch.arange(t, device=cache_lens.device)
-        blk = block_table.gather(1, pos // self.block_size).long()
-        return (blk * self.block_size + pos % self.block_size).to(torch.int32).reshape(-1)
+        """Cache slots [b * t] int32 of ``t`` new tokens per row (PyTorch ops; :func:`slot_mapping_ref`)."""
+        return slot_mapping_ref(cache_lens, block_table, t, self.block_size)[0]
 
     def _forward_fused(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only, num_splits,
                        logits_index=None):
