@@ -12,13 +12,19 @@ per weight set. Rows:
   norm and a float32 output) per tiling config: us and weight TB/s;
 * ``layer``: the four matmuls of a layer plus its norms and SwiGLU, old sequence (``rms_norm`` ->
   ``F.linear`` -> ... -> ``swiglu`` -> ``F.linear``, 7 kernels) vs fused (4 kernels, default tiles and the
-  best tiles of the sweep).
+  best tiles of the sweep);
+* ``fused-previous-defaults``: in both, the tiles the kernel used before its small-layer defaults (A/B).
+
+``--pdl`` launches every fused call with programmatic dependent launch, as the decode step does (the
+kernels of one graph then overlap as they do there); ``--grid 'N,..:K,..:WARPS,..:STAGES,..'`` sets the
+sweep's grid.
 
 * ``split`` (``--split``): default tiles, launched with / without PDL, split-K in 1-6 shares per output
   tile (the last program to arrive reduces; arrival counters shared by the calls) and with / without the
   weight preload before the PDL wait; per kind and for the whole layer.
 
     python benchmarks/bench_fused_linear.py [--quick | --split]
+    python benchmarks/bench_fused_linear.py --pdl --models smollm2-135m --rows 2,16 --grid 16,32:64,128,256:1,2,4:2,3
 """
 
 from __future__ import annotations
@@ -82,6 +88,10 @@ def _kinds(cfg, rows, ws, lm):
     ]
 
 
+#: fused_linear's tiles before its small-layer defaults: the A/B reference of a sweep.
+PREVIOUS = {"small_tiles": False}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4 tiling configs")
@@ -89,10 +99,14 @@ def main():
     ap.add_argument("--rows", default="1,8,16,32")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--split", action="store_true", help="split-K / PDL / preload variants at default tiles")
+    ap.add_argument("--pdl", action="store_true", help="launch every fused call with PDL, as the decode step does")
+    ap.add_argument("--grid", default=None, help="tiling grid 'BLOCK_N,..:BLOCK_K,..:WARPS,..:STAGES,..'")
     args = ap.parse_args()
     if args.split:
         return split_main(args)
-    if args.quick:
+    if args.grid:
+        grid = list(itertools.product(*[[int(v) for v in part.split(",")] for part in args.grid.split(":")]))
+    elif args.quick:
         grid = list(itertools.product([16, 32], [128, 256], [4], [4]))
     elif args.full:
         grid = list(itertools.product([16, 32, 64], [64, 128, 256], [4, 8], [3, 5]))
@@ -110,19 +124,23 @@ def main():
                 sets = [ws[0]] if wkey == "lm" else ws
                 nbytes = (lm["w"] if wkey == "lm" else ws[0][wkey]).numel() * 2
                 # correctness of the fused call (default tiles) against the reference sequence
-                got = fused(sets[0], {})
+                base = {"pdl": True} if args.pdl else {}
+                got = fused(sets[0], base)
                 got = got[0] if isinstance(got, tuple) else got
                 ref = old(sets[0]).to(got.dtype)
                 err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
                 t_old = graph_replay_us(lambda: [old(w) for w in sets], len(sets))
-                t_def = graph_replay_us(lambda: [fused(w, {}) for w in sets], len(sets))
-                results += [dict(bench="fused_linear", provider="old", shape={**shape, "kind": name}, metric="latency",
+                t_def = graph_replay_us(lambda: [fused(w, base) for w in sets], len(sets))
+                prev = {**base, **PREVIOUS}
+                t_prev = graph_replay_us(lambda: [fused(w, prev) for w in sets], len(sets))
+                results += [dict(bench="fused_linear", provider="fused-previous-defaults",
+                                 shape={**shape, "kind": name}, metric="latency", unit="us", value=t_prev),dict(bench="fused_linear", provider="old", shape={**shape, "kind": name}, metric="latency",
                                  unit="us", value=t_old),
                             dict(bench="fused_linear", provider="fused-default", shape={**shape, "kind": name},
                                  metric="latency", unit="us", value=t_def, rel_err=err)]
                 cand = []
                 for bn, bk, nw, ns in grid:
-                    tiles = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                    tiles = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, **base)
                     try:
                         t = graph_replay_us(lambda: [fused(w, tiles) for w in sets], len(sets))
                     except Exception as e:  # noqa: BLE001 (out of shared memory etc.: record and go on)
@@ -139,17 +157,23 @@ def main():
                 results.append(dict(bench="fused_linear", provider="fused-best", shape={**shape, "kind": name,
                                     "config": c_best}, metric="latency", unit="us", value=t_best))
                 summary.append(f"{model:14s} rows {rows:3d} {name:20s} old {t_old:8.2f} us  fused-default {t_def:8.2f} "
+                               f"previous-defaults {t_prev:8.2f} "
                                f"best {t_best:8.2f} ({c_best}, {nbytes / t_best / 1e6:.2f} TB/s)  err {err:.1e}")
                 print(summary[-1], flush=True)
             # whole layer (4 matmuls + norms + SwiGLU): old vs fused default vs fused best tiles
             kinds = _kinds(cfg, rows, ws, lm)[:4]
+            base = {"pdl": True} if args.pdl else {}
+            prev = {**base, **PREVIOUS}
             t_old = graph_replay_us(lambda: [k[2](w) for w in ws for k in kinds], len(ws))
-            t_def = graph_replay_us(lambda: [k[1](w, {}) for w in ws for k in kinds], len(ws))
+            t_def = graph_replay_us(lambda: [k[1](w, base) for w in ws for k in kinds], len(ws))
+            t_prev = graph_replay_us(lambda: [k[1](w, prev) for w in ws for k in kinds], len(ws))
             t_best = graph_replay_us(lambda: [k[1](w, best[k[0]]) for w in ws for k in kinds], len(ws))
-            for prov, t in (("old", t_old), ("fused-default", t_def), ("fused-best", t_best)):
+            for prov, t in (("old", t_old), ("fused-default", t_def), ("fused-previous-defaults", t_prev),
+                            ("fused-best", t_best)):
                 results.append(dict(bench="fused_linear", provider=prov, shape={**shape, "kind": "layer"},
                                     metric="latency", unit="us", value=t))
             summary.append(f"{model:14s} rows {rows:3d} LAYER old {t_old:8.2f} us  fused-default {t_def:8.2f}  "
+                           f"previous-defaults {t_prev:8.2f}  "
                            f"fused-best {t_best:8.2f}")
             print(summary[-1], flush=True)
     write_results("bench_fused_linear", results)

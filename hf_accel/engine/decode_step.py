@@ -30,7 +30,7 @@ import torch
 import triton
 
 from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
-from hf_accel.kernels.fused_linear import fused_linear, split_k_for
+from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope, split_k_for
 from hf_accel.kernels.gemv import gemv, gemv_rope
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
@@ -174,6 +174,17 @@ GEMV_LM_HEAD_NORM = True
 #: (``profile_decode_step-ablate-8b-20261201-983acc2.json``): 3.992 ms with both vs 4.019 without.
 ROTARY_TABLE = True
 SLOT_KERNEL = True
+
+#: Steps of 2-16 token rows (speculative verify passes, small batches) of models without a per-head q/k norm
+#: run RoPE and the K/V cache write as the Q/K/V fused_linear's epilogue
+#: (:func:`~hf_accel.kernels.fused_linear.fused_linear_rope`; one kernel less per layer), as
+#: :data:`GEMV_ROPE` does for one row. Needs head_dim / 2 a multiple of 16.
+FUSED_LINEAR_ROPE = True
+
+#: The step's fused_linear calls take the small-layer tiles (``small_tiles`` of
+#: :func:`~hf_accel.kernels.fused_linear.fused_linear`: one-warp programs of 16 outputs for o / down, 128-wide K
+#: steps for gate/up; numbers in :func:`hf_accel.kernels.fused_linear._tiles`); False = the tiles before (A/B).
+FUSED_LINEAR_SMALL_TILES = True
 
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
@@ -388,6 +399,17 @@ class DecodeStep:
                                             eps=ln.variance_epsilon, residual=residual, pdl=pdl,
                                             preload_tiles=GEMV_PRELOAD_TILES, norm_k=GEMV_NORM_K)
                 roped = True
+            elif small and FUSED_LINEAR_ROPE and q_norm is None and (d // 2) % 16 == 0:
+                # The same for 2-16 rows (verify passes, small batches): fused_linear's RoPE epilogue.
+                rope_args = (cos, sin, pools.keys, pools.values, slot_mapping, h)
+                if delta is None:
+                    q = fused_linear_rope(residual, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
+                                          eps=ln.variance_epsilon, pdl=pdl, small_tiles=FUSED_LINEAR_SMALL_TILES)
+                else:
+                    q, residual = fused_linear_rope(delta, mw.qkv_weight, *rope_args, bias=mw.qkv_bias,
+                                                    norm_weight=ln.weight, eps=ln.variance_epsilon, residual=residual,
+                                                    pdl=pdl, small_tiles=FUSED_LINEAR_SMALL_TILES)
+                roped = True
             elif linear is not None:
                 roped = False
                 # Residual add + RMSNorm + Q/K/V in one kernel (hf_accel.kernels.gemv / fused_linear).
@@ -464,7 +486,8 @@ class DecodeStep:
         if FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM > 0:
             split = split_k_for(weight.shape[0] // (2 if kw.get("swiglu") else 1), weight.shape[1],
                                 FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM * self.sms)
-        return fused_linear(x, weight, split_k=split, counters=self.linear_counters, norm_k=FUSED_LINEAR_NORM_K, **kw)
+        return fused_linear(x, weight, split_k=split, counters=self.linear_counters, norm_k=FUSED_LINEAR_NORM_K,
+                            small_tiles=FUSED_LINEAR_SMALL_TILES, **kw)
 
     def _forward_modules(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only):
         model = self.model

@@ -38,6 +38,9 @@ from hf_accel.kernels.swiglu import swiglu_ref
 #: cuBLAS, whose tensor-core tiles win once the matmul is no longer a pure weight stream.
 MAX_ROWS = 32
 
+#: Widest input that takes the small-layer tiles of :func:`_tiles` (what the H200 sweep measured).
+SMALL_K = 2048
+
 
 @triton.jit
 def _x_tile2d(x_rows, r_rows, NormW, offs_k, xm, k_ok, rstd, dt, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
@@ -75,11 +78,56 @@ def _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, S
 
 
 @triton.jit
+def _rope_epilogue2d(lo, hi, Bias, Y, Cos, Sin, KCache, VCache, SlotMapping, rows, row_ok, head, lane, dt,
+                     stride_ym, stride_cm, num_heads, num_kv_heads, head_dim, block_size, stride_kcb, stride_kcs,
+                     stride_kch, HAS_BIAS: tl.constexpr):
+    """Q/K/V outputs ``lane`` and ``lane + head_dim / 2`` of flat head ``head`` (q heads, then k, then v) for
+    every row: RoPE on q and k rounded as :mod:`.rope_cache` rounds it, q to ``Y``, k and v to each row's
+    cache slot ``SlotMapping[row]`` (-1: not written)."""
+    half = head_dim // 2
+    if HAS_BIAS:
+        lo += tl.load(Bias + head * head_dim + lane).to(tl.float32)[None, :]
+        hi += tl.load(Bias + head * head_dim + lane + half).to(tl.float32)[None, :]
+    lo = lo.to(dt)
+    hi = hi.to(dt)
+    m = row_ok[:, None] & (lane[None, :] < half)
+    is_v = head >= num_heads + num_kv_heads
+    if not is_v:
+        c_rows = rows[:, None].to(tl.int64) * stride_cm
+        cos_lo = tl.load(Cos + c_rows + lane[None, :], mask=m, other=0.0).to(tl.float32)
+        sin_lo = tl.load(Sin + c_rows + lane[None, :], mask=m, other=0.0).to(tl.float32)
+        cos_hi = tl.load(Cos + c_rows + lane[None, :] + half, mask=m, other=0.0).to(tl.float32)
+        sin_hi = tl.load(Sin + c_rows + lane[None, :] + half, mask=m, other=0.0).to(tl.float32)
+        lo_f, hi_f = lo.to(tl.float32), hi.to(tl.float32)
+        new_lo = ((lo_f * cos_lo).to(dt).to(tl.float32) + ((-hi_f) * sin_lo).to(dt).to(tl.float32)).to(dt)
+        new_hi = ((hi_f * cos_hi).to(dt).to(tl.float32) + (lo_f * sin_hi).to(dt).to(tl.float32)).to(dt)
+        lo, hi = new_lo, new_hi
+    if head < num_heads:
+        y = Y + rows[:, None].to(tl.int64) * stride_ym + head * head_dim + lane[None, :]
+        tl.store(y, lo.to(Y.dtype.element_ty), mask=m)
+        tl.store(y + half, hi.to(Y.dtype.element_ty), mask=m)
+    else:
+        slot = tl.load(SlotMapping + rows, mask=row_ok, other=-1).to(tl.int64)
+        kv_head = (head - num_heads) % num_kv_heads
+        dst = ((slot // block_size) * stride_kcb + (slot % block_size) * stride_kcs + kv_head * stride_kch)[:, None] \
+            + lane[None, :]
+        sm = m & (slot >= 0)[:, None]
+        if is_v:
+            tl.store(VCache + dst, lo.to(VCache.dtype.element_ty), mask=sm)
+            tl.store(VCache + dst + half, hi.to(VCache.dtype.element_ty), mask=sm)
+        else:
+            tl.store(KCache + dst, lo.to(KCache.dtype.element_ty), mask=sm)
+            tl.store(KCache + dst + half, hi.to(KCache.dtype.element_ty), mask=sm)
+
+
+@triton.jit
 def _fused_linear_kernel(
     X, R, NormW, W, Bias, Y, ROut, Part, Counters,
+    Cos, Sin, KCache, VCache, SlotMapping,
     M, N, K, up_offset, k_per_split,
-    stride_xm, stride_rm, stride_wn, stride_ym, stride_rom,
+    stride_xm, stride_rm, stride_wn, stride_ym, stride_rom, stride_cm,
     eps,
+    num_heads, num_kv_heads, head_dim, block_size, stride_kcb, stride_kcs, stride_kch,
     NORM: tl.constexpr,
     RESIDUAL: tl.constexpr,
     SWIGLU: tl.constexpr,
@@ -93,13 +141,22 @@ def _fused_linear_kernel(
     SPLIT_K: tl.constexpr,
     PRELOAD: tl.constexpr,
     NORM_K: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     dt = X.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        # BLOCK_N lanes of one head's first half; their partners up_offset (= head_dim / 2) rows on are the
+        # "up" weights: the pairs RoPE rotates together
+        lanes_per_head = up_offset // BLOCK_N
+        head = pid_n // lanes_per_head
+        lane = (pid_n % lanes_per_head) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = head * head_dim + lane
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
     r_rows = R + rows[:, None].to(tl.int64) * stride_rm
@@ -113,7 +170,7 @@ def _fused_linear_kernel(
         offs_k0 = k_lo + tl.arange(0, BLOCK_K)
         wm0 = n_ok[:, None] & (offs_k0[None, :] < k_hi)
         w0 = tl.load(w_rows + offs_k0[None, :], mask=wm0, other=0.0)
-        if SWIGLU:
+        if SWIGLU or ROPE:
             wu0 = tl.load(w_rows + up_offset * stride_wn + offs_k0[None, :], mask=wm0, other=0.0)
     if PDL:
         gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
@@ -144,7 +201,7 @@ def _fused_linear_kernel(
         k_ok = offs_k < k_hi
         x = _x_tile2d(x_rows, r_rows, NormW, offs_k, row_ok[:, None] & k_ok[None, :], k_ok, rstd, dt, NORM, RESIDUAL)
         acc += _dot_t(x, w0, IEEE_DOT)
-        if SWIGLU:
+        if SWIGLU or ROPE:
             acc_up += _dot_t(x, wu0, IEEE_DOT)
         first = k_lo + BLOCK_K
     for k0 in range(first, k_hi, BLOCK_K):
@@ -159,7 +216,7 @@ def _fused_linear_kernel(
         x = _x_tile2d(x_rows, r_rows, NormW, offs_k, xm, k_ok, rstd, dt, NORM, RESIDUAL)
         w = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)
         acc += _dot_t(x, w, IEEE_DOT)
-        if SWIGLU:
+        if SWIGLU or ROPE:
             wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=wm, other=0.0)
             acc_up += _dot_t(x, wu, IEEE_DOT)
 
@@ -182,6 +239,10 @@ def _fused_linear_kernel(
                                       cache_modifier=".cg")
             reset_arrivals(Counters + pid_n)
             _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU, HAS_BIAS)
+    elif ROPE:
+        _rope_epilogue2d(acc, acc_up, Bias, Y, Cos, Sin, KCache, VCache, SlotMapping, rows, row_ok, head, lane, dt,
+                         stride_ym, stride_cm, num_heads, num_kv_heads, head_dim, block_size, stride_kcb, stride_kcs,
+                         stride_kch, HAS_BIAS)
     else:
         _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU, HAS_BIAS)
 
@@ -225,8 +286,8 @@ def check_linear_args(x, weight, bias, norm_weight, residual, swiglu) -> tuple[i
     return rows, k, out_features
 
 
-def _tiles(rows: int, n: int, k: int, norm: bool, block_n: int | None, block_k: int | None,
-           num_stages: int | None):
+def _tiles(rows: int, n: int, k: int, norm: bool, swiglu: bool, block_n: int | None, block_k: int | None,
+           num_warps: int | None, num_stages: int | None, small_tiles: bool = True):
     """Tiles from the H200 sweep (``benchmarks/results/bench_fused_linear-20261201.json``, bf16, times inside
     CUDA graphs): 256-wide K steps won every shape (SmolLM2 qkv 5.2 vs 7.0 us at 128); 32 output rows per
     program, 64 from 16k outputs (LM heads); 5 pipeline stages for plain matmuls, 3 with the norm prologue
@@ -235,21 +296,30 @@ def _tiles(rows: int, n: int, k: int, norm: bool, block_n: int | None, block_k: 
     Tried and removed: the whole K (<= 1024) in one tile of 16 output rows, its weights loaded before the
     PDL wait. SmolLM2 bs16 decode fell to 11955 tok/s from 17547 and prompt lookup's passage speedup to
     1.14x from 1.72x (``bench_generate-single-k-20261201-f3989d4.json``,
-    ``bench_speculative-single-k-20261201-f3989d4.json``, against the runs at c910fbb / 9d7e918)."""
+    ``bench_speculative-single-k-20261201-f3989d4.json``, against the runs at c910fbb / 9d7e918).
+
+    Inputs up to :data:`SMALL_K` wide (outputs < 16k) take the tiles of a second sweep, with PDL, 16 rows,
+    30 layers' weights in one graph (SmolLM2 shapes; ``bench_fused_linear --pdl``): plain matmuls 16 outputs
+    per program and one warp (o 3.02 vs 3.15 us, down 4.57 vs 4.59), gate/up + SwiGLU 128-wide K steps and 2
+    warps; q/k/v with the norm keep 32 x 256 and 4 warps. A layer's four matmuls: 19.5 vs 22.7 us at 16
+    rows, 21.1 vs 22.7 at 2 rows."""
     block_m = 16 if rows <= 16 else 32  # tl.dot's smallest M is 16; rows <= MAX_ROWS
+    small = small_tiles and k <= SMALL_K and n < 16384
     if block_k is None:
-        block_k = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
+        block_k = 128 if small and swiglu else (256 if k >= 256 else max(16, triton.next_power_of_2(k)))
     if block_n is None:
-        block_n = 64 if n >= 16384 else 32
+        block_n = 64 if n >= 16384 else (16 if small and not norm else 32)
+    if num_warps is None:
+        num_warps = (4 if norm and not swiglu else 2 if norm else 1) if small else 4
     if num_stages is None:
-        num_stages = 3 if norm else 5
-    return block_m, block_n, block_k, num_stages
+        num_stages = 3 if norm or small else 5
+    return block_m, block_n, block_k, num_warps, num_stages
 
 
 def split_k_for(out_features: int, k: int, target_programs: float, rows: int = 16) -> int:
     """A ``split_k`` for :func:`fused_linear` with default tiles: about ``target_programs`` programs in all,
     at least one K tile (``block_k`` columns) per program."""
-    _, block_n, block_k, _ = _tiles(rows, out_features, k, False, None, None, None)
+    _, block_n, block_k, _, _ = _tiles(rows, out_features, k, False, False, None, None, None, None)
     tiles = triton.cdiv(out_features, block_n)
     return max(1, min(triton.cdiv(k, block_k), round(target_programs / tiles)))
 
@@ -266,13 +336,14 @@ def fused_linear(
     out_dtype: torch.dtype | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool = False,
     split_k: int = 1,
     counters: torch.Tensor | None = None,
     preload: bool | None = None,
     norm_k: int | None = None,
+    small_tiles: bool = True,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows, in one kernel.
 
@@ -291,7 +362,7 @@ def fused_linear(
         swiglu: gate/up epilogue; the output has ``out_features // 2`` columns.
         out_dtype: output dtype (default x's); the value is rounded to x's dtype first either way, so
             ``torch.float32`` gives the same numbers as ``F.linear(...).float()``.
-        block_n, block_k, num_warps, num_stages: tiling overrides (benchmark sweeps).
+        block_n, block_k, num_warps, num_stages: tiling overrides (benchmark sweeps); None = :func:`_tiles`.
         pdl: launch with programmatic dependent launch where available (:mod:`.pdl`; ignored elsewhere).
         split_k: programs per output tile, each taking a contiguous share of the ``hidden`` columns (rounded
             up to ``block_k``); their float32 partial sums go to a workspace and the last program to arrive
@@ -305,6 +376,8 @@ def fused_linear(
         norm_k: input columns per step of the RMSNorm prologue, a power of two >= 16; None or 0 = ``block_k``
             (default: wider steps, 512 columns at 16 rows, slowed SmolLM2's 16-row matmuls on the H200, see
             :data:`hf_accel.engine.decode_step.FUSED_LINEAR_NORM_K`).
+        small_tiles: False = the tiles used before the small-layer sweep (32 x 256, 4 warps) for every
+            shape (A/B runs; :func:`_tiles`).
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -312,19 +385,22 @@ def fused_linear(
     Raises:
         ValueError: more than :data:`MAX_ROWS` rows, shape/dtype mismatches, a combination the kernel does
             not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``), ``split_k`` not an int
-            >= 1, or ``counters`` that are not a contiguous int32 tensor of enough elements on x's device.
+            >= 1, ``num_warps`` not a power of two <= 16, or ``counters`` that are not a contiguous int32 tensor of enough elements on x's device.
     """
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
     if rows > MAX_ROWS:
         raise ValueError(f"fused_linear takes at most {MAX_ROWS} rows, got {rows}")
     if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
         raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
+    if num_warps is not None and (not isinstance(num_warps, int) or isinstance(num_warps, bool)
+                                  or num_warps not in (1, 2, 4, 8, 16)):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
     y = torch.empty(rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     if rows == 0:
         return (y, r_out) if residual is not None else y
-    block_m, block_n, block_k, num_stages = _tiles(rows, out_features, k, norm_weight is not None, block_n, block_k,
-                                                   num_stages)
+    block_m, block_n, block_k, num_warps, num_stages = _tiles(rows, out_features, k, norm_weight is not None, swiglu,
+                                                              block_n, block_k, num_warps, num_stages, small_tiles)
     r_in = residual if residual is not None else x
     if norm_k is None or norm_k == 0:
         norm_k = block_k
@@ -350,12 +426,14 @@ def fused_linear(
     _fused_linear_kernel[grid](
         x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y, r_out,
         part, counters,
+        x, x, x, x, x,
         rows, out_features, k, out_features if swiglu else 0, k_per_split,
-        x.stride(0), r_in.stride(0), weight.stride(0), y.stride(0), r_out.stride(0),
+        x.stride(0), r_in.stride(0), weight.stride(0), y.stride(0), r_out.stride(0), 0,
         eps,
+        0, 0, 1, 1, 0, 0, 0,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0 and k_per_split % block_k == 0,
-        IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=split_k, PRELOAD=bool(preload), NORM_K=norm_k,
+        IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=split_k, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=False,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (y, r_out) if residual is not None else y
@@ -376,3 +454,108 @@ def fused_linear_ref(x, weight, *, bias=None, norm_weight=None, eps=1e-6, residu
     if out_dtype is not None:
         y = y.to(out_dtype)
     return (y, r_out) if residual is not None else y
+
+
+def fused_linear_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    *,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    pdl: bool = False,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    norm_k: int | None = None,
+    small_tiles: bool = True,
+):
+    """The merged Q/K/V projection of a few token rows with RoPE and the cache write as its epilogue:
+    :func:`fused_linear` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one
+    kernel, the same roundings (one kernel less per layer in verify passes and small-batch steps).
+
+    Each program takes ``block_n`` lanes of one head's first half and their partners ``head_dim / 2`` rows
+    on, for every row: the pairs RoPE rotates together ("rotate_half" layout; RoFormer, Su et al. 2021,
+    §3.4.2), as two products of the same input tile (the SwiGLU layout of gate and up).
+
+    Args:
+        x: [rows, hidden], rows <= :data:`MAX_ROWS`; weight: [(num_heads + 2 * num_kv_heads) * head_dim,
+            hidden], q rows, then k, then v; bias: optional [same rows]; norm_weight, eps, residual: as
+            :func:`fused_linear`.
+        cos, sin: [rows, head_dim], the rotary tables at each row's position (transformers' layout), x's
+            dtype, contiguous last dimension.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], x's dtype, same strides,
+            contiguous last dimension.
+        slot_mapping: [rows] int32 — ``block * block_size + offset`` of each row's token; -1 = not written.
+        num_heads: query heads.
+        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles: as :func:`fused_linear`; ``block_n`` (default
+            the largest of 32 and 16 that divides it) must divide ``head_dim / 2``.
+
+    Returns:
+        rotated q [rows, num_heads * head_dim], or ``(q, x + residual)`` when ``residual`` is given.
+
+    Raises:
+        ValueError: as :func:`fused_linear`, and for weight rows that are not (num_heads + 2 * num_kv_heads) x
+            head_dim, a ``head_dim / 2`` that no ``block_n`` >= 16 divides, or cos/sin/cache/slot shapes,
+            dtypes or strides that differ.
+    """
+    rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, False)
+    if rows > MAX_ROWS:
+        raise ValueError(f"fused_linear_rope takes at most {MAX_ROWS} rows, got {rows}")
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
+        raise ValueError(f"key_cache/value_cache must be equal-strided [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim]; got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    half = head_dim // 2
+    if block_n is None:
+        block_n = 32 if half % 32 == 0 else 16
+    if head_dim % 2 or block_n < 16 or half % block_n or out_features != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"weight rows {out_features} must be (num_heads {num_heads} + 2 x num_kv_heads "
+                         f"{num_kv_heads}) x head_dim {head_dim}, head_dim / 2 a multiple of block_n {block_n} "
+                         f"(>= 16)")
+    if cos.shape != (rows, head_dim) or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"cos/sin must be equal-strided [{rows}, {head_dim}] with a contiguous last dimension, "
+                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if key_cache.stride(3) != 1 or slot_mapping.shape != (rows,) or slot_mapping.dtype != torch.int32:
+        raise ValueError(f"the caches need a contiguous last dimension and slot_mapping must be [{rows}] int32")
+    if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype}) != 1:
+        raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, cache {key_cache.dtype}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
+    # two products per program, as gate/up: the gate/up tiles (block_n given here)
+    block_m, _, block_k, num_warps, num_stages = _tiles(rows, out_features, k, norm_weight is not None, True,
+                                                        block_n, block_k, num_warps, num_stages, small_tiles)
+    if norm_k is None or norm_k == 0:
+        norm_k = block_k
+    elif not isinstance(norm_k, int) or isinstance(norm_k, bool) or norm_k < 16 or norm_k & (norm_k - 1):
+        raise ValueError(f"norm_k must be 0 or a power of two >= 16, got {norm_k!r}")
+    q = torch.empty(rows, num_heads * head_dim, dtype=x.dtype, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else q
+    if rows == 0:
+        return (q, r_out) if residual is not None else q
+    r_in = residual if residual is not None else x
+    pdl = use_pdl(pdl, x)
+    grid = ((num_heads + 2 * num_kv_heads) * (half // block_n), 1)
+    _fused_linear_kernel[grid](
+        x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, q, r_out,
+        q, q,
+        cos, sin, key_cache, value_cache, slot_mapping,
+        rows, out_features, k, half, k,
+        x.stride(0), r_in.stride(0), weight.stride(0), q.stride(0), r_out.stride(0), cos.stride(0),
+        eps,
+        num_heads, num_kv_heads, head_dim, key_cache.shape[1], key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2),
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=1, PRELOAD=False, NORM_K=norm_k, ROPE=True,
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+    )
+    return (q, r_out) if residual is not None else q

@@ -457,3 +457,37 @@ def test_fused_step_split_k_and_in_kernel_merge(tiny, monkeypatch):
     for step in ours._hf_accel_engine.steps.values():
         assert step.num_splits == 3
         assert int(step.merge_counters.abs().sum()) == 0 and int(step.linear_counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("fused_rope", [True, False], ids=["rope-in-fused-linear", "rope-kernel"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_small_batch_fused_step_rope_epilogue(model_type, fused_rope, tiny, monkeypatch):
+    """Batch-3 fused decode steps (fused_linear, 3 token rows) with head_dim 32 take RoPE + the cache write
+    in the Q/K/V fused_linear's epilogue (FUSED_LINEAR_ROPE; head_dim 16 models cannot), greedy output
+    token-identical to stock in float32, with the switch on or off."""
+    from hf_accel.engine import decode_step
+
+    monkeypatch.setattr(decode_step, "FUSED_LINEAR_ROPE", fused_rope)
+    calls = {"fused_rope": 0, "rope_kernel": 0}
+    original, original_kernel = decode_step.fused_linear_rope, decode_step.rope_and_cache
+
+    def spy(*a, **k):
+        calls["fused_rope"] += 1
+        return original(*a, **k)
+
+    def spy_kernel(*a, **k):
+        calls["rope_kernel"] += 1
+        return original_kernel(*a, **k)
+
+    monkeypatch.setattr(decode_step, "fused_linear_rope", spy)
+    monkeypatch.setattr(decode_step, "rope_and_cache", spy_kernel)
+    model = tiny.model(model_type, head_dim=32)
+    ids, mask = tiny.batch(seed=2)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
+    ours = _accelerated(model, fused=True)
+    out = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    layers = model.config.num_hidden_layers
+    # 4 decode steps of 3 rows (the prefill has more rows than fused_linear takes: the RoPE kernel)
+    assert calls["fused_rope"] == (4 * layers if fused_rope else 0)
+    assert calls["rope_kernel"] == (layers if fused_rope else 5 * layers)

@@ -113,3 +113,86 @@ def test_split_k_bad_arguments_raise():
         fused_linear(x, w, split_k=2, block_k=16, block_n=16, counters=torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="counters must be"):
         fused_linear(x, w, split_k=2, block_k=16, block_n=16, counters=torch.zeros(4))
+
+
+def test_small_layer_tiles():
+    # SmolLM2's layer (hidden 576, intermediate 1536) at 16 rows: the tiles of the PDL sweep; wide inputs and
+    # LM-head-sized outputs keep the earlier ones. (block_m, block_n, block_k, num_warps, num_stages)
+    from hf_accel.kernels.fused_linear import _tiles
+
+    assert _tiles(16, 960, 576, True, False, None, None, None, None) == (16, 32, 256, 4, 3)  # q/k/v + norm
+    assert _tiles(16, 576, 576, False, False, None, None, None, None) == (16, 16, 256, 1, 3)  # o
+    assert _tiles(16, 1536, 576, True, True, None, None, None, None) == (16, 32, 128, 2, 3)  # gate/up + SwiGLU
+    assert _tiles(16, 576, 1536, False, False, None, None, None, None) == (16, 16, 256, 1, 3)  # down
+    assert _tiles(16, 2048, 8192, False, False, None, None, None, None) == (16, 32, 256, 4, 5)  # wider input
+    assert _tiles(16, 49152, 576, True, False, None, None, None, None) == (16, 64, 256, 4, 3)  # LM head
+    assert _tiles(20, 576, 576, False, False, 32, 64, 8, 2) == (32, 32, 64, 8, 2)  # overrides win
+    assert _tiles(16, 576, 576, False, False, None, None, None, None, False) == (16, 32, 256, 4, 5)  # the earlier tiles
+
+
+@pytest.mark.parametrize("num_warps", [1, 2, 8])
+def test_num_warps_override_matches_reference_fp32(num_warps):
+    x, r, w, nw, _ = linear_inputs(5, 96, 64, torch.float32, seed=3)
+    got, res = fused_linear(x, w, norm_weight=nw, residual=r, swiglu=True, num_warps=num_warps)
+    want, want_res = fused_linear_ref(x, w, norm_weight=nw, residual=r, swiglu=True)
+    torch.testing.assert_close(res, want_res, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for bad in (3, 0, True, 32):
+        with pytest.raises(ValueError, match="num_warps"):
+            fused_linear(x, w, num_warps=bad)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("heads,kv_heads,d,hidden,bias", [(3, 1, 32, 96, False), (2, 1, 64, 80, True)])
+def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, heads, kv_heads, d, hidden, bias):
+    """Q/K/V projection of several rows with RoPE + cache write as its epilogue: fused_linear followed by
+    rope_and_cache_ref; each row's K/V lands in its own slot (-1: none), the rest of the cache untouched."""
+    from hf_accel.kernels.fused_linear import fused_linear_rope
+    from hf_accel.kernels.rope_cache import rope_and_cache_ref
+
+    g = torch.Generator().manual_seed(rows + d)
+    out = (heads + 2 * kv_heads) * d
+    x, r, w, nw, b = linear_inputs(rows, hidden, out, torch.float32, seed=rows)
+    b = b if bias else None
+    ang = torch.rand(rows, d // 2, generator=g) * 50
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    kc = torch.randn(8, 4, kv_heads, d, generator=g)
+    vc = torch.randn(8, 4, kv_heads, d, generator=g)
+    slots = torch.randperm(32, generator=g)[:rows].to(torch.int32)
+    slots[rows // 2] = -1
+    qkv, want_res = fused_linear_ref(x, w, bias=b, norm_weight=nw, eps=1e-5, residual=r)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    want_q = rope_and_cache_ref(q, k, v, cos, sin, kc1, vc1, slots)
+    got_q, got_res = fused_linear_rope(x, w, cos, sin, kc2, vc2, slots, heads, bias=b, norm_weight=nw, eps=1e-5,
+                                       residual=r)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
+    torch.testing.assert_close(got_q, want_q.reshape(rows, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kc2, kc1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(vc2, vc1, rtol=1e-5, atol=1e-5)
+    written = (kc2 != kc).any(-1).any(-1)
+    assert written.sum() == rows - 1  # every row's slot but the -1 one
+    for s in slots.tolist():
+        if s >= 0:
+            assert written[s // 4, s % 4]
+    assert not torch.allclose(got_q, q), "q was not rotated"
+
+
+def test_fused_linear_rope_bad_inputs_raise():
+    from hf_accel.kernels.fused_linear import fused_linear_rope
+
+    x, _, w, _, _ = linear_inputs(3, 64, 5 * 32, torch.float32)
+    cos = sin = torch.ones(3, 32)
+    kc = vc = torch.zeros(4, 4, 1, 32)
+    slots = torch.zeros(3, dtype=torch.int32)
+    fused_linear_rope(x, w, cos, sin, kc, vc, slots, 3)  # valid
+    with pytest.raises(ValueError, match="weight rows"):
+        fused_linear_rope(x, w, cos, sin, kc, vc, slots, 4)
+    with pytest.raises(ValueError, match="block_n"):
+        fused_linear_rope(x, w, cos, sin, kc, vc, slots, 3, block_n=32)  # head_dim / 2 = 16
+    with pytest.raises(ValueError, match="cos/sin"):
+        fused_linear_rope(x, w, cos[:2], sin[:2], kc, vc, slots, 3)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        fused_linear_rope(x, w, cos, sin, kc, vc, slots.long(), 3)
+    with pytest.raises(ValueError, match="dtypes"):
+        fused_linear_rope(x, w, cos.half(), sin.half(), kc, vc, slots, 3)
