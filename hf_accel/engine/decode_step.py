@@ -178,13 +178,16 @@ SLOT_KERNEL = True
 #: Steps of 2-16 token rows (speculative verify passes, small batches) of models without a per-head q/k norm
 #: run RoPE and the K/V cache write as the Q/K/V fused_linear's epilogue
 #: (:func:`~hf_accel.kernels.fused_linear.fused_linear_rope`; one kernel less per layer), as
-#: :data:`GEMV_ROPE` does for one row. Needs head_dim / 2 a multiple of 16.
+#: :data:`GEMV_ROPE` does for one row. Needs head_dim / 2 a multiple of 16. H200, random SmolLM2-shaped bf16
+#: weights, verify forward inside a CUDA graph (``profile_verify_tiles-20261201-26dae0b.json``, 3 timings each):
+#: 16 tokens 0.828-0.833 ms with it vs 0.836 without, 2 tokens 0.791 vs 0.800.
 FUSED_LINEAR_ROPE = True
 
 #: The step's fused_linear calls take the small-layer tiles (``small_tiles`` of
 #: :func:`~hf_accel.kernels.fused_linear.fused_linear`: one-warp programs of 16 outputs for o / down, 128-wide K
-#: steps for gate/up; numbers in :func:`hf_accel.kernels.fused_linear._tiles`); False = the tiles before (A/B).
-FUSED_LINEAR_SMALL_TILES = True
+#: steps for gate/up). Off: faster in a chain of matmuls alone, slower inside the step (numbers in
+#: :func:`hf_accel.kernels.fused_linear._tiles`).
+FUSED_LINEAR_SMALL_TILES = False
 
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).

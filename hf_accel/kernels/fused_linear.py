@@ -287,7 +287,7 @@ def check_linear_args(x, weight, bias, norm_weight, residual, swiglu) -> tuple[i
 
 
 def _tiles(rows: int, n: int, k: int, norm: bool, swiglu: bool, block_n: int | None, block_k: int | None,
-           num_warps: int | None, num_stages: int | None, small_tiles: bool = True):
+           num_warps: int | None, num_stages: int | None, small_tiles: bool = False):
     """Tiles from the H200 sweep (``benchmarks/results/bench_fused_linear-20261201.json``, bf16, times inside
     CUDA graphs): 256-wide K steps won every shape (SmolLM2 qkv 5.2 vs 7.0 us at 128); 32 output rows per
     program, 64 from 16k outputs (LM heads); 5 pipeline stages for plain matmuls, 3 with the norm prologue
@@ -298,11 +298,14 @@ def _tiles(rows: int, n: int, k: int, norm: bool, swiglu: bool, block_n: int | N
     1.14x from 1.72x (``bench_generate-single-k-20261201-f3989d4.json``,
     ``bench_speculative-single-k-20261201-f3989d4.json``, against the runs at c910fbb / 9d7e918).
 
-    Inputs up to :data:`SMALL_K` wide (outputs < 16k) take the tiles of a second sweep, with PDL, 16 rows,
-    30 layers' weights in one graph (SmolLM2 shapes; ``bench_fused_linear --pdl``): plain matmuls 16 outputs
-    per program and one warp (o 3.02 vs 3.15 us, down 4.57 vs 4.59), gate/up + SwiGLU 128-wide K steps and 2
-    warps; q/k/v with the norm keep 32 x 256 and 4 warps. A layer's four matmuls: 19.5 vs 22.7 us at 16
-    rows, 21.1 vs 22.7 at 2 rows."""
+    ``small_tiles`` (off by default): inputs up to :data:`SMALL_K` wide (outputs < 16k) take the tiles of a
+    second sweep, with PDL, 16 rows, 30 layers' weights in one graph (SmolLM2 shapes; ``bench_fused_linear
+    --pdl``): plain matmuls 16 outputs per program and one warp, gate/up + SwiGLU 128-wide K steps and 2 warps;
+    q/k/v with the norm keep 32 x 256 and 4 warps. A layer's four matmuls alone: 19.6 vs 22.7 us at 16 rows
+    (``bench_fused_linear-pdl-20261201-26dae0b.json``). Inside the decode step they lost: SmolLM2 verify
+    forward of 16 tokens 0.877 vs 0.836 ms, of 2 tokens 0.887 vs 0.800 (random SmolLM2-shaped weights,
+    ``profile_verify_tiles-20261201-26dae0b.json``); bs16 decode 16513 vs 18104 tok/s
+    (``bench_generate-smollm2-20261201-26dae0b.json``)."""
     block_m = 16 if rows <= 16 else 32  # tl.dot's smallest M is 16; rows <= MAX_ROWS
     small = small_tiles and k <= SMALL_K and n < 16384
     if block_k is None:
@@ -343,7 +346,7 @@ def fused_linear(
     counters: torch.Tensor | None = None,
     preload: bool | None = None,
     norm_k: int | None = None,
-    small_tiles: bool = True,
+    small_tiles: bool = False,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows, in one kernel.
 
@@ -376,8 +379,8 @@ def fused_linear(
         norm_k: input columns per step of the RMSNorm prologue, a power of two >= 16; None or 0 = ``block_k``
             (default: wider steps, 512 columns at 16 rows, slowed SmolLM2's 16-row matmuls on the H200, see
             :data:`hf_accel.engine.decode_step.FUSED_LINEAR_NORM_K`).
-        small_tiles: False = the tiles used before the small-layer sweep (32 x 256, 4 warps) for every
-            shape (A/B runs; :func:`_tiles`).
+        small_tiles: True = the small-layer tiles of :func:`_tiles` (faster alone, slower inside the decode
+            step: see there).
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -476,7 +479,7 @@ def fused_linear_rope(
     num_warps: int | None = None,
     num_stages: int | None = None,
     norm_k: int | None = None,
-    small_tiles: bool = True,
+    small_tiles: bool = False,
 ):
     """The merged Q/K/V projection of a few token rows with RoPE and the cache write as its epilogue:
     :func:`fused_linear` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one

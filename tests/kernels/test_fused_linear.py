@@ -116,18 +116,19 @@ def test_split_k_bad_arguments_raise():
 
 
 def test_small_layer_tiles():
-    # SmolLM2's layer (hidden 576, intermediate 1536) at 16 rows: the tiles of the PDL sweep; wide inputs and
-    # LM-head-sized outputs keep the earlier ones. (block_m, block_n, block_k, num_warps, num_stages)
+    # SmolLM2's layer (hidden 576, intermediate 1536) at 16 rows: the small-layer tiles of the PDL sweep (off by
+    # default); wide inputs and LM-head-sized outputs keep the others. (block_m, block_n, block_k, warps, stages)
     from hf_accel.kernels.fused_linear import _tiles
 
-    assert _tiles(16, 960, 576, True, False, None, None, None, None) == (16, 32, 256, 4, 3)  # q/k/v + norm
-    assert _tiles(16, 576, 576, False, False, None, None, None, None) == (16, 16, 256, 1, 3)  # o
-    assert _tiles(16, 1536, 576, True, True, None, None, None, None) == (16, 32, 128, 2, 3)  # gate/up + SwiGLU
-    assert _tiles(16, 576, 1536, False, False, None, None, None, None) == (16, 16, 256, 1, 3)  # down
-    assert _tiles(16, 2048, 8192, False, False, None, None, None, None) == (16, 32, 256, 4, 5)  # wider input
-    assert _tiles(16, 49152, 576, True, False, None, None, None, None) == (16, 64, 256, 4, 3)  # LM head
-    assert _tiles(20, 576, 576, False, False, 32, 64, 8, 2) == (32, 32, 64, 8, 2)  # overrides win
-    assert _tiles(16, 576, 576, False, False, None, None, None, None, False) == (16, 32, 256, 4, 5)  # the earlier tiles
+    small = dict(small_tiles=True)
+    assert _tiles(16, 960, 576, True, False, None, None, None, None, **small) == (16, 32, 256, 4, 3)  # q/k/v + norm
+    assert _tiles(16, 576, 576, False, False, None, None, None, None, **small) == (16, 16, 256, 1, 3)  # o
+    assert _tiles(16, 1536, 576, True, True, None, None, None, None, **small) == (16, 32, 128, 2, 3)  # gate/up
+    assert _tiles(16, 576, 1536, False, False, None, None, None, None, **small) == (16, 16, 256, 1, 3)  # down
+    assert _tiles(16, 2048, 8192, False, False, None, None, None, None, **small) == (16, 32, 256, 4, 5)  # wide
+    assert _tiles(16, 49152, 576, True, False, None, None, None, None, **small) == (16, 64, 256, 4, 3)  # LM head
+    assert _tiles(20, 576, 576, False, False, 32, 64, 8, 2, **small) == (32, 32, 64, 8, 2)  # overrides win
+    assert _tiles(16, 576, 576, False, False, None, None, None, None) == (16, 32, 256, 4, 5)  # the default
 
 
 @pytest.mark.parametrize("num_warps", [1, 2, 8])
