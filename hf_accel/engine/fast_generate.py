@@ -94,6 +94,26 @@ class FastEngine:
 
     # -- eligibility ------------------------------------------------------------------------------
     def _model_reason(self) -> str | None:
+        """Why the model cannot take the fast path (None if it can). The full check walks every parameter
+        (~1 ms per ``generate`` call on a slow host), so its answer is kept while a cheap key stays the same:
+        training mode, the embedding / LM head / final norm weights (identity, device, dtype) and the layer
+        modules. Moving or casting the model, replacing a layer or switching to training recomputes it."""
+        m = self.model
+        try:
+            inner = m.model
+            key = (m.training, tuple(id(layer) for layer in inner.layers),
+                   *((id(w), w.device, w.dtype) for w in (inner.embed_tokens.weight, m.lm_head.weight,
+                                                           inner.norm.weight)))
+        except AttributeError:  # not a llama-family layout: no key, the full check answers
+            return self._model_reason_uncached()
+        cached = getattr(self, "_reason_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        reason = self._model_reason_uncached()
+        self._reason_cache = (key, reason)
+        return reason
+
+    def _model_reason_uncached(self) -> str | None:
         m = self.model
         cfg = m.config
         if m.training:

@@ -491,3 +491,31 @@ def test_small_batch_fused_step_rope_epilogue(model_type, fused_rope, tiny, monk
     # 4 decode steps of 3 rows (the prefill has more rows than fused_linear takes: the RoPE kernel)
     assert calls["fused_rope"] == (4 * layers if fused_rope else 0)
     assert calls["rope_kernel"] == (layers if fused_rope else 5 * layers)
+
+
+def test_model_reason_follows_mode_dtype_and_layers(tiny):
+    """The fast path's model check is cached per call, but training mode, a cast, a device move of the
+    whole model and a replaced layer are seen at the next call (and generate falls back / recovers)."""
+    model = _accelerated(tiny.model("llama"))
+    fast = model._hf_accel_engine
+    assert fast._model_reason() is None
+    model.train()
+    assert "training" in fast._model_reason()
+    model.eval()
+    assert fast._model_reason() is None
+    model.double()
+    assert "float64" in fast._model_reason()
+    model.float()
+    assert fast._model_reason() is None
+    original = model.model.layers[0]
+    model.model.layers[0] = copy.deepcopy(original).to("meta")  # a new layer module on another device
+    assert "several devices" in fast._model_reason()
+    model.model.layers[0] = original
+    assert fast._model_reason() is None
+    ids, mask = tiny.batch(seed=1)
+    model2 = _accelerated(tiny.model("llama"))
+    stock = _generate(tiny.model("llama"), ids, mask, tiny.PAD, max_new_tokens=4)
+    assert torch.equal(_generate(model2, ids, mask, tiny.PAD, max_new_tokens=4), stock)
+    model2.train()
+    out = _generate(model2, ids, mask, tiny.PAD, max_new_tokens=4)  # transformers' loop, dropout 0: same
+    assert torch.equal(out, stock)
