@@ -50,6 +50,19 @@ def timed(fn, reps=3):
     return statistics.median(ts), out
 
 
+def host_profile(fn, calls, sort, lines):
+    """Print a cProfile table of ``calls`` calls of ``fn`` (host side; synced at the end)."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    sync()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats(sort).print_stats(lines)
+    print(s.getvalue()[:9000])
+
+
 def gen(ids, mask, n, **kw):
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kw)
 
@@ -81,24 +94,8 @@ for name, spec in (("plain", None), ("lookup", "prompt_lookup")):
             return lg
         res["start_ms"], _ = timed(start, 5)
         res["start_ms"] *= 1e3
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(10):
-            gen(ids, mask, 1)
-        sync()
-        pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
-        print(s.getvalue()[:9000])
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(3):
-            gen(ids, mask, 128)
-        sync()
-        pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
-        print(s.getvalue()[:6000])
+        host_profile(lambda: gen(ids, mask, 1), 10, "cumulative", 45)
+        host_profile(lambda: gen(ids, mask, 128), 3, "tottime", 25)
     hf_accel.revert_model(model)
 
 # verify forward variants at q16 (timing only where pieces are removed)

@@ -286,6 +286,45 @@ def check_linear_args(x, weight, bias, norm_weight, residual, swiglu) -> tuple[i
     return rows, k, out_features
 
 
+def _norm_k(norm_k: int | None, block_k: int) -> int:
+    """The norm prologue's step: ``block_k`` for None / 0, else a power of two >= 16 (ValueError)."""
+    if norm_k is None or norm_k == 0:
+        return block_k
+    if not isinstance(norm_k, int) or isinstance(norm_k, bool) or norm_k < 16 or norm_k & (norm_k - 1):
+        raise ValueError(f"norm_k must be 0 or a power of two >= 16, got {norm_k!r}")
+    return norm_k
+
+
+def _check_num_warps(num_warps) -> None:
+    if num_warps is not None and (not isinstance(num_warps, int) or isinstance(num_warps, bool)
+                                  or num_warps not in (1, 2, 4, 8, 16)):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
+
+
+def check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads: int,
+                    lanes: int) -> tuple[int, int]:
+    """Checks shared by the Q/K/V projections with a RoPE + cache-write epilogue (:func:`fused_linear_rope`,
+    :func:`~.gemv.gemv_rope`); ``lanes`` (rows per program) must divide ``head_dim / 2``. Returns
+    ``(num_kv_heads, head_dim)``; raises ValueError naming what is wrong."""
+    rows, out_features = x.shape[0], weight.shape[0]
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
+        raise ValueError(f"key_cache/value_cache must be equal-strided [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim]; got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    if head_dim % 2 or (head_dim // 2) % lanes or out_features != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"weight rows {out_features} must be (num_heads {num_heads} + 2 x num_kv_heads "
+                         f"{num_kv_heads}) x head_dim {head_dim}, head_dim / 2 a multiple of {lanes} (block_n)")
+    if (cos.shape != (rows, head_dim) or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride(1) != 1
+            or (rows > 1 and sin.stride(0) != cos.stride(0))):
+        raise ValueError(f"cos/sin must be equal-strided [{rows}, {head_dim}] with a contiguous last dimension, "
+                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if key_cache.stride(3) != 1 or slot_mapping.shape != (rows,) or slot_mapping.dtype != torch.int32:
+        raise ValueError(f"the caches need a contiguous last dimension and slot_mapping must be [{rows}] int32")
+    if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype}) != 1:
+        raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, cache {key_cache.dtype}")
+    return num_kv_heads, head_dim
+
+
 def _tiles(rows: int, n: int, k: int, norm: bool, swiglu: bool, block_n: int | None, block_k: int | None,
            num_warps: int | None, num_stages: int | None, small_tiles: bool = False):
     """Tiles from the H200 sweep (``benchmarks/results/bench_fused_linear-20261201.json``, bf16, times inside
@@ -395,9 +434,7 @@ def fused_linear(
         raise ValueError(f"fused_linear takes at most {MAX_ROWS} rows, got {rows}")
     if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
         raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
-    if num_warps is not None and (not isinstance(num_warps, int) or isinstance(num_warps, bool)
-                                  or num_warps not in (1, 2, 4, 8, 16)):
-        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
+    _check_num_warps(num_warps)
     y = torch.empty(rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     if rows == 0:
@@ -405,10 +442,7 @@ def fused_linear(
     block_m, block_n, block_k, num_warps, num_stages = _tiles(rows, out_features, k, norm_weight is not None, swiglu,
                                                               block_n, block_k, num_warps, num_stages, small_tiles)
     r_in = residual if residual is not None else x
-    if norm_k is None or norm_k == 0:
-        norm_k = block_k
-    elif not isinstance(norm_k, int) or isinstance(norm_k, bool) or norm_k < 16 or norm_k & (norm_k - 1):
-        raise ValueError(f"norm_k must be 0 or a power of two >= 16, got {norm_k!r}")
+    norm_k = _norm_k(norm_k, block_k)
     pdl = use_pdl(pdl, x)
     n_tiles = triton.cdiv(out_features, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -513,33 +547,19 @@ def fused_linear_rope(
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, False)
     if rows > MAX_ROWS:
         raise ValueError(f"fused_linear_rope takes at most {MAX_ROWS} rows, got {rows}")
-    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
-        raise ValueError(f"key_cache/value_cache must be equal-strided [num_blocks, block_size, num_kv_heads, "
-                         f"head_dim]; got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    half = head_dim // 2
     if block_n is None:
+        half = key_cache.shape[3] // 2 if key_cache.dim() == 4 else 0
         block_n = 32 if half % 32 == 0 else 16
-    if head_dim % 2 or block_n < 16 or half % block_n or out_features != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"weight rows {out_features} must be (num_heads {num_heads} + 2 x num_kv_heads "
-                         f"{num_kv_heads}) x head_dim {head_dim}, head_dim / 2 a multiple of block_n {block_n} "
-                         f"(>= 16)")
-    if cos.shape != (rows, head_dim) or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride():
-        raise ValueError(f"cos/sin must be equal-strided [{rows}, {head_dim}] with a contiguous last dimension, "
-                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if key_cache.stride(3) != 1 or slot_mapping.shape != (rows,) or slot_mapping.dtype != torch.int32:
-        raise ValueError(f"the caches need a contiguous last dimension and slot_mapping must be [{rows}] int32")
-    if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype}) != 1:
-        raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, cache {key_cache.dtype}")
-    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
+    if not isinstance(block_n, int) or isinstance(block_n, bool) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's smallest N), got {block_n!r}")
+    num_kv_heads, head_dim = check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads,
+                                             block_n)
+    half = head_dim // 2
+    _check_num_warps(num_warps)
     # two products per program, as gate/up: the gate/up tiles (block_n given here)
     block_m, _, block_k, num_warps, num_stages = _tiles(rows, out_features, k, norm_weight is not None, True,
                                                         block_n, block_k, num_warps, num_stages, small_tiles)
-    if norm_k is None or norm_k == 0:
-        norm_k = block_k
-    elif not isinstance(norm_k, int) or isinstance(norm_k, bool) or norm_k < 16 or norm_k & (norm_k - 1):
-        raise ValueError(f"norm_k must be 0 or a power of two >= 16, got {norm_k!r}")
+    norm_k = _norm_k(norm_k, block_k)
     q = torch.empty(rows, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q
     if rows == 0:

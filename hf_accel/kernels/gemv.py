@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.fused_linear import check_linear_args
+from hf_accel.kernels.fused_linear import check_linear_args, check_rope_args
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
@@ -388,20 +388,9 @@ def gemv_rope(
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, False)
     if rows != 1:
         raise ValueError(f"gemv_rope takes one row, got {rows}")
-    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
-        raise ValueError(f"key_cache/value_cache must be equal-strided [num_blocks, block_size, num_kv_heads, "
-                         f"head_dim]; got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     block_n = 2
-    if head_dim % (2 * block_n) or out_features != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"weight rows {out_features} must be (num_heads {num_heads} + 2 x num_kv_heads "
-                         f"{num_kv_heads}) x head_dim {head_dim}, head_dim a multiple of {2 * block_n}")
-    if cos.shape != (1, head_dim) or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride(1) != 1:
-        raise ValueError(f"cos/sin must be contiguous [1, {head_dim}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if key_cache.stride(3) != 1 or slot_mapping.shape != (1,) or slot_mapping.dtype != torch.int32:
-        raise ValueError("the caches need a contiguous last dimension and slot_mapping must be [1] int32")
-    if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype}) != 1:
-        raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, cache {key_cache.dtype}")
+    num_kv_heads, head_dim = check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads,
+                                             block_n)
     _, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps)
     preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)
     q = torch.empty(1, num_heads * head_dim, dtype=x.dtype, device=x.device)
