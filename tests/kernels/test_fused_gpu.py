@@ -243,3 +243,37 @@ def test_gemv_rope_bf16_is_gemv_then_rope_and_cache(heads, kv_heads, d, hidden, 
     torch.cuda.synchronize()
     assert torch.equal(got_res, res) and torch.equal(got, want.reshape(1, -1))
     assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1) and not torch.equal(kc1, kc)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("rows", [2, 16])
+@pytest.mark.parametrize("heads,kv_heads,d,hidden", [(9, 3, 64, 576), (14, 2, 64, 896)])
+def test_fused_linear_rope_bf16_is_fused_linear_then_rope_and_cache(heads, kv_heads, d, hidden, rows, pdl):
+    """Compiled for the GPU in bf16: the several-row Q/K/V + RoPE + cache-write fused_linear matches
+    fused_linear followed by rope_and_cache within 2 bf16 ulps (the same roundings; the products may sum
+    in another order), every row's K/V in its slot, the residual sum bitwise."""
+    from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope
+
+    torch.manual_seed(rows + d)
+    dt = torch.bfloat16
+    x, r = torch.randn(rows, hidden, device="cuda", dtype=dt), torch.randn(rows, hidden, device="cuda", dtype=dt)
+    w = (torch.randn((heads + 2 * kv_heads) * d, hidden, device="cuda") / hidden**0.5).to(dt)
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dt)
+    ang = torch.rand(rows, d // 2, device="cuda") * 100
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dt), torch.cat([ang.sin()] * 2, -1).to(dt)
+    kc = torch.randn(8, 16, kv_heads, d, device="cuda", dtype=dt)
+    vc = torch.randn_like(kc)
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    slots = torch.randperm(128, device="cuda")[:rows].to(torch.int32)
+    qkv, res = fused_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, pdl=pdl)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    want = rope_and_cache(q, k, v, cos, sin, kc1, vc1, slots, pdl=pdl).reshape(rows, -1)
+    got, got_res = fused_linear_rope(x, w, cos, sin, kc2, vc2, slots, heads, norm_weight=nw, eps=1e-5, residual=r,
+                                     pdl=pdl)
+    torch.cuda.synchronize()
+    assert torch.equal(got_res, res)
+    for a, b in ((got, want), (kc2, kc1), (vc2, vc1)):
+        err = (a.double() - b.double()).abs()
+        assert bool((err <= 2 * _ulp(b.double(), dt) + 1e-6).all()), float(err.max())
+    written = (kc2 != kc).any(-1).any(-1)
+    assert int(written.sum()) == rows
