@@ -6,14 +6,14 @@ Per grounded-text prompt (the first 4 of ``bench_speculative``): wall time (CUDA
 ``fast.start`` alone (prefill), cProfile tables of the host side; then the verify forward over 16 tokens
 (CUDA graph, median of 50 replays) at the default split count and 1 / 2 / 4 splits, without the RoPE kernel
 and / or the attention (timing only: those outputs are wrong), without PDL, and over 2 / 4 / 8 / 16 tokens.
-Writes ``$OUT/profile_generate_call.json``.
+Rows: ``generate_<n>_ms`` per prompt and provider (``ours`` / ``ours-prompt_lookup``), ``new_tokens`` of the
+128-token call, ``start_ms`` (prefill alone), ``plain_step_ms`` and ``q<L>_*_ms`` of the verify forwards,
+``*_maxdiff`` (largest logit difference to the default split count); ``profile_generate_call-<date>.json``.
 
     python benchmarks/profile_generate_call.py
 """
 import cProfile
 import io
-import json
-import os
 import pstats
 import statistics
 import sys
@@ -23,15 +23,35 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 import bench_speculative as bs  # noqa: E402
+from common import write_results  # noqa: E402
 import hf_accel  # noqa: E402
 from hf_accel.models import load_default_model  # noqa: E402
 
-OUT = os.environ.get("OUT", ".")
 res = {}
 model, tok = load_default_model(dtype="bfloat16", device="cuda")
 eos = [2]
 texts = bs.chat_texts(tok, "grounded-text")
 batches = [bs.encode(tok, [t], "cuda") for t in texts]
+
+
+def to_rows(res: dict) -> list[dict]:
+    """The measurements as result rows (one shape per prompt; scalars under the first prompt's shape)."""
+    rows = []
+    base = {"model": "smollm2-135m", "dtype": "bfloat16", "bs": 1}
+    units = {"t128_ms": "generate_128_ms", "t1_ms": "generate_1_ms", "t2_ms": "generate_2_ms", "new": "new_tokens"}
+    for key, value in res.items():
+        if isinstance(value, dict):  # "<plain|lookup>_p<i>": one prompt's call times
+            name, _, idx = key.partition("_p")
+            provider = "ours" if name == "plain" else "ours-prompt_lookup"
+            shape = {**base, "prompt_len": value["prompt"], "prompt_index": int(idx)}
+            for k, metric in units.items():
+                rows.append({"bench": "profile_generate_call", "provider": provider, "shape": shape, "metric": metric,
+                             "unit": "tokens" if k == "new" else "ms", "value": value[k]})
+        else:
+            unit = "ms" if key.endswith("_ms") else ("abs" if key.endswith("maxdiff") else "count")
+            rows.append({"bench": "profile_generate_call", "provider": "ours", "shape": {**base, "prompt_len": 324},
+                         "metric": key, "unit": unit, "value": value})
+    return rows
 
 
 def sync():
@@ -164,4 +184,4 @@ with torch.inference_mode():
 for k_, v_ in res.items():
     if not isinstance(v_, dict):
         print(f"{k_:32s} {v_}")
-json.dump(res, open(f"{OUT}/profile_generate_call.json", "w"), indent=1, default=str)
+write_results("profile_generate_call", to_rows(res))
