@@ -120,9 +120,7 @@ for name, spec in (("plain", None), ("lookup", "prompt_lookup")):
 
 # verify forward variants at q16 (timing only where pieces are removed)
 import hf_accel.engine.decode_step as ds  # noqa: E402
-from hf_accel.speculative.engine import _State, engine_for  # noqa: E402
 
-sys.path.insert(0, "benchmarks")
 from profile_speculative_round import time_graph  # noqa: E402
 
 hf_accel.accelerate_model(model)
