@@ -86,29 +86,44 @@ class FastEngine:
         self.block_size = block_size
         self.use_cuda_graphs = use_cuda_graphs
         self.sync_every = sync_every
-        self.fused = fused  # None: fused Triton step on CUDA; True forces it (CPU tests under TRITON_INTERPRET)
+        self._fused = fused  # None: fused Triton step on CUDA; True forces it (CPU tests under TRITON_INTERPRET)
         self.cache: PagedCache | None = None
         self.steps: dict[tuple, DecodeStep] = {}
         self.last_stats: dict = {}
         self.merged = None  # MergedLayer list once the fused step merged the projections
+
+    @property
+    def fused(self) -> bool | None:
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool | None) -> None:
+        if value != self._fused:
+            self.steps.clear()  # steps are built for one variant; the next call builds the other
+        self._fused = value
 
     # -- eligibility ------------------------------------------------------------------------------
     def _model_reason(self) -> str | None:
         """Why the model cannot take the fast path (None if it can). The full check walks every parameter
         (~1 ms per ``generate`` call on a slow host), so its answer is kept while a cheap key stays the same:
         training mode, the embedding / LM head / final norm weights (identity, device, dtype) and the layer
-        modules. Moving or casting the model, replacing a layer or switching to training recomputes it."""
+        modules. Moving or casting the model, replacing a layer or switching to training recomputes it; the
+        first three also drop this engine's cache, steps and merged projections (built for the old weights),
+        which the next call builds again."""
         m = self.model
         try:
             inner = m.model
-            key = (m.training, tuple(id(layer) for layer in inner.layers),
-                   *((id(w), w.device, w.dtype) for w in (inner.embed_tokens.weight, m.lm_head.weight,
-                                                           inner.norm.weight)))
+            weights = (tuple(id(layer) for layer in inner.layers),
+                       *((id(w), w.device, w.dtype) for w in (inner.embed_tokens.weight, m.lm_head.weight,
+                                                               inner.norm.weight)))
         except AttributeError:  # not a llama-family layout: no key, the full check answers
             return self._model_reason_uncached()
+        key = (m.training, weights)
         cached = getattr(self, "_reason_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
+        if cached is not None and cached[0][1] != weights:
+            self.release()
         reason = self._model_reason_uncached()
         self._reason_cache = (key, reason)
         return reason

@@ -39,20 +39,28 @@ def _merge(linears):
     row = 0
     for m in linears:
         n = m.weight.shape[0]
-        m.weight = torch.nn.Parameter(weight[row : row + n], requires_grad=False)
+        m.weight.data = weight[row : row + n]  # the same Parameter (an optimizer's reference stays valid)
         if bias is not None:
-            m.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
+            m.bias.data = bias[row : row + n]
         row += n
     return weight, bias
 
 
-@torch.no_grad()
 def merge_projections(model) -> list[MergedLayer] | None:
     """Merge each decoder layer's q/k/v and gate/up projections in place (see module docstring).
+
+    The parameters stay the same ``Parameter`` objects (their ``.data`` becomes the slice), with their
+    ``requires_grad``, and ordinary tensors even when this runs inside ``torch.inference_mode`` (as
+    ``generate`` does): the model stays trainable and loadable, and an optimizer's references stay valid.
 
     Returns one :class:`MergedLayer` per layer, or None (nothing changed) if any layer's projections
     differ in device/dtype/bias presence or are offloaded.
     """
+    with torch.inference_mode(False), torch.no_grad():
+        return _merge_projections(model)
+
+
+def _merge_projections(model) -> list[MergedLayer] | None:
     layers = model.model.layers
     for ly in layers:
         a, mlp = ly.self_attn, ly.mlp
@@ -69,12 +77,13 @@ def merge_projections(model) -> list[MergedLayer] | None:
     return merged
 
 
-@torch.no_grad()
 def unmerge_projections(model) -> None:
-    """Give every projection its own storage again (values unchanged)."""
-    for ly in model.model.layers:
-        a, mlp = ly.self_attn, ly.mlp
-        for m in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
-            m.weight = torch.nn.Parameter(m.weight.detach().clone(), requires_grad=False)
-            if m.bias is not None:
-                m.bias = torch.nn.Parameter(m.bias.detach().clone(), requires_grad=False)
+    """Give every projection its own storage again (the same ``Parameter`` objects, values unchanged;
+    ordinary tensors, also when called inside ``torch.inference_mode``)."""
+    with torch.inference_mode(False), torch.no_grad():
+        for ly in model.model.layers:
+            a, mlp = ly.self_attn, ly.mlp
+            for m in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
+                m.weight.data = m.weight.detach().clone()
+                if m.bias is not None:
+                    m.bias.data = m.bias.detach().clone()

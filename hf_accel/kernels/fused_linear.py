@@ -286,19 +286,29 @@ def check_linear_args(x, weight, bias, norm_weight, residual, swiglu) -> tuple[i
     return rows, k, out_features
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _norm_k(norm_k: int | None, block_k: int) -> int:
-    """The norm prologue's step: ``block_k`` for None / 0, else a power of two >= 16 (ValueError)."""
-    if norm_k is None or norm_k == 0:
+    """The norm prologue's step: ``block_k`` for None / 0, else a power of two in [16, 8192] (ValueError)."""
+    if norm_k is None or (_is_int(norm_k) and norm_k == 0):
         return block_k
-    if not isinstance(norm_k, int) or isinstance(norm_k, bool) or norm_k < 16 or norm_k & (norm_k - 1):
-        raise ValueError(f"norm_k must be 0 or a power of two >= 16, got {norm_k!r}")
+    if not _is_int(norm_k) or norm_k < 16 or norm_k > 8192 or norm_k & (norm_k - 1):
+        raise ValueError(f"norm_k must be 0 or a power of two in [16, 8192], got {norm_k!r}")
     return norm_k
 
 
-def _check_num_warps(num_warps) -> None:
-    if num_warps is not None and (not isinstance(num_warps, int) or isinstance(num_warps, bool)
-                                  or num_warps not in (1, 2, 4, 8, 16)):
+def _check_launch(num_warps, block_n, block_k, eps) -> None:
+    """ValueError for tiling overrides the kernel cannot take (tl.dot needs tiles of at least 16) and a
+    non-float ``eps``."""
+    if num_warps is not None and (not _is_int(num_warps) or num_warps not in (1, 2, 4, 8, 16)):
         raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
+    for name, v, most in (("block_n", block_n, 256), ("block_k", block_k, 4096)):
+        if v is not None and (not _is_int(v) or v < 16 or v > most or v & (v - 1)):
+            raise ValueError(f"{name} must be a power of two in [16, {most}], got {v!r}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise ValueError(f"eps must be a Python float, got {type(eps).__name__}")
 
 
 def check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads: int,
@@ -307,21 +317,29 @@ def check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, n
     :func:`~.gemv.gemv_rope`); ``lanes`` (rows per program) must divide ``head_dim / 2``. Returns
     ``(num_kv_heads, head_dim)``; raises ValueError naming what is wrong."""
     rows, out_features = x.shape[0], weight.shape[0]
+    if not _is_int(num_heads) or num_heads < 1:
+        raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
         raise ValueError(f"key_cache/value_cache must be equal-strided [num_blocks, block_size, num_kv_heads, "
                          f"head_dim]; got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    if head_dim % 2 or (head_dim // 2) % lanes or out_features != (num_heads + 2 * num_kv_heads) * head_dim:
+    if head_dim % 2 or (head_dim // 2) % lanes:
+        raise ValueError(f"head_dim {head_dim} (from the cache) is not supported here: head_dim / 2 must be a "
+                         f"multiple of {lanes} (the output lanes of one program)")
+    if out_features != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"weight rows {out_features} must be (num_heads {num_heads} + 2 x num_kv_heads "
-                         f"{num_kv_heads}) x head_dim {head_dim}, head_dim / 2 a multiple of {lanes} (block_n)")
+                         f"{num_kv_heads}) x head_dim {head_dim} = {(num_heads + 2 * num_kv_heads) * head_dim}")
     if (cos.shape != (rows, head_dim) or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride(1) != 1
             or (rows > 1 and sin.stride(0) != cos.stride(0))):
         raise ValueError(f"cos/sin must be equal-strided [{rows}, {head_dim}] with a contiguous last dimension, "
                          f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if key_cache.stride(3) != 1 or slot_mapping.shape != (rows,) or slot_mapping.dtype != torch.int32:
-        raise ValueError(f"the caches need a contiguous last dimension and slot_mapping must be [{rows}] int32")
-    if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype}) != 1:
-        raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, cache {key_cache.dtype}")
+    if key_cache.stride(3) != 1:
+        raise ValueError("key_cache/value_cache need a contiguous last dimension")
+    if slot_mapping.shape != (rows,) or slot_mapping.dtype != torch.int32:
+        raise ValueError(f"slot_mapping must be [{rows}] int32, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype, value_cache.dtype}) != 1:
+        raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, key_cache {key_cache.dtype}, "
+                         f"value_cache {value_cache.dtype}")
     return num_kv_heads, head_dim
 
 
@@ -434,7 +452,7 @@ def fused_linear(
         raise ValueError(f"fused_linear takes at most {MAX_ROWS} rows, got {rows}")
     if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
         raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
-    _check_num_warps(num_warps)
+    _check_launch(num_warps, block_n, block_k, eps)
     y = torch.empty(rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     if rows == 0:
@@ -532,6 +550,8 @@ def fused_linear_rope(
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], x's dtype, same strides,
             contiguous last dimension.
         slot_mapping: [rows] int32 — ``block * block_size + offset`` of each row's token; -1 = not written.
+            Slots must be below ``num_blocks * block_size``: a device tensor, not checked here (the decode
+            step computes them from its block table).
         num_heads: query heads.
         pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles: as :func:`fused_linear`; ``block_n`` (default
             the largest of 32 and 16 that divides it) must divide ``head_dim / 2``.
@@ -550,12 +570,10 @@ def fused_linear_rope(
     if block_n is None:
         half = key_cache.shape[3] // 2 if key_cache.dim() == 4 else 0
         block_n = 32 if half % 32 == 0 else 16
-    if not isinstance(block_n, int) or isinstance(block_n, bool) or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's smallest N), got {block_n!r}")
+    _check_launch(num_warps, block_n, block_k, eps)
     num_kv_heads, head_dim = check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads,
                                              block_n)
     half = head_dim // 2
-    _check_num_warps(num_warps)
     # two products per program, as gate/up: the gate/up tiles (block_n given here)
     block_m, _, block_k, num_warps, num_stages = _tiles(rows, out_features, k, norm_weight is not None, True,
                                                         block_n, block_k, num_warps, num_stages, small_tiles)

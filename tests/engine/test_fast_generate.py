@@ -519,3 +519,54 @@ def test_model_reason_follows_mode_dtype_and_layers(tiny):
     model2.train()
     out = _generate(model2, ids, mask, tiny.PAD, max_new_tokens=4)  # transformers' loop, dropout 0: same
     assert torch.equal(out, stock)
+
+
+def test_after_fused_generate_model_stays_trainable_and_castable(tiny):
+    """A fused generate merges q/k/v and gate/up into shared matrices inside inference mode. The parameters
+    must stay ordinary trainable tensors (requires_grad kept, backward and load_state_dict work, also after
+    revert_model), and a cast after the call rebuilds the engine instead of using the old merged weights."""
+    from hf_accel import revert_model
+
+    base = tiny.model("llama", head_dim=32)
+    ids, mask = tiny.batch(seed=5)
+    stock = _generate(base, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None)
+    model = _accelerated(base, fused=True)
+    params = list(model.parameters())  # what an optimizer made before the first call holds
+    assert torch.equal(_generate(model, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None), stock)
+    fast = model._hf_accel_engine
+    assert fast.merged, "the fused step merged the projections"
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert q.requires_grad and not q.is_inference()
+    other = tiny.model("llama", seed=9, head_dim=32)
+    model.load_state_dict(other.state_dict())  # in-place copies into the merged storage
+    rows = q.shape[0]
+    assert torch.equal(fast.merged[0].qkv_weight[:rows], other.model.layers[0].self_attn.q_proj.weight)
+    model.load_state_dict(base.state_dict())
+    # a cast: the merged matrices are stale now; the next call must not use them
+    model.double()
+    assert "float64" in fast._model_reason() and not fast.merged and not fast.steps
+    model.float()
+    assert torch.equal(_generate(model, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None), stock)
+    revert_model(model)
+    model.train()
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(a is b for a, b in zip(params, model.parameters()))  # the same Parameter objects throughout
+
+
+def test_fused_flag_change_rebuilds_steps(tiny, monkeypatch):
+    """Switching the engine between its PyTorch and Triton step after a call takes effect at the next call."""
+    from hf_accel.engine import decode_step
+
+    calls = []
+    original = decode_step.paged_attention
+    monkeypatch.setattr(decode_step, "paged_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    model = _accelerated(tiny.model("llama"))
+    ids, mask = tiny.batch(seed=6)
+    first = _generate(model, ids, mask, tiny.PAD, max_new_tokens=3, eos_token_id=None)
+    assert not calls  # CPU default: the modules step with the PyTorch reference
+    model._hf_accel_engine.fused = True
+    again = _generate(model, ids, mask, tiny.PAD, max_new_tokens=3, eos_token_id=None)
+    assert calls and torch.equal(again, first)

@@ -138,9 +138,18 @@ def test_num_warps_override_matches_reference_fp32(num_warps):
     want, want_res = fused_linear_ref(x, w, norm_weight=nw, residual=r, swiglu=True)
     torch.testing.assert_close(res, want_res, rtol=0, atol=0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for bad in (3, 0, True, 32):
+    for bad in (3, 0, True, 32, "4"):
         with pytest.raises(ValueError, match="num_warps"):
             fused_linear(x, w, num_warps=bad)
+    for name, bad in (("block_n", 24), ("block_n", 0), ("block_n", 8), ("block_k", 24), ("block_k", 8)):
+        with pytest.raises(ValueError, match=name):
+            fused_linear(x, w, **{name: bad})
+    for bad in (None, "a", True):
+        with pytest.raises(ValueError, match="eps"):
+            fused_linear(x, w, norm_weight=nw, eps=bad)
+    for bad in (1 << 20, False, 0.0, 48):
+        with pytest.raises(ValueError, match="norm_k"):
+            fused_linear(x, w, norm_weight=nw, norm_k=bad)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
@@ -189,8 +198,19 @@ def test_fused_linear_rope_bad_inputs_raise():
     fused_linear_rope(x, w, cos, sin, kc, vc, slots, 3)  # valid
     with pytest.raises(ValueError, match="weight rows"):
         fused_linear_rope(x, w, cos, sin, kc, vc, slots, 4)
-    with pytest.raises(ValueError, match="block_n"):
+    with pytest.raises(ValueError, match="head_dim 32 .* multiple of 32"):
         fused_linear_rope(x, w, cos, sin, kc, vc, slots, 3, block_n=32)  # head_dim / 2 = 16
+    for bad in (8, 24, 0):
+        with pytest.raises(ValueError, match="block_n"):
+            fused_linear_rope(x, w, cos, sin, kc, vc, slots, 3, block_n=bad)
+    for bad in (-1, 0, 2.0, True):
+        with pytest.raises(ValueError, match="num_heads"):
+            fused_linear_rope(x, w, cos, sin, kc, vc, slots, bad)
+    with pytest.raises(ValueError, match="value_cache"):
+        fused_linear_rope(x, w, cos, sin, kc, vc.half(), slots, 3)
+    w16 = w[: 4 * 16]  # head_dim 16 caches: 2 + 2 x 1 heads
+    with pytest.raises(ValueError, match="head_dim 16"):
+        fused_linear_rope(x, w16, cos[:, :16], sin[:, :16], kc[..., :16], vc[..., :16], slots, 2)
     with pytest.raises(ValueError, match="cos/sin"):
         fused_linear_rope(x, w, cos[:2], sin[:2], kc, vc, slots, 3)
     with pytest.raises(ValueError, match="slot_mapping"):
