@@ -131,10 +131,11 @@ def main():
                 err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
                 t_old = graph_replay_us(lambda: [old(w) for w in sets], len(sets))
                 t_def = graph_replay_us(lambda: [fused(w, base) for w in sets], len(sets))
-                prev = {**base, **SMALL_TILES}
-                t_prev = graph_replay_us(lambda: [fused(w, prev) for w in sets], len(sets))
+                small = {**base, **SMALL_TILES}
+                t_small = graph_replay_us(lambda: [fused(w, small) for w in sets], len(sets))
                 results += [dict(bench="fused_linear", provider="fused-small-tiles",
-                                 shape={**shape, "kind": name}, metric="latency", unit="us", value=t_prev),dict(bench="fused_linear", provider="old", shape={**shape, "kind": name}, metric="latency",
+                                 shape={**shape, "kind": name}, metric="latency", unit="us", value=t_small),
+                            dict(bench="fused_linear", provider="old", shape={**shape, "kind": name}, metric="latency",
                                  unit="us", value=t_old),
                             dict(bench="fused_linear", provider="fused-default", shape={**shape, "kind": name},
                                  metric="latency", unit="us", value=t_def, rel_err=err)]
@@ -157,23 +158,23 @@ def main():
                 results.append(dict(bench="fused_linear", provider="fused-best", shape={**shape, "kind": name,
                                     "config": c_best}, metric="latency", unit="us", value=t_best))
                 summary.append(f"{model:14s} rows {rows:3d} {name:20s} old {t_old:8.2f} us  fused-default {t_def:8.2f} "
-                               f"small-tiles {t_prev:8.2f} "
+                               f"small-tiles {t_small:8.2f} "
                                f"best {t_best:8.2f} ({c_best}, {nbytes / t_best / 1e6:.2f} TB/s)  err {err:.1e}")
                 print(summary[-1], flush=True)
             # whole layer (4 matmuls + norms + SwiGLU): old vs fused default vs fused best tiles
             kinds = _kinds(cfg, rows, ws, lm)[:4]
             base = {"pdl": True} if args.pdl else {}
-            prev = {**base, **SMALL_TILES}
+            small = {**base, **SMALL_TILES}
             t_old = graph_replay_us(lambda: [k[2](w) for w in ws for k in kinds], len(ws))
             t_def = graph_replay_us(lambda: [k[1](w, base) for w in ws for k in kinds], len(ws))
-            t_prev = graph_replay_us(lambda: [k[1](w, prev) for w in ws for k in kinds], len(ws))
+            t_small = graph_replay_us(lambda: [k[1](w, small) for w in ws for k in kinds], len(ws))
             t_best = graph_replay_us(lambda: [k[1](w, best[k[0]]) for w in ws for k in kinds], len(ws))
-            for prov, t in (("old", t_old), ("fused-default", t_def), ("fused-small-tiles", t_prev),
+            for prov, t in (("old", t_old), ("fused-default", t_def), ("fused-small-tiles", t_small),
                             ("fused-best", t_best)):
                 results.append(dict(bench="fused_linear", provider=prov, shape={**shape, "kind": "layer"},
                                     metric="latency", unit="us", value=t))
             summary.append(f"{model:14s} rows {rows:3d} LAYER old {t_old:8.2f} us  fused-default {t_def:8.2f}  "
-                           f"small-tiles {t_prev:8.2f}  "
+                           f"small-tiles {t_small:8.2f}  "
                            f"fused-best {t_best:8.2f}")
             print(summary[-1], flush=True)
     write_results("bench_fused_linear", results)

@@ -26,6 +26,8 @@ The paged kernel runs with a fixed number of KV splits so its grid is static. Gr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -377,6 +379,13 @@ class DecodeStep:
         small = not one_row and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
         # gemv and fused_linear take the same arguments: the layer's matmuls with norm / SwiGLU fused in
         linear = self._gemv if one_row else (self._split_linear if small else None)
+        # Q/K/V with RoPE + the cache write as its epilogue (models without a per-head q/k norm): gemv_rope for
+        # one row (2-row pairs per program), fused_linear_rope for 2-16 rows
+        rope_linear = None
+        if one_row and GEMV_ROPE and d % 4 == 0:
+            rope_linear = functools.partial(gemv_rope, preload_tiles=GEMV_PRELOAD_TILES, norm_k=GEMV_NORM_K)
+        elif small and FUSED_LINEAR_ROPE and (d // 2) % 16 == 0:
+            rope_linear = functools.partial(fused_linear_rope, small_tiles=FUSED_LINEAR_SMALL_TILES)
         pdl = DECODE_PDL
         overlap = one_row and pdl and ATTENTION_PDL  # measured for one-row steps only
         attn_kw = {"merge_counters": self.merge_counters if FUSED_MERGE else None,
@@ -390,28 +399,15 @@ class DecodeStep:
             mw = self.merged[layer_idx] if self.merged is not None else None
             pools = self.cache.layers[layer_idx]
             q_norm = getattr(attn, "q_norm", None)
-            if one_row and GEMV_ROPE and q_norm is None and d % 4 == 0:  # gemv_rope: 2-row pairs per program
+            if rope_linear is not None and q_norm is None:
                 # Residual add + RMSNorm + Q/K/V + RoPE + K/V cache write in one kernel.
                 rope_args = (cos, sin, pools.keys, pools.values, slot_mapping, h)
                 if delta is None:
-                    q = gemv_rope(residual, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                  eps=ln.variance_epsilon, pdl=pdl, preload_tiles=GEMV_PRELOAD_TILES,
-                                  norm_k=GEMV_NORM_K)
+                    q = rope_linear(residual, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
+                                    eps=ln.variance_epsilon, pdl=pdl)
                 else:
-                    q, residual = gemv_rope(delta, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                            eps=ln.variance_epsilon, residual=residual, pdl=pdl,
-                                            preload_tiles=GEMV_PRELOAD_TILES, norm_k=GEMV_NORM_K)
-                roped = True
-            elif small and FUSED_LINEAR_ROPE and q_norm is None and (d // 2) % 16 == 0:
-                # The same for 2-16 rows (verify passes, small batches): fused_linear's RoPE epilogue.
-                rope_args = (cos, sin, pools.keys, pools.values, slot_mapping, h)
-                if delta is None:
-                    q = fused_linear_rope(residual, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
-                                          eps=ln.variance_epsilon, pdl=pdl, small_tiles=FUSED_LINEAR_SMALL_TILES)
-                else:
-                    q, residual = fused_linear_rope(delta, mw.qkv_weight, *rope_args, bias=mw.qkv_bias,
-                                                    norm_weight=ln.weight, eps=ln.variance_epsilon, residual=residual,
-                                                    pdl=pdl, small_tiles=FUSED_LINEAR_SMALL_TILES)
+                    q, residual = rope_linear(delta, mw.qkv_weight, *rope_args, bias=mw.qkv_bias, norm_weight=ln.weight,
+                                              eps=ln.variance_epsilon, residual=residual, pdl=pdl)
                 roped = True
             elif linear is not None:
                 roped = False
