@@ -22,7 +22,10 @@ Providers:
   assisted generation only at batch size 1, so batch > 1 is recorded as a ``skipped`` row;
 * ``ours``: ``accelerate_model(model)``, hf-accel's non-speculative fast path: the baseline of the speedups
   and the reference of the losslessness check;
-* ``ours-prompt_lookup``: ``accelerate_model(model, speculative="prompt_lookup")`` (n-gram prompt lookup);
+* ``ours-prompt_lookup``: ``accelerate_model(model, speculative="prompt_lookup")`` (n-gram prompt lookup;
+  each round chosen from its own lookup's matches, ``SpeculativeConfig.match_gated``);
+* ``ours-prompt_lookup-ungated``: the same with ``match_gated=False`` (k from past rounds' acceptance alone,
+  one round in flight), for an A/B of the gating;
 * ``ours-early_exit``: ``speculative="early_exit"`` (self-speculative: first layers + final norm + lm_head);
 * ``ours-draft_model``: ``speculative=draft``. CAVEAT: no smaller real model with SmolLM2's tokenizer is
   available offline, so the draft is a *layer-truncated copy of SmolLM2 itself* (deep copy keeping the
@@ -85,7 +88,7 @@ from common import decode_step_overrides, write_results  # noqa: E402
 import hf_accel  # noqa: E402
 
 BENCH = "bench_speculative"
-SPECULATIVE = ("ours-prompt_lookup", "ours-early_exit", "ours-draft_model")
+SPECULATIVE = ("ours-prompt_lookup", "ours-prompt_lookup-ungated", "ours-early_exit", "ours-draft_model")
 PROVIDERS = ("hf-greedy", "hf-prompt-lookup", "ours", *SPECULATIVE)
 CATEGORIES = ("grounded-text", "grounded-code", "open-ended")
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -248,8 +251,10 @@ def speculative_arg(provider: str, draft, args):
     """What ``accelerate_model(model, speculative=...)`` gets for a speculative provider: the plain form of the
     API (method name / draft model), or a ``SpeculativeConfig`` when an option asks for one."""
     method = provider.removeprefix("ours-")
-    plain = draft if method == "draft_model" else method
     options = {}
+    if method == "prompt_lookup-ungated":
+        method, options["match_gated"] = "prompt_lookup", False
+    plain = draft if method == "draft_model" else method
     if args.num_draft_tokens is not None:
         options["num_draft_tokens"] = args.num_draft_tokens
     if args.fixed_k:
@@ -460,7 +465,8 @@ def _out_dir(private: bool):
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny random Llama, token-id prompts")
-    ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma list out of {', '.join(PROVIDERS)}")
+    ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "ours-prompt_lookup-ungated"),
+                    help=f"comma list out of {', '.join(PROVIDERS)} (default: all but the ungated A/B)")
     ap.add_argument("--skip-draft", action="store_true", help="leave out ours-draft_model")
     ap.add_argument("--categories", default=",".join(CATEGORIES), help="comma list of prompt categories")
     ap.add_argument("--batch-sizes", default="1,8", help="comma list; bs > 1 uses that many prompts (at most 8)")
@@ -583,12 +589,12 @@ def _main(args) -> int:
     def fmt(v, spec):
         return format(v, spec) if v is not None else "-".rjust(len(format(0.0, spec)))
 
-    print(f"\n{'category':14}{'bs':>3}  {'provider':20}{'tok/s':>9}{'vs ours':>9}{'vs hf':>8}{'accept':>8}"
+    print(f"\n{'category':14}{'bs':>3}  {'provider':28}{'tok/s':>9}{'vs ours':>9}{'vs hf':>8}{'accept':>8}"
           f"{'acc/step':>9}{'ident':>6}  note")
     order = {c: i for i, c in enumerate(CATEGORIES)}
     table.sort(key=lambda e: (order[e[0]], e[1], PROVIDERS.index(e[2])))
     for category, bs, prov, tok_s, vs_ours, vs_hf, acc, per_step, ident, note in table:
-        print(f"{category:14}{bs:>3}  {prov:20}{fmt(tok_s, '9.1f')}{fmt(vs_ours, '9.2f')}{fmt(vs_hf, '8.2f')}"
+        print(f"{category:14}{bs:>3}  {prov:28}{fmt(tok_s, '9.1f')}{fmt(vs_ours, '9.2f')}{fmt(vs_hf, '8.2f')}"
               f"{fmt(acc, '8.2f')}{fmt(per_step, '9.2f')}{'' if ident is None else ident:>6}  {note}")
     return 0
 

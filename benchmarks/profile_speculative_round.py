@@ -1,8 +1,9 @@
 """Where the time of a speculative verify round goes (CUDA, real SmolLM2, bf16, bs1).
 
 Times, with CUDA graphs replayed back to back (median of 50 replays, CUDA events): the plain decode step
-(q_len 1), the target forward over q_len = k + 1 tokens, and whole prompt-lookup rounds at k = 0, 8 and 15;
-then a torch.profiler table of the k = 15 round's kernels. Writes ``profile_speculative_round-<date>.json``.
+(q_len 1), the target forward over q_len = k + 1 tokens, and whole prompt-lookup rounds at k = 0, 8 and 15
+(``round_gated_k*``: match-gated rounds at k = 0 and 15, which end with the next round's lookup); then a
+torch.profiler table of the k = 15 round's kernels. Writes ``profile_speculative_round-<date>.json``.
 
     python benchmarks/profile_speculative_round.py [--set NAME=VALUE+...]   # decode_step switches (A/B)
 """
@@ -79,7 +80,7 @@ def _main():
             v.block_table.copy_(step.block_table)
             v.key_mask.copy_(step.key_mask)
             res[f"verify_forward_q{k + 1}_ms"], _ = time_graph(lambda: v._forward())
-        st = _State(step.batch, nb * step.block_size + 1, model.device)
+        st = _State(step.batch, nb * step.block_size + 1, model.device, 15)
         st.reset(0)
         st.tokens[0, :prompt_len] = ids[0]
         st.tokens[0, prompt_len] = logits.argmax(-1)[0]
@@ -87,15 +88,20 @@ def _main():
         st.remaining[0] = 120
         st.active[0] = True
         ctx = {"warp": lambda x: x, "do_sample": False, "block_table": step.block_table, "key_mask": step.key_mask,
-               "use_graph": True, "kernels": True, "verify": {k: fast._step_for(1, nb, q_len=k + 1) for k in (0, 8, 15)}}
+               "use_graph": True, "kernels": True, "verify": {k: fast._step_for(1, nb, q_len=k + 1) for k in (0, 8, 15)},
+               "gated": False}
+        gated_ctx = {**ctx, "gated": True}
+        spec._lookup_next(st, gated_ctx)  # the first round's drafts, as generate does after the prefill
         saved = st.snapshot()
 
-        def round_k(k):
+        def round_k(k, c=ctx):
             st.restore(saved)
-            spec._round(k, st, ctx)
+            spec._round(k, st, c)
 
         for k in (0, 8, 15):
             res[f"round_k{k}_ms"], _ = time_graph(lambda: round_k(k))
+        for k in (0, 15):  # match-gated: the next round's lookup and class counts at the end of the round
+            res[f"round_gated_k{k}_ms"], _ = time_graph(lambda: round_k(k, gated_ctx))
         _, g8 = time_graph(lambda: round_k(15), reps=1)
         from torch.profiler import ProfilerActivity, profile
 

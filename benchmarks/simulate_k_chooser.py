@@ -17,8 +17,12 @@ Time models (ms, H200 bf16 bs1-like): A) plain 0.92, k > 0: 0.95 + 0.003 k; B) p
 C) plain 0.98, 1.0 + 0.004 k. Time to first token 4 ms per call. Speedup per category =
 sum(4 + tokens x plain) / sum(4 + simulated time) over its prompts (tokens: new tokens incl. the prefill one).
 
-Policies: see ``POLICIES`` (the current ``_KChooser`` imported from the engine, and variants of it), and two
-clairvoyant ceilings (``z_oracle_*``: the best k sequence knowing every outcome; not attainable).
+Time model D is today's kernels (plain 0.486 ms; verify 0.793 + 0.0026 k ms).
+
+Policies: see ``POLICIES`` (the current ``_KChooser`` imported from the engine, and variants of it), the
+match-gated loop (``g_match_gated_gap*``: the engine's ``_GatedChooser``, each round chosen from the class of
+its own lookup, no lag, a host turnaround of 0 / 0.02 / 0.04 ms added to every round), and two clairvoyant
+ceilings (``z_oracle_*``: the best k sequence knowing every outcome; not attainable).
 A policy "passes" if, under all three time models, its speedup is >= 5% above the current chooser's on
 grounded-code and no worse than -2% on grounded-text and open-ended.
 
@@ -37,9 +41,10 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-import hf_accel.speculative.engine as eng  # noqa: E402
+import hf_accel.speculative.draft_length as eng  # noqa: E402
+from hf_accel.kernels.commit_tokens import NUM_CLASSES  # noqa: E402
 from hf_accel.kernels.ngram_lookup import ngram_lookup_ref  # noqa: E402
-from hf_accel.speculative.engine import _KChooser, _candidates  # noqa: E402
+from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from study_prompt_lookup import commit_count  # noqa: E402
@@ -55,7 +60,11 @@ TIME_MODELS = {
     "A": (0.92, 0.95, 0.003),  # plain ms, verify intercept ms, per draft ms
     "B": (0.92, 0.97, 0.006),
     "C": (0.98, 1.00, 0.004),
+    # today's kernels: graph replays back to back, profile_generate_call-20261201-662919e.json (plain 0.486,
+    # verify over 2 / 16 tokens 0.796 / 0.833 ms)
+    "D": (0.486, 0.793, 0.0026),
 }
+GATED_GAP_MS = (0.0, 0.02, 0.04)  # host turnaround per round of the match-gated loop (no round in flight)
 
 
 def round_ms(model: str, k: int) -> float:
@@ -74,23 +83,25 @@ def load_rows():
     return {c: [(p, ct) for _, p, ct in sorted(r)] for c, r in rows.items()}
 
 
-def match_table(prompt: list[int], cont: list[int], k_max: int = K_MAX) -> list[int]:
+def match_table(prompt: list[int], cont: list[int], k_max: int = K_MAX, with_ngram: bool = False):
     """For each committed output length j (tokens of cont committed), how many of the k_max prompt-lookup
     drafts (``ngram_lookup_ref`` on prompt + cont[:j]) equal the greedy continuation, valid prefix only.
-    A round with k <= k_max drafts then accepts min(table[j], k) (the k drafts are a prefix of the k_max ones)."""
+    A round with k <= k_max drafts then accepts min(table[j], k) (the k drafts are a prefix of the k_max ones).
+    With ``with_ngram`` also the matched n-gram length at each j (the match class, 0 = none)."""
     p = len(prompt)
     full = torch.tensor([prompt + cont], dtype=torch.long)
-    out = []
+    out, ngrams = [], []
     for j in range(1, MAX_NEW + 1):
         length = p + j
         tokens = full[:, :length].clone()
-        d, v = ngram_lookup_ref(tokens, torch.tensor([length]), torch.tensor([0]), k_max)
+        d, v, ng = ngram_lookup_ref(tokens, torch.tensor([length]), torch.tensor([0]), k_max, with_ngram=True)
         target = cont[j: j + k_max]
         n = 0
         while n < k_max and bool(v[0, n]) and int(d[0, n]) == target[n]:
             n += 1
         out.append(n)
-    return out
+        ngrams.append(min(int(ng[0]), NUM_CLASSES - 1))
+    return (out, ngrams) if with_ngram else out
 
 
 # --- policies -------------------------------------------------------------------------------------------------
@@ -259,6 +270,70 @@ def simulate(prompt, cont, table, policy_cls, tm: str, ahead: int = 1, none_firs
             "plain_decode_ms": tokens * plain_ms, "ks": ks_count, **({"trace": log} if trace else {})}
 
 
+def simulate_gated(prompt, cont, table, ngrams, tm: str, gap_ms: float, none_first_use: bool = True) -> dict:
+    """The match-gated loop (``SpeculativeConfig.match_gated``): each round is chosen by the engine's
+    ``_GatedChooser`` from the class of the lookup made for it, the host waits for every round, and every
+    round costs ``gap_ms`` more (the host's turnaround between rounds; its measured round times include it
+    too). As in the engine, a round's counters update the chooser after the next round is launched, so a
+    choice sees the classes of its own round and the acceptance of the rounds before the last."""
+    chooser = _GatedChooser(K_MAX, DRAFT_COST)
+    j, remaining = 1, MAX_NEW - 1
+    active = remaining > 0 and cont[0] not in EOS
+    used, first, t_ms = set(), True, 0.0
+    ks_count: dict[int, int] = {}
+    verify_rounds = plain_rounds = 0
+    pending = None
+    while active:
+        counts = [0] * NUM_CLASSES
+        counts[ngrams[j - 1]] = 1
+        k = chooser.choose(counts)
+        ks_count[k] = ks_count.get(k, 0) + 1
+        ms = round_ms(tm, k) + gap_ms
+        t_ms += ms
+        n = min(table[j - 1], k) if k > 0 else 0
+        count, finished = commit_count(cont[j: j + k + 1], n, remaining, EOS)
+        hists = [[0] * (k + 1) for _ in range(NUM_CLASSES)]
+        hists[ngrams[j - 1]][n] = 1
+        j += count
+        remaining -= count
+        active = not finished and remaining > 0
+        verify_rounds += k > 0
+        plain_rounds += k == 0
+        captured = none_first_use and k not in used
+        used.add(k)
+        if pending is not None:
+            chooser.update(*pending)
+        pending = (k, hists, None if (captured or first) else ms / 1e3)
+        first = False
+    return {"tokens": j, "verify_rounds": verify_rounds, "plain_rounds": plain_rounds, "sim_ms": t_ms,
+            "plain_decode_ms": j * TIME_MODELS[tm][0], "ks": ks_count}
+
+
+def run_gated(rows, tables, ngrams, none_first_use=True):
+    res = {}
+    for gap in GATED_GAP_MS:
+        name = f"g_match_gated_gap{gap}"
+        res[name] = {}
+        for tm in TIME_MODELS:
+            res[name][tm] = {}
+            for cat in CATEGORIES:
+                per = [simulate_gated(p, c, t, g, tm, gap, none_first_use)
+                       for (p, c), t, g in zip(rows[cat], tables[cat], ngrams[cat])]
+                sim = sum(TTFT_MS + r["sim_ms"] for r in per)
+                base = sum(TTFT_MS + r["plain_decode_ms"] for r in per)
+                ks: dict[int, int] = {}
+                for r in per:
+                    for k, v in r["ks"].items():
+                        ks[k] = ks.get(k, 0) + v
+                res[name][tm][cat] = {"tokens": sum(r["tokens"] for r in per),
+                                      "verify_rounds": sum(r["verify_rounds"] for r in per),
+                                      "plain_rounds": sum(r["plain_rounds"] for r in per),
+                                      "sim_ms": round(sim, 3), "plain_ms": round(base, 3),
+                                      "speedup": round(base / sim, 4),
+                                      "draft_lengths": {str(k): v for k, v in sorted(ks.items())}}
+    return res
+
+
 def run_all(rows, tables, ahead=1, none_first_use=True):
     res = {}
     for name, cls in POLICIES.items():
@@ -314,8 +389,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     assert _candidates(K_MAX) == [0, 1, 2, 4, 8, 15], _candidates(K_MAX)
     rows = load_rows()
-    tables = {c: [match_table(p, ct) for p, ct in rows[c]] for c in CATEGORIES}
+    both = {c: [match_table(p, ct, with_ngram=True) for p, ct in rows[c]] for c in CATEGORIES}
+    tables = {c: [t for t, _ in both[c]] for c in CATEGORIES}
+    ngrams = {c: [g for _, g in both[c]] for c in CATEGORIES}
     res = run_all(rows, tables)
+    res.update(run_gated(rows, tables, ngrams))
     sens = {"engine_timing_only_first_round_none": run_all(rows, tables, none_first_use=False),
             "no_lag": run_all(rows, tables, ahead=0)}
     ver = verdict(res)

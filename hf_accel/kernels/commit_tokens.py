@@ -13,11 +13,25 @@ import torch
 import triton
 import triton.language as tl
 
+#: Layout of the ``info`` counters (int64): ``[0]`` any row still active, ``[1]`` accepted drafts, ``[2]``
+#: drafts examined, ``[3]`` drafts proposed, ``[4]`` largest remaining budget, then ``[INFO_HIST + v]`` rows
+#: that accepted exactly v drafts (v = 0..k). With match classes (``classes``, prompt lookup's matched
+#: n-gram length per row, clamped to ``NUM_CLASSES - 1``): ``[INFO_CLASS_COUNTS + c]`` (written by the
+#: caller: active rows of class c for the next round) and ``[INFO_CLASS_HIST + c * (MAX_DRAFT + 1) + v]``
+#: rows of class c that accepted exactly v drafts.
+MAX_DRAFT = 32
+NUM_CLASSES = 8
+INFO_HIST = 5
+INFO_CLASS_COUNTS = INFO_HIST + MAX_DRAFT + 1
+INFO_CLASS_HIST = INFO_CLASS_COUNTS + NUM_CLASSES
+INFO_SIZE = INFO_CLASS_HIST + NUM_CLASSES * (MAX_DRAFT + 1)
+
 
 @triton.jit
-def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, Active, Eos, Info, Totals,
+def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, Active, Eos, Info, Totals, Classes,
                    batch, stride_tok, num_eos, K, GREEDY: tl.constexpr, COUNT_STEP: tl.constexpr,
-                   BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+                   BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, NUM_CLASSES: tl.constexpr,
+                   CLASS_HIST: tl.constexpr, CLASS_STRIDE: tl.constexpr):
     rows = tl.arange(0, BLOCK_B)
     j = tl.arange(0, BLOCK_J)
     r2 = rows[:, None]
@@ -61,13 +75,19 @@ def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, 
     tl.store(Info + 4, tl.max(tl.where(active, remaining, 0).to(tl.int64), axis=0))
     hist = tl.sum(((n[:, None] == j2) & was_active[:, None] & in_b).to(tl.int64), axis=0)
     tl.store(Info + 5 + j, hist, mask=j < K + 1)
+    if NUM_CLASSES > 0:
+        cls = tl.load(Classes + rows, mask=rows < batch, other=-1)
+        for c in tl.static_range(NUM_CLASSES):
+            hist_c = tl.sum(((n[:, None] == j2) & was_active[:, None] & in_b & (cls[:, None] == c)).to(tl.int64),
+                            axis=0)
+            tl.store(Info + CLASS_HIST + c * CLASS_STRIDE + j, hist_c, mask=j < K + 1)
     tl.store(Totals + 0, tl.load(Totals + 0) + tl.sum(proposed.to(tl.int64) * w, axis=0))
     tl.store(Totals + 1, tl.load(Totals + 1) + tl.sum(n.to(tl.int64) * w, axis=0))
     if COUNT_STEP:
         tl.store(Totals + 2, tl.load(Totals + 2) + tl.sum(w, axis=0))
 
 
-def _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals):
+def _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes=None):
     b, k1 = out.shape
     k = k1 - 1
     if drafts.shape != (b, k) or valid.shape != (b, k) or valid.dtype != torch.bool:
@@ -81,10 +101,17 @@ def _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, to
             raise ValueError(f"{name} must be [{b}] {dt}, got {tuple(t.shape)} {t.dtype}")
     if info.numel() < 6 + k or totals.numel() < 3 or eos.dim() != 1:
         raise ValueError(f"info needs {6 + k} entries, totals 3, eos must be 1-D")
+    if k > MAX_DRAFT:
+        raise ValueError(f"at most {MAX_DRAFT} drafts per row, got {k}")
+    if classes is not None:
+        if classes.shape != (b,) or classes.dtype != torch.long:
+            raise ValueError(f"classes must be [{b}] int64, got {tuple(classes.shape)} {classes.dtype}")
+        if info.numel() < INFO_SIZE:
+            raise ValueError(f"info needs {INFO_SIZE} entries with classes, got {info.numel()}")
 
 
 def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, active, eos, info, totals,
-                  count_step: bool) -> None:
+                  count_step: bool, classes: torch.Tensor | None = None) -> None:
     """Commit one verify step's tokens in place (one launch; batch <= 256).
 
     Args:
@@ -100,25 +127,32 @@ def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, 
             the first rejected), drafts proposed (rows active at the step), largest remaining budget, then
             ``info[5 + v]`` = rows that accepted exactly ``v`` drafts (v = 0..k; rows active at the step).
         totals: [3] int64, accumulated: drafts proposed, accepted, row-steps (only with ``count_step``).
+        classes: optional [batch] int64 match class per row, in [0, NUM_CLASSES) (others are not counted):
+            also writes the per-class histograms of accepted drafts (``info`` then needs :data:`INFO_SIZE`
+            entries; layout at :data:`INFO_CLASS_HIST`).
 
     Raises:
-        ValueError: bad shapes or dtypes, or batch > 256.
+        ValueError: bad shapes or dtypes, more than :data:`MAX_DRAFT` drafts, or batch > 256.
     """
-    _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals)
+    _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes)
     b, k1 = out.shape
+    out, drafts, valid = out.contiguous(), drafts.contiguous(), valid.contiguous()  # the kernel indexes rows densely
     if b > 256:
         raise ValueError(f"commit_tokens handles at most 256 rows per launch, got {b}")
     _commit_kernel[(1,)](out, num_accepted if num_accepted is not None else lengths, drafts, valid.view(torch.uint8),
-                         tokens, lengths, remaining, active.view(torch.uint8), eos, info, totals, b, tokens.stride(0),
+                         tokens, lengths, remaining, active.view(torch.uint8), eos, info, totals,
+                         classes if classes is not None else lengths, b, tokens.stride(0),
                          eos.numel(), k1 - 1, GREEDY=num_accepted is None, COUNT_STEP=bool(count_step),
                          BLOCK_B=max(2, triton.next_power_of_2(b)), BLOCK_J=max(2, triton.next_power_of_2(k1)),
-                         BLOCK_E=max(2, triton.next_power_of_2(eos.numel())))
+                         BLOCK_E=max(2, triton.next_power_of_2(eos.numel())),
+                         NUM_CLASSES=NUM_CLASSES if classes is not None else 0, CLASS_HIST=INFO_CLASS_HIST,
+                         CLASS_STRIDE=MAX_DRAFT + 1)
 
 
 def commit_tokens_ref(out, num_accepted, drafts, valid, tokens, lengths, remaining, active, eos, info, totals,
-                      count_step: bool) -> None:
+                      count_step: bool, classes: torch.Tensor | None = None) -> None:
     """PyTorch reference of :func:`commit_tokens` (same arguments and effects)."""
-    _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals)
+    _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes)
     k = drafts.shape[1]
     if num_accepted is None:
         num_accepted = ((drafts == out[:, :k]) & valid).long().cumprod(dim=1).sum(dim=1)
@@ -146,6 +180,12 @@ def commit_tokens_ref(out, num_accepted, drafts, valid, tokens, lengths, remaini
     info[3] = (proposed * w).sum()
     info[4] = (remaining * active).amax()
     info[5: 6 + k] = torch.zeros(k + 1, dtype=info.dtype, device=info.device).scatter_add_(0, n, w)
+    if classes is not None:
+        stride = MAX_DRAFT + 1
+        in_range = (classes >= 0) & (classes < NUM_CLASSES)
+        flat = torch.zeros(NUM_CLASSES * stride, dtype=info.dtype, device=info.device)
+        flat.scatter_add_(0, classes.clamp(0, NUM_CLASSES - 1) * stride + n, w * in_range)
+        info[INFO_CLASS_HIST: INFO_SIZE].view(NUM_CLASSES, stride)[:, : k + 1] = flat.view(NUM_CLASSES, stride)[:, : k + 1]
     totals[0] += (proposed * w).sum()
     totals[1] += (n * w).sum()
     if count_step:

@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, capacity, stride_tb, K,
+def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, capacity, stride_tb, K,
                          MAX_NGRAM: tl.constexpr, MIN_NGRAM: tl.constexpr, BLOCK: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -21,6 +21,7 @@ def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, capacity, strid
     length = tl.load(Lengths + b).to(tl.int32)
     start = tl.load(Starts + b).to(tl.int32)
     found = length * 0 - 1
+    matched = length * 0
     for i in tl.static_range(MAX_NGRAM - MIN_NGRAM + 1):  # n = MAX_NGRAM - i (constexpr, written inline)
         best = length * 0 + capacity
         for blk in range(0, capacity, BLOCK):
@@ -32,17 +33,20 @@ def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, capacity, strid
                 got = tl.load(row + s + j, mask=hit, other=-1)
                 hit = hit & (got == want)
             best = tl.minimum(best, tl.min(tl.where(hit, s, capacity), axis=0))
-        found = tl.where((found < 0) & (best < capacity), best + (MAX_NGRAM - i), found)
+        new = (found < 0) & (best < capacity)
+        matched = tl.where(new, MAX_NGRAM - i, matched)
+        found = tl.where(new, best + (MAX_NGRAM - i), found)
     kk = tl.arange(0, BLOCK_K)
     idx = found + kk
     ok = (idx >= 0) & (kk < K) & (idx < length) & (kk * 0 + found >= 0)
     drafts = tl.load(row + idx, mask=ok, other=0)
     tl.store(Drafts + b * K + kk, drafts, mask=kk < K)
     tl.store(Valid + b * K + kk, ok.to(tl.uint8), mask=kk < K)
+    tl.store(Ngram + b, matched.to(tl.int64))
 
 
 def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
-                 min_ngram: int = 1):
+                 min_ngram: int = 1, with_ngram: bool = False, out=None):
     """Prompt-lookup drafts, one launch.
 
     Args:
@@ -50,9 +54,13 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
         lengths: [batch] int64 — committed tokens per row, padding included.
         starts: [batch] int64 — first real token per row (matches never start before it).
         k: tokens to draft (>= 1); max_ngram >= min_ngram >= 1.
+        with_ngram: also return the length of the n-gram each row matched.
+        out: optional (drafts [batch, k] int64, valid [batch, k] bool, ngram [batch] int64) contiguous
+            tensors to write (and return) instead of new ones.
 
     Returns:
-        (drafts [batch, k] int64, valid [batch, k] bool, a prefix per row), as :func:`ngram_lookup_ref`.
+        (drafts [batch, k] int64, valid [batch, k] bool, a prefix per row), as :func:`ngram_lookup_ref`;
+        with ``with_ngram`` also ngram [batch] int64: the matched n (0 where nothing matched).
 
     Raises:
         ValueError: bad shapes, dtypes or n-gram bounds.
@@ -65,20 +73,31 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
         raise ValueError(f"lengths {tuple(lengths.shape)} and starts {tuple(starts.shape)} must be [{b}]")
     if k < 1 or not 1 <= min_ngram <= max_ngram:
         raise ValueError(f"need k >= 1 and 1 <= min_ngram <= max_ngram, got {k}, {min_ngram}, {max_ngram}")
-    drafts = torch.empty(b, k, dtype=torch.long, device=tokens.device)
-    valid = torch.empty(b, k, dtype=torch.uint8, device=tokens.device)
-    _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, cap, tokens.stride(0), k,
+    if out is not None:
+        drafts, valid, ngram = out
+        for name, t, shape, dt in (("drafts", drafts, (b, k), torch.long), ("valid", valid, (b, k), torch.bool),
+                                   ("ngram", ngram, (b,), torch.long)):
+            if t.shape != shape or t.dtype != dt or not t.is_contiguous() or t.device != tokens.device:
+                raise ValueError(f"out {name} must be a contiguous {list(shape)} {dt} tensor on {tokens.device}, "
+                                 f"got {tuple(t.shape)} {t.dtype}")
+        valid = valid.view(torch.uint8)
+    else:
+        drafts = torch.empty(b, k, dtype=torch.long, device=tokens.device)
+        valid = torch.empty(b, k, dtype=torch.uint8, device=tokens.device)
+        ngram = torch.empty(b, dtype=torch.long, device=tokens.device)
+    _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, ngram, cap, tokens.stride(0), k,
                                MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram,
                                BLOCK=min(1024, triton.next_power_of_2(cap)), BLOCK_K=triton.next_power_of_2(k))
-    return drafts, valid.view(torch.bool)
+    return (drafts, valid.view(torch.bool), ngram) if with_ngram else (drafts, valid.view(torch.bool))
 
 
 def ngram_lookup_ref(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
-                     min_ngram: int = 1):
+                     min_ngram: int = 1, with_ngram: bool = False):
     """PyTorch reference of :func:`ngram_lookup` (same arguments and results)."""
     b, cap = tokens.shape
     dev = tokens.device
     found = torch.full((b,), -1, dtype=torch.long, device=dev)
+    matched = torch.zeros(b, dtype=torch.long, device=dev)
     for n in range(max_ngram, min_ngram - 1, -1):
         if n >= cap:
             continue
@@ -90,8 +109,10 @@ def ngram_lookup_ref(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.
         ok = (windows == suffix[:, None, :]).all(dim=-1) & (s + n < lengths[:, None]) & (s >= starts[:, None])
         ok &= (lengths - n >= starts)[:, None]
         first = torch.where(ok, s, cap).amin(dim=1)
-        found = torch.where((found < 0) & (first < cap), first + n, found)
+        new = (found < 0) & (first < cap)
+        matched = torch.where(new, n, matched)
+        found = torch.where(new, first + n, found)
     idx = found[:, None] + torch.arange(k, device=dev)
     valid = (found >= 0)[:, None] & (idx < lengths[:, None])
-    drafts = tokens.gather(1, idx.clamp(0, cap - 1))
-    return torch.where(valid, drafts, 0), valid
+    drafts = torch.where(valid, tokens.gather(1, idx.clamp(0, cap - 1)), 0)
+    return (drafts, valid, matched) if with_ngram else (drafts, valid)

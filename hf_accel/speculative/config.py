@@ -34,6 +34,12 @@ class SpeculativeConfig:
             needs most of its layers (SmolLM2-135M: 0% of drafts accepted at 8 of 30 layers, ~20% at 27),
             and then the adaptive draft length backs off to plain decoding.
         max_ngram / min_ngram: n-gram lengths prompt lookup tries, longest first.
+        match_gated: prompt lookup with ``adaptive``: each round's lookup runs at the end of the round
+            before, and the next round's k (0: plain decoding) is chosen knowing how long an n-gram each row
+            matched, with acceptance tracked per matched length. A round with no match, or only matches
+            that rarely hold (on SmolLM2 mostly 1-grams), is a plain step instead of a verify pass over
+            drafts that would be rejected. With ``False`` k is chosen from the acceptance of past rounds
+            alone, one round ahead of the counters (the host never waits for the GPU).
 
     Raises:
         ValueError: an unknown method, a missing/extra ``draft_model``, or a count out of range.
@@ -46,10 +52,12 @@ class SpeculativeConfig:
     exit_layer: int | None = None
     max_ngram: int = 3
     min_ngram: int = 1
+    match_gated: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
+        for name in ("adaptive", "match_gated"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if (self.method == "draft_model") != (self.draft_model is not None):

@@ -21,6 +21,12 @@ round uses the k in ``{0, 1, 2, 4, ..., k_max}`` with the most expected tokens p
 times measured on this machine (a prior until measured). ``k = 0`` is plain decoding ("backed off"); every
 16th backed-off round probes the best ``k > 0`` again so the estimate can recover.
 
+*Match-gated prompt lookup* (``SpeculativeConfig.match_gated``, the default with ``adaptive``): each round
+ends with the next round's n-gram lookup, and the host chooses the next round's k from the rows' matched
+n-gram lengths (:class:`~.draft_length._GatedChooser`): a round in which no row matched, or only matched
+n-grams that rarely hold, is a plain step rather than a verify pass over drafts that would be rejected.
+The host then waits for each round before launching the next (no round in flight).
+
 *A draft model while backed off.* Plain rounds do not run the draft model: its paged cache lags behind
 the committed tokens and is caught up by one forward over a fixed window of the last committed tokens
 right before the next round that drafts (:meth:`SpeculativeEngine._catch_up_inputs` says why the window
@@ -29,6 +35,7 @@ is exact).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -36,145 +43,45 @@ from hf_accel._logging import log_once
 from hf_accel.engine.fast_generate import call_inputs, sampling_warpers
 from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
-from hf_accel.kernels.commit_tokens import commit_tokens, commit_tokens_ref
+from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
+                                            commit_tokens, commit_tokens_ref)
+from hf_accel.kernels.ngram_lookup import ngram_lookup, ngram_lookup_ref
 from hf_accel.speculative.verify import rejection_sample, sample
-
-_PROBE_EVERY = 16  # plain rounds between probes while backed off (also the most plain rounds in a row)
-_PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
-_PLAIN_TIMINGS = 2  # plain rounds a chooser runs to time them (a round that captures a graph is not timed)
-_DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
-_SHRINK = 2.0  # pseudo-rounds of the previous position's hazard in each position's estimate
-
-
-def _candidates(k_max: int) -> list[int]:
-    ks, k = [0], 1
-    while k < k_max:
-        ks.append(k)
-        k *= 2
-    return ks + [k_max]
-
-
-class _KChooser:
-    """Chooses k per round from the measured acceptance and round times.
-
-    Acceptance is modelled per draft position: the hazard ``h(m)`` = P(draft m + 1 is rejected | the
-    first m were accepted), estimated from the rounds' histograms of accepted counts (censored at the k
-    used; recent rounds weigh more). Drafts copied by prompt lookup tend to be all right or wrong at once
-    (the hazard falls along a copied span), which a single per-draft rate would miss. The expected tokens
-    of a round with k drafts is ``1 + sum_{m=1..k} prod_{i<m} (1 - h(i))``.
-
-    Round times are measured (CUDA events, per k). A k not measured yet is scaled from the nearest measured
-    k of the same kind (a verify round from a verify round, with the prior ``draft_cost`` per drafted
-    token), never a verify round from a plain one: the two run different kernels (at batch 1 the plain
-    step's one-row GEMVs are much cheaper than a verify pass over k + 1 rows). So once a verify round has
-    been timed, one plain round is run to time it too, before backing off is weighed on a guess.
-
-    Never more than :attr:`max_plain_run` plain rounds in a row: the window that catches a draft model's
-    cache up after plain rounds is sized by it."""
-
-    prior_hazard = 1.0 / 3.0  # before any round is seen
-    max_plain_run = _PROBE_EVERY
-    shrink = _SHRINK
-    decay = _DECAY
-
-    def __init__(self, k_max: int, adaptive: bool, draft_cost: float):
-        self.k_max = k_max
-        self.adaptive = adaptive
-        self.ks = _candidates(k_max) if adaptive else [k_max]
-        self.draft_cost = draft_cost  # prior: extra time per drafted token, as a fraction of a plain step
-        self.trials = [0.0] * k_max
-        self.fails = [0.0] * k_max
-        self.times: dict[int, float] = {}
-        self.since_probe = 0
-        self.plain_timings = 0  # plain rounds run to time them (at most _PLAIN_TIMINGS)
-
-    def expected_tokens(self, k: int) -> float:
-        total, survive, hazard = 1.0, 1.0, self.prior_hazard
-        for m in range(k):
-            # shrunk towards the previous position's hazard (the prior before any data), so positions never
-            # examined yet inherit what the last examined one showed
-            hazard = (self.fails[m] + self.shrink * hazard) / (self.trials[m] + self.shrink)
-            survive *= 1.0 - hazard
-            total += survive
-        return total
-
-    def time(self, k: int) -> float:
-        if k in self.times:
-            return self.times[k]
-        if not self.times:
-            return 1.0 + self.draft_cost * k
-        same = [k0 for k0 in self.times if (k0 > 0) == (k > 0)]
-        k0 = min(same or self.times, key=lambda k0: abs(k0 - k))
-        return self.times[k0] * (1.0 + self.draft_cost * k) / (1.0 + self.draft_cost * k0)
-
-    def _best(self, ks) -> int:
-        return max(ks, key=lambda k: self.expected_tokens(k) / self.time(k))
-
-    def choose(self, max_remaining: int) -> tuple[int, int]:
-        """(k, rounds): the draft length of the next rounds and how many to run before the next host sync
-        (several plain rounds back to back while backed off, at most ``max_remaining``, and never past
-        the next probe: so at most ``max_plain_run`` plain rounds between two rounds with k > 0)."""
-        if not self.adaptive:
-            return self.k_max, 1
-        if (0 in self.ks and 0 not in self.times and any(k > 0 for k in self.times)
-                and self.plain_timings < _PLAIN_TIMINGS and self.since_probe < self.max_plain_run):
-            self.plain_timings += 1
-            self.since_probe += 1
-            return 0, 1
-        best = self._best(self.ks)
-        if best > 0:
-            return best, 1
-        if self.since_probe >= self.max_plain_run:
-            self.since_probe = 0
-            return self._best(self.ks[1:]), 1
-        rounds = max(1, min(_PLAIN_BURST, max_remaining, self.max_plain_run - self.since_probe))
-        self.since_probe += rounds
-        return 0, rounds
-
-    def update(self, k: int, accepted_hist: list[int], seconds: float | None) -> None:
-        """``accepted_hist[v]``: rows that accepted exactly v of the round's k drafts."""
-        if k > 0 and any(accepted_hist):
-            self.trials = [self.decay * t for t in self.trials]
-            self.fails = [self.decay * f for f in self.fails]
-            for v, c in enumerate(accepted_hist[: k + 1]):
-                if c:
-                    for m in range(min(v, k - 1) + 1):
-                        self.trials[m] += c
-                    if v < k:
-                        self.fails[v] += c
-        if seconds is not None:
-            old = self.times.get(k)
-            self.times[k] = seconds if old is None else 0.7 * old + 0.3 * seconds
+from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates
 
 
 class _State:
     """Device state of one generate call (static buffers; the round graphs read and update them).
 
     tokens [batch, capacity] int64 (prompt with its left padding, then output; pad after a row's end),
-    lengths / starts / remaining [batch] int64, active [batch] bool, info [38] int64 (this round: any row
-    active, accepted drafts, drafts examined, drafts proposed, largest remaining budget, then the histogram
-    of accepted drafts per row), totals [3] int64
-    (drafts proposed, accepted, row-steps). One state per graph key, reused by every call of that shape
-    (captured graphs read these very tensors)."""
+    lengths / starts / remaining [batch] int64, active [batch] bool, info [INFO_SIZE] int64 (this round's
+    counters, layout in :mod:`hf_accel.kernels.commit_tokens`), totals [3] int64 (drafts proposed, accepted,
+    row-steps); for match-gated prompt lookup the next round's lookup: drafts [batch, k_max] int64, valid
+    [batch, k_max] bool and ngram [batch] int64 (match class). One state per graph key, reused by every call
+    of that shape (captured graphs read these very tensors)."""
 
-    NAMES = ("tokens", "lengths", "starts", "remaining", "active", "info", "totals")
+    NAMES = ("tokens", "lengths", "starts", "remaining", "active", "info", "totals", "drafts", "valid", "ngram")
 
-    def __init__(self, batch: int, capacity: int, device):
+    def __init__(self, batch: int, capacity: int, device, k_max: int = 1):
         self.tokens = torch.zeros(batch, capacity, dtype=torch.long, device=device)
         self.lengths = torch.ones(batch, dtype=torch.long, device=device)
         self.starts = torch.zeros(batch, dtype=torch.long, device=device)
         self.remaining = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.info = torch.zeros(6 + 32, dtype=torch.long, device=device)
+        self.info = torch.zeros(INFO_SIZE, dtype=torch.long, device=device)
         self.totals = torch.zeros(3, dtype=torch.long, device=device)
         self.eos = torch.full((8,), -1, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(batch, k_max, dtype=torch.long, device=device)
+        self.valid = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
+        self.ngram = torch.zeros(batch, dtype=torch.long, device=device)
 
     def reset(self, pad: int) -> None:
         self.tokens.fill_(pad)
         self.lengths.fill_(1)
-        for t in (self.starts, self.remaining, self.info, self.totals):
+        for t in (self.starts, self.remaining, self.info, self.totals, self.drafts, self.ngram):
             t.zero_()
         self.active.zero_()
+        self.valid.zero_()
         self.eos.fill_(-1)
 
     def snapshot(self):
@@ -227,6 +134,12 @@ class SpeculativeEngine:
         engine.fused = self.fast.fused
         return engine
 
+    @property
+    def match_gated(self) -> bool:
+        """Whether rounds are chosen from the next round's prompt-lookup matches (:class:`_GatedChooser`)."""
+        cfg = self.config
+        return cfg.method == "prompt_lookup" and cfg.adaptive and cfg.match_gated
+
     # -- eligibility ----------------------------------------------------------------------------------
     def check(self, gc) -> str | None:
         """Why this call cannot decode speculatively (None if it can); the caller then runs the plain fast path."""
@@ -249,6 +162,8 @@ class SpeculativeEngine:
         if k == 0:  # plain round; a draft model's cache lags until _catch_up_draft
             drafts = torch.zeros(b, 0, dtype=torch.long, device=dev)
             valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)
+        elif ctx["gated"]:  # looked up at the end of the previous round
+            drafts, valid = st.drafts[:, :k], st.valid[:, :k]
         elif self.config.method == "prompt_lookup":
             drafts, valid = prompt_lookup(st.tokens, st.lengths, st.starts, k, self.config.max_ngram,
                                           self.config.min_ngram, use_kernel=ctx["kernels"])
@@ -273,7 +188,28 @@ class SpeculativeEngine:
             out, n = logits.argmax(dim=-1), None  # greedy: the commit counts the matching prefix
         commit = commit_tokens if ctx["kernels"] and b <= 256 else commit_tokens_ref  # one program: <= 256 rows
         commit(out, n, drafts, valid, st.tokens, st.lengths, st.remaining, st.active, st.eos, st.info, st.totals,
-               count_step=k > 0)
+               count_step=k > 0, classes=st.ngram if ctx["gated"] else None)
+        if ctx["gated"]:
+            self._lookup_next(st, ctx)
+
+    def _lookup_next(self, st: _State, ctx) -> None:
+        """Match-gated prompt lookup: the next round's drafts, valid masks and match classes into ``st``, and
+        the active rows per class into ``info[INFO_CLASS_COUNTS:]`` (device work only)."""
+        cfg = self.config
+        k_max = st.drafts.shape[1]
+        if ctx["kernels"]:
+            ngram_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram,
+                         out=(st.drafts, st.valid, st.ngram))
+        else:
+            d, v, n = ngram_lookup_ref(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram,
+                                       with_ngram=True)
+            st.drafts.copy_(d)
+            st.valid.copy_(v)
+            st.ngram.copy_(n)
+        st.ngram.clamp_(max=NUM_CLASSES - 1)
+        counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
+        counts.zero_()
+        counts.scatter_add_(0, st.ngram, st.active.long())
 
     @staticmethod
     def _window_inputs(st: _State, width: int, end: torch.Tensor):
@@ -399,7 +335,8 @@ class SpeculativeEngine:
                    "key_mask": step.key_mask, "use_graph": step.use_graph,
                    # one-launch Triton kernels for the lookup and the commit on CUDA (and on CPU with the
                    # fused step, under Triton's interpreter); their PyTorch references otherwise
-                   "kernels": step.fused or model.device.type == "cuda"}
+                   "kernels": step.fused or model.device.type == "cuda",
+                   "gated": self.match_gated}
             nb = step.max_blocks
             ctx["verify"] = {k: fast._step_for(batch, nb, q_len=k + 1) for k in _candidates(k_max)}
             if cfg.method == "early_exit":
@@ -422,10 +359,10 @@ class SpeculativeEngine:
                 self._graph_cache = caches
             rows = step.batch
             # graphs bake in the buffers, the sampling settings and the pad id
-            key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad)
+            key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad, k_max, ctx["gated"])
             st = self.states.get(key)
             if st is None or not ctx["use_graph"]:
-                st = self.states[key] = _State(rows, nb * step.block_size + 1, model.device)
+                st = self.states[key] = _State(rows, nb * step.block_size + 1, model.device, k_max)
             st.reset(pad)
             st.tokens[:batch, :prompt_len] = input_ids
             if eos_list:
@@ -439,7 +376,14 @@ class SpeculativeEngine:
             if streamer is not None:
                 streamer.put(input_ids.cpu())
                 streamer.put(first.cpu())
-            chooser = _KChooser(k_max, cfg.adaptive, self._draft_cost())
+            gated = ctx["gated"]
+            counts = None
+            if gated:  # the first round's lookup; then each round looks up the next one's drafts at its end
+                self._lookup_next(st, ctx)
+                counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
+                chooser = _GatedChooser(k_max, self._draft_cost())
+            else:
+                chooser = _KChooser(k_max, cfg.adaptive, self._draft_cost())
             chooser.times = dict(self.round_times.get(key, {}))  # round times are the machine's, kept per shape
             if ctx["use_graph"]:  # capture every draft length the chooser may pick now, not mid-generation
                 for k in chooser.ks:
@@ -453,20 +397,26 @@ class SpeculativeEngine:
             running, max_remaining = bool(st.active.any()), max_new - 1
             # On the GPU the host queues the next round before reading the previous one's counters (one
             # round in flight), so the GPU never waits for the host; the adaptive k uses counters one round old.
-            ahead = 1 if (ctx["use_graph"] and streamer is None) else 0
+            # Match-gated rounds need the previous round's lookup, so none is in flight while choosing.
+            ahead = 1 if (ctx["use_graph"] and streamer is None and not gated) else 0
             pinned = torch.zeros(3, st.info.numel(), dtype=torch.long, pin_memory=ctx["use_graph"])
             inflight: list = []
+            deferred = None  # match-gated: the chooser's update for the last round read, run after the next launch
             last_done = None
             slot = 0
             while running:
-                k, rounds = chooser.choose(max_remaining if streamer is None else 1)
+                if gated:
+                    k, rounds = chooser.choose(counts), 1
+                else:
+                    k, rounds = chooser.choose(max_remaining if streamer is None else 1)
                 ks[k] = ks.get(k, 0) + rounds
                 before = st.lengths[:batch].clone() if streamer is not None else None
                 t0 = time.perf_counter()
                 captured = False
                 if k == 0:
                     plain_run += rounds
-                    assert plain_run <= chooser.max_plain_run, "plain rounds past the draft's catch-up window"
+                    assert not catch_up or plain_run <= chooser.max_plain_run, \
+                        "plain rounds past the draft's catch-up window"
                 else:
                     if catch_up and plain_run:  # counted in this round's time
                         captured |= self._run_catch_up(st, ctx, key)
@@ -480,6 +430,9 @@ class SpeculativeEngine:
                     event.record()
                 inflight.append((event, slot, k, rounds, captured, t0))
                 slot = (slot + 1) % 3
+                if deferred is not None:  # the previous round's counters, while this round runs
+                    deferred()
+                    deferred = None
                 if len(inflight) <= ahead:
                     continue
                 event, done_slot, k, rounds, captured, t0 = inflight.pop(0)
@@ -490,13 +443,20 @@ class SpeculativeEngine:
                     last_done = (event, captured)
                 else:
                     seconds = None if captured else (time.perf_counter() - t0) / rounds
-                info = pinned[done_slot].tolist()
-                chooser.update(k, info[5: 6 + k], seconds)
+                if gated:  # only what the next choice needs before the next launch; the rest after it
+                    info = pinned[done_slot, :INFO_CLASS_HIST].tolist()
+                    counts = info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
+                    deferred = functools.partial(self._update_gated, chooser, pinned[done_slot], k, seconds)
+                else:
+                    info = pinned[done_slot].tolist()
+                    chooser.update(k, info[5: 6 + k], seconds)
                 running, max_remaining = bool(info[0]), info[4]
                 if streamer is not None:
                     after = st.lengths[:batch]
                     if int(after[0]) > int(before[0]):
                         streamer.put(st.tokens[0, int(before[0]): int(after[0])].cpu())
+            if deferred is not None:
+                deferred()
             if streamer is not None:
                 streamer.end()
             if cfg.adaptive:
@@ -506,6 +466,7 @@ class SpeculativeEngine:
             self.last_stats = {
                 "method": cfg.method,
                 "num_draft_tokens": k_max,
+                "match_gated": gated,
                 "verify_steps": steps_spec,
                 "backed_off_steps": ks.get(0, 0),
                 "draft_lengths": {str(k): v for k, v in sorted(ks.items())},
@@ -522,6 +483,13 @@ class SpeculativeEngine:
             cache.release()
             if draft_cache is not None:
                 draft_cache.release()
+
+    @staticmethod
+    def _update_gated(chooser, info: torch.Tensor, k: int, seconds: float | None) -> None:
+        """:meth:`_GatedChooser.update` from a round's pinned ``info`` (its per-class histograms)."""
+        stride = MAX_DRAFT + 1
+        hists = info[INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].view(NUM_CLASSES, stride)[:, : k + 1]
+        chooser.update(k, hists.tolist(), seconds)
 
     def close(self) -> None:
         """Drop captured graphs and states; revert the draft model if this engine accelerated it."""

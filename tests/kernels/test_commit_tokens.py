@@ -64,3 +64,49 @@ def test_commits_the_accepted_prefix_and_stops_at_eos():
     assert tokens[0, 2:6].tolist() == [7, 8, 1, 0] and tokens[1, 3:6].tolist() == [7, 8, 0]
     assert lengths.tolist() == [5, 5] and remaining.tolist() == [7, 8] and active.tolist() == [False, True]
     assert info.tolist() == [1, 4, 5, 6, 8, 0, 1, 0, 1] and totals.tolist() == [6, 4, 2]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("k", [0, 3, 8])
+@pytest.mark.parametrize("seed", range(3))
+def test_class_histograms_match_reference_and_sum_to_the_histogram(seed, k, greedy):
+    from hf_accel.kernels.commit_tokens import INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES
+
+    batch = 6
+    state = list(_state(seed, batch, k))
+    state[9] = torch.full((INFO_SIZE,), 99, dtype=torch.long)
+    g = torch.Generator().manual_seed(100 + seed)
+    classes = torch.randint(0, NUM_CLASSES, (batch,), generator=g)
+    was_active = state[7].clone()
+    a = [t.to(DEV) for t in state]
+    b = [t.cpu().clone() for t in a]
+    if greedy:
+        a[1] = b[1] = None
+    commit_tokens(*a, count_step=k > 0, classes=classes.to(DEV))
+    commit_tokens_ref(*b, count_step=k > 0, classes=classes)
+    for name, x, y in zip(["tokens", "lengths", "remaining", "active", "eos", "info", "totals"], a[4:], b[4:]):
+        assert torch.equal(x.cpu(), y), name
+    info = b[9]
+    hists = info[INFO_CLASS_HIST:].view(NUM_CLASSES, MAX_DRAFT + 1)[:, : k + 1]
+    assert torch.equal(hists.sum(0), info[5: 6 + k])  # every active row in exactly one class
+    for c in range(NUM_CLASSES):  # rows of class c (active at the step), by accepted count
+        assert int(hists[c].sum()) == int((was_active & (classes == c)).sum()), c
+
+
+def test_classes_need_room_in_info():
+    state = list(_state(0, 2, 3))
+    with pytest.raises(ValueError, match="info needs"):
+        commit_tokens_ref(*state, count_step=True, classes=torch.zeros(2, dtype=torch.long))
+
+
+def test_takes_column_slices_of_wider_drafts():
+    """Drafts and valid masks sliced out of wider buffers (the first k of k_max columns) commit as copies do."""
+    out, n, drafts, valid, *rest = _state(4, 5, 3)
+    wide_d = torch.cat([drafts, torch.full((5, 2), 7)], dim=1)
+    wide_v = torch.cat([valid, torch.ones(5, 2, dtype=torch.bool)], dim=1)
+    a = [t.to(DEV) for t in (out, wide_d, wide_v, *rest)]
+    b = [t.cpu().clone() for t in (out, drafts, valid, *rest)]
+    commit_tokens(a[0], None, a[1][:, :3], a[2][:, :3], *a[3:], count_step=True)
+    commit_tokens_ref(b[0], None, *b[1:], count_step=True)
+    for x, y in zip(a[3:], b[3:]):
+        assert torch.equal(x.cpu(), y)

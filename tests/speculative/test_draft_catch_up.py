@@ -19,7 +19,8 @@ import pytest
 
 from hf_accel import SpeculativeConfig, accelerate_model, speculative_stats
 from hf_accel.engine.decode_step import DecodeStep
-from hf_accel.speculative.engine import _KChooser, _PLAIN_BURST, SpeculativeEngine
+from hf_accel.speculative.draft_length import _PLAIN_BURST, _KChooser
+from hf_accel.speculative.engine import SpeculativeEngine
 
 LAYERS = 4
 NEW_TOKENS = 80

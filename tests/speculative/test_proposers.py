@@ -72,7 +72,25 @@ def test_kernel_matches_reference(seed, k):
     lengths = torch.randint(2, cap + 1, (batch,), generator=g)
     starts = torch.minimum(torch.randint(0, 6, (batch,), generator=g), lengths - 1)
     for max_ngram, min_ngram in ((3, 1), (2, 2), (4, 2)):
-        want = ngram_lookup_ref(tokens, lengths, starts, k, max_ngram, min_ngram)
+        want = ngram_lookup_ref(tokens, lengths, starts, k, max_ngram, min_ngram, with_ngram=True)
         dev = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's interpreter on CPU
-        got = [t.cpu() for t in ngram_lookup(tokens.to(dev), lengths.to(dev), starts.to(dev), k, max_ngram, min_ngram)]
+        got = [t.cpu() for t in ngram_lookup(tokens.to(dev), lengths.to(dev), starts.to(dev), k, max_ngram, min_ngram,
+                                             with_ngram=True)]
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (max_ngram, min_ngram)
+        assert torch.equal(got[2], want[2]), (max_ngram, min_ngram)
+        assert torch.equal(want[2], _brute_ngram(tokens, lengths, starts, max_ngram, min_ngram)), (max_ngram, min_ngram)
+
+
+def _brute_ngram(tokens, lengths, starts, max_ngram, min_ngram):
+    """The longest n in [min_ngram, max_ngram] whose last n committed tokens occur earlier in the row (not in
+    its padding, followed by a committed token); 0 if none."""
+    out = []
+    for row, length, start in zip(tokens.tolist(), lengths.tolist(), starts.tolist()):
+        best = 0
+        for n in range(max_ngram, min_ngram - 1, -1):
+            suffix = row[length - n:length]
+            if length - n >= start and any(row[s:s + n] == suffix for s in range(start, length - n)):
+                best = n
+                break
+        out.append(best)
+    return torch.tensor(out)

@@ -20,7 +20,9 @@ from transformers.generation.streamers import BaseStreamer
 import hf_accel
 from hf_accel import SpeculativeConfig, accelerate_model, revert_model, speculative_stats
 from hf_accel.cache.paged_cache import PagedCache
-from hf_accel.speculative.engine import _KChooser
+from hf_accel.kernels.commit_tokens import INFO_CLASS_COUNTS, NUM_CLASSES
+from hf_accel.kernels.ngram_lookup import ngram_lookup_ref
+from hf_accel.speculative.draft_length import _PROBE_EVERY, _GatedChooser, _KChooser
 
 LAYERS = 4
 P_MIN = 1e-3
@@ -351,7 +353,7 @@ def test_k_chooser_fixed_k():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["prompt_lookup", "early_exit", "draft_model"])
+@pytest.mark.parametrize("method", ["prompt_lookup", "prompt_lookup-gated", "early_exit", "draft_model"])
 def test_smollm2_greedy_identical(method, smollm2, monkeypatch):
     model, tokenizer = smollm2
     from pydoc_data.topics import topics
@@ -367,8 +369,11 @@ def test_smollm2_greedy_identical(method, smollm2, monkeypatch):
     # SmolLM2 was not trained for early exits: its first 8 layers' drafts are never accepted, 27 of 30 are
     # accepted ~20% of the time, enough to exercise acceptance
     draft = truncated(model, 27) if method == "draft_model" else None
-    spec = SpeculativeConfig(method, draft_model=draft, num_draft_tokens=4, adaptive=False,
-                             exit_layer=27 if method == "early_exit" else None)
+    if method == "prompt_lookup-gated":  # adaptive: each round chosen from its own lookup's matches
+        spec = SpeculativeConfig("prompt_lookup", num_draft_tokens=4)
+    else:
+        spec = SpeculativeConfig(method, draft_model=draft, num_draft_tokens=4, adaptive=False,
+                                 exit_layer=27 if method == "early_exit" else None)
 
     def accelerated_generate(enc, speculative=None):
         """(sequences, speculative stats) from the shared model accelerated for one call, then reverted."""
@@ -385,6 +390,7 @@ def test_smollm2_greedy_identical(method, smollm2, monkeypatch):
         out, stats = accelerated_generate(enc, spec)
         assert torch.equal(out, plain), "\n".join(tokenizer.batch_decode(torch.cat([plain, out])))
         assert stats["verify_steps"] > 0 and stats["accepted_tokens"] > 0, stats
+        assert stats["match_gated"] is (method == "prompt_lookup-gated")
 
 
 # --- plain rounds between verify steps (what the adaptive draft length does when it backs off) -------------
@@ -399,7 +405,12 @@ def alternating_k(monkeypatch):
         calls.append(len(calls))
         return (3, 1) if len(calls) % 2 else (0, 3)
 
+    def choose_gated(self, counts):  # match-gated prompt lookup: one round per choice
+        calls.append(len(calls))
+        return 3 if len(calls) % 4 == 1 else 0
+
     monkeypatch.setattr(_KChooser, "choose", choose)
+    monkeypatch.setattr(_GatedChooser, "choose", choose_gated)
     return calls
 
 
@@ -503,3 +514,198 @@ def test_k_chooser_scales_unmeasured_verify_rounds_from_verify_rounds():
     chooser.times = {0: 1.0, 4: 2.8}
     assert chooser.time(8) == pytest.approx(2.8 * 1.8 / 1.4)  # from k=4, not from the plain round
     assert chooser.time(2) == pytest.approx(2.8 * 1.2 / 1.4)
+
+
+# --- match-gated prompt lookup ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def verify_on_match(monkeypatch):
+    """The match-gated chooser verifies k_max drafts whenever a row matched, else runs a plain round; the
+    class counts it was given are recorded."""
+    seen = []
+
+    def choose(self, counts):
+        seen.append(list(counts))
+        return self.k_max if any(counts[1:]) else 0
+
+    monkeypatch.setattr(_GatedChooser, "choose", choose)
+    return seen
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_match_gated_prompt_lookup_greedy_identical(batch, gated, tiny):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ids, mask = ids[:batch], mask[:batch]
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=24, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig(
+        "prompt_lookup", num_draft_tokens=4, match_gated=gated))
+    for _ in range(2):  # the second call reuses the state and the measured round times
+        out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=24, eos_token_id=None)
+        assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+        assert speculative_stats(ours)["match_gated"] is gated
+
+
+def test_match_gated_rounds_see_the_class_counts_of_their_own_lookup(tiny, verify_on_match):
+    """Every round is chosen from the counts of the lookup made for it: rows without any earlier occurrence
+    of their last token are class 0, and a round whose rows all lack a match is plain."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=24, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=3))
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=24, eos_token_id=None)
+    assert torch.equal(out, stock)
+    stats = speculative_stats(ours)
+    assert verify_on_match and all(sum(c) <= len(ids) for c in verify_on_match)  # active rows only
+    assert sum(c[0] for c in verify_on_match) > 0  # some rows had no match at some round
+    assert stats["verify_steps"] == sum(1 for c in verify_on_match if any(c[1:]))
+    assert stats["backed_off_steps"] == sum(1 for c in verify_on_match if not any(c[1:]))
+    # the matched n of each row is the longest suffix n-gram (<= max_ngram = 3) seen earlier in the row
+    assert all(len(c) == NUM_CLASSES and not any(c[4:]) for c in verify_on_match)
+    # the state holds the lookup of the committed tokens as they are after the last round
+    (engine,) = ours.__dict__["_hf_accel_spec_engines"].values()
+    (st,) = engine.states.values()
+    drafts, valid, ngram = ngram_lookup_ref(st.tokens, st.lengths, st.starts, 3, 3, 1, with_ngram=True)
+    assert torch.equal(st.drafts, drafts) and torch.equal(st.valid, valid) and torch.equal(st.ngram, ngram)
+    counts = torch.zeros(NUM_CLASSES, dtype=torch.long).scatter_add_(0, ngram, st.active.long())
+    assert st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist() == counts.tolist()
+
+
+def test_match_gated_rollback_leaves_the_cache_as_plain_decoding(tiny, monkeypatch, verify_on_match):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    new_tokens = 16
+    seen = _capture_kv(monkeypatch)
+    plain = accelerate_model(copy.deepcopy(model))
+    out_plain = greedy(plain, ids, mask, tiny.PAD, max_new_tokens=new_tokens, eos_token_id=None)
+    spec = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=4))
+    out_spec = greedy(spec, ids, mask, tiny.PAD, max_new_tokens=new_tokens, eos_token_id=None)
+    assert torch.equal(out_plain, out_spec)
+    stats = speculative_stats(spec)
+    assert stats["match_gated"] and stats["draft_tokens"] > stats["accepted_tokens"]
+    kv_plain, kv_spec = seen[-2], seen[-1]
+    cached = ids.shape[1] + new_tokens - 1
+    for row in range(len(ids)):
+        keep = torch.tensor(mask[row].bool().tolist() + [True] * (new_tokens - 1))
+        for (k0, v0), (k1, v1) in zip(kv_plain[row], kv_spec[row]):
+            torch.testing.assert_close(k1[:cached][keep], k0[:cached][keep], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v1[:cached][keep], v0[:cached][keep], rtol=1e-5, atol=1e-5)
+
+
+def test_match_gated_sampling_keeps_the_distribution(tiny, verify_on_match):
+    """As :func:`test_sampling_keeps_the_distribution`, with drafts looked up at the end of the round before."""
+    vocab = 16
+    model = tiny.model("llama", seed=3, num_hidden_layers=LAYERS, vocab_size=vocab)
+    ids = torch.randint(3, vocab, (1, 12), generator=torch.Generator().manual_seed(5))
+    big_ids, big_mask = ids.repeat(ROWS, 1), torch.ones_like(ids).repeat(ROWS, 1)
+    kwargs = dict(do_sample=True, temperature=1.5, top_k=0, max_new_tokens=3, eos_token_id=None,
+                  pad_token_id=tiny.PAD)
+
+    def draw(m, seed):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return m.generate(input_ids=big_ids, attention_mask=big_mask, **kwargs)[:, ids.shape[1]:]
+
+    plain = draw(accelerate_model(copy.deepcopy(model)), 1)
+    spec_model = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup",
+                                                                                      num_draft_tokens=2))
+    spec = draw(spec_model, 2)
+    stats = speculative_stats(spec_model)
+    assert stats["match_gated"] and stats["draft_tokens"] > 0 and 0.02 < stats["acceptance_rate"] < 0.98, stats
+    for pos in (1, 2):
+        p = homogeneity_p(spec[:, pos], plain[:, pos])
+        assert p > P_MIN, f"token {pos + 1}: p = {p:.2e}"
+    p = homogeneity_p(spec[:, 1] * vocab + spec[:, 2], plain[:, 1] * vocab + plain[:, 2])
+    assert p > P_MIN, f"tokens (2, 3): p = {p:.2e}"
+
+
+def _counts(**by_class):
+    c = [0] * NUM_CLASSES
+    for name, v in by_class.items():
+        c[int(name[1:])] = v
+    return c
+
+
+def _hists(k, **by_class):
+    """Per-class histograms: ``c3=(v, rows)`` = rows of class 3 that accepted v drafts."""
+    h = [[0] * (k + 1) for _ in range(NUM_CLASSES)]
+    for name, (v, rows) in by_class.items():
+        h[int(name[1:])][v] = rows
+    return h
+
+
+def test_gated_chooser_runs_plain_rounds_without_matches():
+    chooser = _GatedChooser(k_max=8, draft_cost=0.03)
+    assert chooser.choose(_counts(c0=1)) == 0
+    assert chooser.choose(_counts(c0=5)) == 0
+
+
+def test_gated_chooser_verifies_what_holds_and_skips_what_does_not():
+    """3-gram matches are always copied in full, 1-gram matches never hold: the chooser verifies the first and
+    runs plain rounds for the second, probing them every _PROBE_EVERY rounds; a verify round costs 1.7 plain
+    rounds."""
+    chooser = _GatedChooser(k_max=8, draft_cost=0.03)
+    chooser.times = {0: 1.0, 8: 1.7, 4: 1.7, 2: 1.7, 1: 1.7}
+    for _ in range(30):
+        k = chooser.choose(_counts(c3=1))
+        assert k > 0
+        chooser.update(k, _hists(k, c3=(k, 1)), None)
+    assert chooser.choose(_counts(c3=1)) == 8
+    picks = []
+    for _ in range(3 * _PROBE_EVERY):
+        k = chooser.choose(_counts(c1=1))
+        picks.append(k)
+        chooser.update(k, _hists(k, c1=(0, 1)), None)
+    probes = [i for i, k in enumerate(picks) if k > 0]
+    assert 2 <= len(probes) <= 4 and all(b - a >= _PROBE_EVERY - 1 for a, b in zip(probes, probes[1:])), picks
+    assert chooser.choose(_counts(c3=1)) == 8  # the 3-gram estimate is untouched by the 1-gram rounds
+
+
+def test_gated_chooser_weighs_the_rows_of_a_batch():
+    """At batch 4 a round verifies when enough rows matched well: one 3-gram row among three unmatched rows
+    adds too little for a verify round that costs twice a plain one, three 3-gram rows add enough."""
+    chooser = _GatedChooser(k_max=8, draft_cost=0.03)
+    chooser.times = {0: 1.0, 1: 2.0, 2: 2.0, 4: 2.0, 8: 2.0}
+    for _ in range(30):
+        chooser.update(8, _hists(8, c3=(2, 1)), None)  # 3-gram rows accept 2 drafts
+    assert chooser.expected_tokens(8, _counts(c3=1)) == pytest.approx(3.0, abs=0.2)
+    assert chooser.choose(_counts(c0=3, c3=1)) == 0
+    assert chooser.choose(_counts(c0=1, c3=3)) > 0
+
+
+def test_gated_chooser_times_a_plain_round_once_a_verify_round_is_timed():
+    chooser = _GatedChooser(k_max=4, draft_cost=0.03)
+    k = chooser.choose(_counts(c3=1))
+    assert k > 0
+    chooser.update(k, _hists(k, c3=(k, 1)), seconds=1.8)
+    assert chooser.choose(_counts(c3=1)) == 0  # to time it
+    chooser.update(0, _hists(0, c3=(0, 1)), seconds=1.0)
+    assert chooser.times == {k: 1.8, 0: 1.0}
+
+
+def test_match_gated_fused_triton_step_with_every_draft_length(tiny, monkeypatch):
+    """The one-launch lookup and commit kernels (interpreter) under match gating: k cycles through every
+    candidate below k_max (the drafts are column slices of the state's k_max-wide lookup), plain rounds
+    between; greedy equals stock and the state ends holding the lookup of the final tokens."""
+    picks = []
+
+    def choose(self, counts):
+        matched = [k for k in picks if k >= 0]
+        picks.append((1, 2, 4, 0)[len(matched) % 4] if any(counts[1:]) else -1)
+        return max(picks[-1], 0)
+
+    monkeypatch.setattr(_GatedChooser, "choose", choose)
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=4))
+    ours._hf_accel_engine.fused = True
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(out, stock)
+    assert {1, 2, 4} <= set(picks) and speculative_stats(ours)["match_gated"], picks
+    (engine,) = ours.__dict__["_hf_accel_spec_engines"].values()
+    (st,) = engine.states.values()
+    drafts, valid, ngram = ngram_lookup_ref(st.tokens, st.lengths, st.starts, 4, with_ngram=True)
+    assert torch.equal(st.drafts, drafts) and torch.equal(st.valid, valid) and torch.equal(st.ngram, ngram)

@@ -65,3 +65,37 @@ def test_sampling_in_graphs_draws_valid_tokens(tiny):
         assert new.shape == (3, 16) and ((new >= 0) & (new < model.config.vocab_size)).all()
         seen.append(new)
     assert not torch.equal(seen[0], seen[1])  # the graph's random draws change between replays
+
+
+def test_match_gated_rounds_in_graphs(tiny, monkeypatch):
+    """Match-gated prompt lookup with every draft length the chooser can pick, plain rounds between: greedy
+    equals the plain fast path, and the state holds the in-graph lookup of the final tokens."""
+    from hf_accel.kernels.ngram_lookup import ngram_lookup_ref
+    from hf_accel.speculative.draft_length import _GatedChooser
+
+    picks = []
+
+    def choose(self, counts):  # cycles 3, 0, 1, 2 (k_max = 3: candidates 0, 1, 2, 3) over rounds a row matched
+        matched = [k for k in picks if k >= 0]
+        picks.append((3, 0, 1, 2)[len(matched) % 4] if any(counts[1:]) else -1)
+        return max(picks[-1], 0)
+
+    monkeypatch.setattr(_GatedChooser, "choose", choose)
+    model = tiny.model("llama", num_hidden_layers=LAYERS).cuda()
+    ids, mask = _batch(tiny)
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=tiny.PAD, eos_token_id=None)
+    with torch.no_grad():
+        plain = accelerate_model(copy.deepcopy(model)).generate(input_ids=ids, attention_mask=mask, **kwargs)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=3))
+    for _ in range(2):
+        with torch.no_grad():
+            out = ours.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        assert torch.equal(out, plain)
+        stats = speculative_stats(ours)
+        assert stats["match_gated"] and stats["verify_steps"] > 0 and stats["backed_off_steps"] > 0, stats
+    assert {1, 2, 3} <= set(picks)
+    (engine,) = ours._hf_accel_spec_engines.values()
+    assert engine.graphs
+    (st,) = engine.states.values()
+    drafts, valid, ngram = ngram_lookup_ref(st.tokens, st.lengths, st.starts, 3, with_ngram=True)
+    assert torch.equal(st.drafts, drafts) and torch.equal(st.valid, valid) and torch.equal(st.ngram, ngram)

@@ -1,0 +1,227 @@
+"""Adaptive draft length: the k of each speculative round (0 = a plain decode step, "backed off") from the
+measured acceptance and round times.
+
+:class:`_KChooser` models acceptance per draft position (a hazard per position, censored at the k used)
+and picks, one round ahead of the counters, the k with the most expected tokens per second (Leviathan et
+al. 2023, §3.1: expected tokens of a round with per-draft acceptance ``a`` and k drafts, ``(1 - a^(k+1)) /
+(1 - a)``, here generalised to position-dependent acceptance). :class:`_GatedChooser` does the same per
+prompt-lookup match class, knowing the classes of the very round it chooses for.
+"""
+
+from __future__ import annotations
+
+from hf_accel.kernels.commit_tokens import NUM_CLASSES
+
+_PROBE_EVERY = 16  # plain rounds between probes while backed off (also the most plain rounds in a row)
+_PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
+_PLAIN_TIMINGS = 2  # plain rounds a chooser runs to time them (a round that captures a graph is not timed)
+_DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
+_SHRINK = 2.0  # pseudo-rounds of the previous position's hazard in each position's estimate
+
+
+def _round_time(times: dict, k: int, draft_cost: float) -> float:
+    """Round time of draft length ``k``: measured (``times``), else scaled from the nearest measured k of
+    the same kind (verify from verify, plain from plain; see :class:`_KChooser`), else the prior
+    ``1 + draft_cost * k`` (plain steps)."""
+    if k in times:
+        return times[k]
+    if not times:
+        return 1.0 + draft_cost * k
+    same = [k0 for k0 in times if (k0 > 0) == (k > 0)]
+    k0 = min(same or times, key=lambda k0: abs(k0 - k))
+    return times[k0] * (1.0 + draft_cost * k) / (1.0 + draft_cost * k0)
+
+
+def _record_time(times: dict, k: int, seconds: float | None) -> None:
+    if seconds is not None:
+        old = times.get(k)
+        times[k] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+
+def _candidates(k_max: int) -> list[int]:
+    ks, k = [0], 1
+    while k < k_max:
+        ks.append(k)
+        k *= 2
+    return ks + [k_max]
+
+
+class _KChooser:
+    """Chooses k per round from the measured acceptance and round times.
+
+    Acceptance is modelled per draft position: the hazard ``h(m)`` = P(draft m + 1 is rejected | the
+    first m were accepted), estimated from the rounds' histograms of accepted counts (censored at the k
+    used; recent rounds weigh more). Drafts copied by prompt lookup tend to be all right or wrong at once
+    (the hazard falls along a copied span), which a single per-draft rate would miss. The expected tokens
+    of a round with k drafts is ``1 + sum_{m=1..k} prod_{i<m} (1 - h(i))``.
+
+    Round times are measured (CUDA events, per k). A k not measured yet is scaled from the nearest measured
+    k of the same kind (a verify round from a verify round, with the prior ``draft_cost`` per drafted
+    token), never a verify round from a plain one: the two run different kernels (at batch 1 the plain
+    step's one-row GEMVs are much cheaper than a verify pass over k + 1 rows). So once a verify round has
+    been timed, one plain round is run to time it too, before backing off is weighed on a guess.
+
+    Never more than :attr:`max_plain_run` plain rounds in a row: the window that catches a draft model's
+    cache up after plain rounds is sized by it."""
+
+    prior_hazard = 1.0 / 3.0  # before any round is seen
+    max_plain_run = _PROBE_EVERY
+    shrink = _SHRINK
+    decay = _DECAY
+
+    def __init__(self, k_max: int, adaptive: bool, draft_cost: float):
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.ks = _candidates(k_max) if adaptive else [k_max]
+        self.draft_cost = draft_cost  # prior: extra time per drafted token, as a fraction of a plain step
+        self.trials = [0.0] * k_max
+        self.fails = [0.0] * k_max
+        self.times: dict[int, float] = {}
+        self.since_probe = 0
+        self.plain_timings = 0  # plain rounds run to time them (at most _PLAIN_TIMINGS)
+        self._curve = None  # ((prior, shrink), expected tokens for k = 0..k_max), reset by every update
+
+    def expected_tokens(self, k: int) -> float:
+        """Expected tokens committed by a round with ``k`` drafts (0 <= k <= k_max)."""
+        return self.expected_curve()[k]
+
+    def expected_curve(self) -> list[float]:
+        """:meth:`expected_tokens` for k = 0 .. k_max, computed once per update (the host chooses a k per
+        round, so this is on the path between two rounds)."""
+        key = (self.prior_hazard, self.shrink)
+        if self._curve is None or self._curve[0] != key:
+            curve, total, survive, hazard = [1.0], 1.0, 1.0, self.prior_hazard
+            for m in range(self.k_max):
+                # shrunk towards the previous position's hazard (the prior before any data), so positions never
+                # examined yet inherit what the last examined one showed
+                hazard = (self.fails[m] + self.shrink * hazard) / (self.trials[m] + self.shrink)
+                survive *= 1.0 - hazard
+                total += survive
+                curve.append(total)
+            self._curve = (key, curve)
+        return self._curve[1]
+
+    def time(self, k: int) -> float:
+        return _round_time(self.times, k, self.draft_cost)
+
+    def _best(self, ks) -> int:
+        return max(ks, key=lambda k: self.expected_tokens(k) / self.time(k))
+
+    def choose(self, max_remaining: int) -> tuple[int, int]:
+        """(k, rounds): the draft length of the next rounds and how many to run before the next host sync
+        (several plain rounds back to back while backed off, at most ``max_remaining``, and never past
+        the next probe: so at most ``max_plain_run`` plain rounds between two rounds with k > 0)."""
+        if not self.adaptive:
+            return self.k_max, 1
+        if (0 in self.ks and 0 not in self.times and any(k > 0 for k in self.times)
+                and self.plain_timings < _PLAIN_TIMINGS and self.since_probe < self.max_plain_run):
+            self.plain_timings += 1
+            self.since_probe += 1
+            return 0, 1
+        best = self._best(self.ks)
+        if best > 0:
+            return best, 1
+        if self.since_probe >= self.max_plain_run:
+            self.since_probe = 0
+            return self._best(self.ks[1:]), 1
+        rounds = max(1, min(_PLAIN_BURST, max_remaining, self.max_plain_run - self.since_probe))
+        self.since_probe += rounds
+        return 0, rounds
+
+    def update(self, k: int, accepted_hist: list[int], seconds: float | None) -> None:
+        """``accepted_hist[v]``: rows that accepted exactly v of the round's k drafts."""
+        self.update_acceptance(k, accepted_hist)
+        _record_time(self.times, k, seconds)
+
+    def update_acceptance(self, k: int, accepted_hist: list[int]) -> None:
+        """The hazard counts of :meth:`update` (``accepted_hist`` as there)."""
+        if k > 0 and any(accepted_hist):
+            self._curve = None
+            self.trials = [self.decay * t for t in self.trials]
+            self.fails = [self.decay * f for f in self.fails]
+            for v, c in enumerate(accepted_hist[: k + 1]):
+                if c:
+                    for m in range(min(v, k - 1) + 1):
+                        self.trials[m] += c
+                    if v < k:
+                        self.fails[v] += c
+
+
+class _GatedChooser:
+    """Prompt lookup's k per round, chosen knowing which rows matched what in that very round.
+
+    The lookup of round r + 1 runs at the end of round r, inside its graph, and counts the active rows per
+    *match class* c: the length of the n-gram the row matched (0: none; clamped to ``NUM_CLASSES - 1``).
+    The host reads the counts with the round's counters and only then launches round r + 1 (no round in
+    flight meanwhile). Acceptance is modelled per class (one :class:`_KChooser` hazard model each, with a
+    prior that falls with n): on SmolLM2's grounded prompts a 1-gram match was followed by a rejected first
+    draft 73-97% of the time, a 3-gram match 0-50% (float32 greedy outputs, CPU). Round times per k are
+    shared by the classes (:func:`_round_time`). Each round takes the k with the most expected tokens per
+    second, summed over the rows: a row of class c adds ``expected_tokens(k)`` of class c, a row without a
+    match 1. So ``k = 0``, a plain round, whenever no row matched, or where verifying does not pay.
+
+    A class that occurred in :data:`_PROBE_EVERY` plain rounds in a row is drafted once (a probe), so its
+    estimate can recover; once a verify round has been timed, :data:`_PLAIN_TIMINGS` plain rounds are run to
+    time them (as :class:`_KChooser` does) where none has been timed yet."""
+
+    priors = {1: 0.7, 2: 0.45}  # first-draft rejection before any round is seen; 0.3 for longer matches
+    default_prior = 0.3
+
+    def __init__(self, k_max: int, draft_cost: float):
+        self.k_max = k_max
+        self.ks = _candidates(k_max)
+        self.draft_cost = draft_cost
+        self.times: dict[int, float] = {}
+        self.classes = []
+        for c in range(NUM_CLASSES):
+            est = _KChooser(k_max, True, draft_cost)
+            est.prior_hazard = self.priors.get(c, self.default_prior)
+            self.classes.append(est)
+        self.skipped = [0] * NUM_CLASSES  # plain rounds in a row in which the class occurred
+        self.plain_timings = 0
+
+    def time(self, k: int) -> float:
+        return _round_time(self.times, k, self.draft_cost)
+
+    def expected_tokens(self, k: int, counts: list[int]) -> float:
+        """Expected tokens committed by a round with k drafts over rows with these class counts."""
+        if k == 0:
+            return float(sum(counts))
+        return counts[0] + sum(n * self.classes[c].expected_curve()[k] for c, n in enumerate(counts) if c and n)
+
+    def _best(self, ks, counts) -> int:
+        curves = [(n, self.classes[c].expected_curve()) for c, n in enumerate(counts) if c and n]
+        rows = float(sum(counts))
+
+        def value(k):
+            e = rows if k == 0 else counts[0] + sum(n * curve[k] for n, curve in curves)
+            return e / self.time(k)
+        return max(ks, key=value)
+
+    def choose(self, counts: list[int]) -> int:
+        """k of the next round from its class counts (``counts[c]``: active rows of class c)."""
+        matched = [c for c in range(1, NUM_CLASSES) if counts[c]]
+        if not matched:
+            return 0
+        if 0 not in self.times and any(k > 0 for k in self.times) and self.plain_timings < _PLAIN_TIMINGS:
+            self.plain_timings += 1
+            return 0
+        best = self._best(self.ks, counts)
+        if best == 0:
+            due = False
+            for c in matched:
+                self.skipped[c] += 1
+                due |= self.skipped[c] >= _PROBE_EVERY
+            if not due:
+                return 0
+            best = self._best(self.ks[1:], counts)
+        for c in matched:
+            self.skipped[c] = 0
+        return best
+
+    def update(self, k: int, class_hists: list[list[int]], seconds: float | None) -> None:
+        """``class_hists[c][v]``: rows of class c that accepted exactly v of the round's k drafts."""
+        if k > 0:
+            for c in range(1, NUM_CLASSES):
+                self.classes[c].update_acceptance(k, class_hists[c])
+        _record_time(self.times, k, seconds)
