@@ -382,6 +382,16 @@ def verdict(res, ref="a_current"):
     return out
 
 
+def _git_sha() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--out", default=str(ROOT / "results" / "simulate_k_chooser-cpu-20261201.json"))
@@ -412,6 +422,7 @@ def main(argv=None) -> int:
         result = {"meta": {"data": str(DATA.relative_to(ROOT.parent)), "k_max": K_MAX, "candidates": _candidates(K_MAX),
                            "max_new_tokens": MAX_NEW, "ttft_ms": TTFT_MS, "time_models_ms": TIME_MODELS,
                            "draft_cost_prior": DRAFT_COST, "eos": sorted(EOS), "lag": 1,
+                           "gated_gap_ms": GATED_GAP_MS, "git_sha": _git_sha(),
                            "shrink": eng._SHRINK, "decay": eng._DECAY,
                            "none_first_use": True,
                            "note": "fp32 CPU greedy continuations replayed; the GPU runs bf16 (outputs differ); "
