@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.device import check_launch_device
+
 from hf_accel.kernels.arrival import check_counters, last_to_arrive, reset_arrivals
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from hf_accel.kernels.rms_norm import rms_norm_ref
@@ -478,6 +480,7 @@ def fused_linear(
     if preload is None:
         preload = split_k > 1 and pdl
     grid = (n_tiles, split_k)
+    check_launch_device(x, "fused_linear")
     _fused_linear_kernel[grid](
         x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y, r_out,
         part, counters,
@@ -585,6 +588,7 @@ def fused_linear_rope(
     r_in = residual if residual is not None else x
     pdl = use_pdl(pdl, x)
     grid = ((num_heads + 2 * num_kv_heads) * (half // block_n), 1)
+    check_launch_device(x, "fused_linear_rope")
     _fused_linear_kernel[grid](
         x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, q, r_out,
         q, q,

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.device import check_launch_device
+
 from hf_accel.kernels.fused_linear import check_linear_args, check_rope_args
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
@@ -119,7 +121,6 @@ def _gemv_kernel(
     n_ok = offs_n < N
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
     if PDL:
         gdc_launch_dependents()
     # The first PRELOAD weight tiles (one [BLOCK_N, PRELOAD * BLOCK_K] tile) before waiting: the previous
@@ -324,6 +325,7 @@ def gemv(
     pdl = use_pdl(pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
     grid = (triton.cdiv(out_features, block_n),)
+    check_launch_device(x, "gemv")
     _gemv_kernel[grid](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else x, y, r_out,
@@ -398,6 +400,7 @@ def gemv_rope(
     pdl = use_pdl(pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2 // block_n),)
+    check_launch_device(x, "gemv_rope")
     _gemv_kernel[grid](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else x, q, r_out,

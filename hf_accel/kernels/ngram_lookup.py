@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.device import check_launch_device
+
 
 @triton.jit
 def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, capacity, stride_tb, K,
@@ -85,6 +87,7 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
         drafts = torch.empty(b, k, dtype=torch.long, device=tokens.device)
         valid = torch.empty(b, k, dtype=torch.uint8, device=tokens.device)
         ngram = torch.empty(b, dtype=torch.long, device=tokens.device)
+    check_launch_device(tokens, "ngram_lookup")
     _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, ngram, cap, tokens.stride(0), k,
                                MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram,
                                BLOCK=min(1024, triton.next_power_of_2(cap)), BLOCK_K=triton.next_power_of_2(k))

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.device import check_launch_device
+
 from hf_accel.kernels.attention import _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref
 from hf_accel.kernels.arrival import check_counters, last_to_arrive, reset_arrivals
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
@@ -456,6 +458,7 @@ def paged_attention(
         check_counters(merge_counters, m_blocks * batch * num_kv_heads, query.device, "merge_counters")
     pdl = use_pdl(pdl, query)
     pdl_launch = {"launch_pdl": True} if pdl else {}
+    check_launch_device(query, "paged_attention")
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
         merge_counters if fused_merge else seq_lens,

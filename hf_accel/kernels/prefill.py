@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.device import check_launch_device
+
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton
@@ -533,6 +535,7 @@ def _launch(q4, k4, v4, o4, lse, key_mask, kv_start, cu_q, cu_k, *, batch, num_h
     else:
         lse_strides = (0, 0, 0)
     mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
+    check_launch_device(q4, "prefill_attention")
     _prefill_fwd_kernel[grid](
         q4, k4, v4, o4, lse, key_mask, kv_start, cu_q, cu_k,
         desc_q, desc_k, desc_v, desc_o,

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.device import check_launch_device
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -75,6 +77,7 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    check_launch_device(key, "reshape_and_cache")
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride(), *value.stride(), *key_cache.stride(),
@@ -137,6 +140,7 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
     slots = torch.empty(batch * q_len, dtype=torch.int32, device=cache_lens.device)
     seq_lens = torch.empty_like(cache_lens)
     if batch:
+        check_launch_device(cache_lens, "slot_mapping")
         _slot_mapping_kernel[(batch,)](cache_lens, block_table, slots, seq_lens, q_len, block_size,
                                        block_table.stride(0), block_table.shape[1],
                                        BLOCK_T=triton.next_power_of_2(q_len), num_warps=1)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.device import check_launch_device
+
 from hf_accel.kernels.pdl import gdc_wait, use_pdl
 
 
@@ -103,6 +105,7 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
     q_out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     has_norm = q_norm_weight is not None
     pdl = use_pdl(pdl, q)
+    check_launch_device(q, "rope_and_cache")
     _rope_cache_kernel[(batch, num_heads + num_kv_heads)](
         q, k, v, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
         q_out, key_cache, value_cache, slot_mapping,

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.kernels.device import check_launch_device
+
 
 @triton.jit
 def _swiglu_kernel(G, U, Out, stride_g, stride_u, stride_o, n_cols, BLOCK_N: tl.constexpr):
@@ -37,6 +39,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, n = gate.shape
     out = torch.empty_like(gate)
     block = 1024
+    check_launch_device(gate, "swiglu")
     _swiglu_kernel[(rows, triton.cdiv(n, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n,
                                                   BLOCK_N=block)
     return out

@@ -1,0 +1,31 @@
+"""Where the Triton kernels can run: CUDA tensors, or CPU tensors under Triton's interpreter."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+# Triton picks the interpreter when ``@triton.jit`` runs (TRITON_INTERPRET=1 set before the kernels' modules
+# are imported), so what the probe became is what the kernels of this package became.
+_INTERPRETED = not isinstance(_probe, JITFunction)
+
+
+def _interpreting() -> bool:
+    return _INTERPRETED
+
+
+def check_launch_device(t: torch.Tensor, op: str) -> None:
+    """ValueError when ``op``'s Triton kernel would be launched on a tensor it cannot run on: a CPU tensor
+    while the kernels were compiled for a GPU (Triton itself would fail with "0 active drivers"). The
+    ``<op>_ref`` functions are the PyTorch equivalents for any device."""
+    if t.device.type == "cpu" and not _interpreting():
+        raise ValueError(f"{op} runs its Triton kernel on CUDA tensors, or on CPU only under Triton's interpreter "
+                         f"(TRITON_INTERPRET=1 set before hf_accel is imported); got a CPU tensor. {op}_ref is the "
+                         "PyTorch version for any device.")

@@ -1,0 +1,46 @@
+"""The Triton launchers name the problem when given CPU tensors outside Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_accel.kernels import device
+from hf_accel.kernels.commit_tokens import commit_tokens
+from hf_accel.kernels.fused_linear import fused_linear
+from hf_accel.kernels.gemv import gemv
+from hf_accel.kernels.ngram_lookup import ngram_lookup
+from hf_accel.kernels.rms_norm import rms_norm
+from hf_accel.kernels.swiglu import swiglu
+
+
+@pytest.fixture
+def not_interpreting(monkeypatch):
+    monkeypatch.setattr(device, "_interpreting", lambda: False)
+
+
+CALLS = {
+    "rms_norm": lambda: rms_norm(torch.randn(2, 32), torch.randn(32), 1e-6),
+    "swiglu": lambda: swiglu(torch.randn(2, 32), torch.randn(2, 32)),
+    "gemv": lambda: gemv(torch.randn(1, 32), torch.randn(16, 32)),
+    "fused_linear": lambda: fused_linear(torch.randn(3, 32), torch.randn(16, 32)),
+    "ngram_lookup": lambda: ngram_lookup(torch.randint(0, 5, (1, 12)), torch.tensor([10]), torch.tensor([0]), 3),
+    "commit_tokens": lambda: commit_tokens(
+        torch.zeros(1, 2, dtype=torch.long), None, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
+        torch.zeros(1, 8, dtype=torch.long), torch.tensor([2]), torch.tensor([4]), torch.tensor([True]),
+        torch.tensor([-1]), torch.zeros(8, dtype=torch.long), torch.zeros(3, dtype=torch.long), count_step=True),
+}
+
+
+@pytest.mark.parametrize("op", sorted(CALLS))
+def test_cpu_tensors_outside_the_interpreter_raise_a_clear_error(op, not_interpreting):
+    with pytest.raises(ValueError, match=rf"{op} runs its Triton kernel on CUDA tensors.*TRITON_INTERPRET=1"):
+        CALLS[op]()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_the_interpreter_runs_them():
+    if not device._interpreting():
+        pytest.skip("TRITON_INTERPRET is not set")
+    for op, call in CALLS.items():
+        call()  # no error
