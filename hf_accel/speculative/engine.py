@@ -206,7 +206,8 @@ class SpeculativeEngine:
             st.drafts.copy_(d)
             st.valid.copy_(v)
             st.ngram.copy_(n)
-        st.ngram.clamp_(max=NUM_CLASSES - 1)
+        if cfg.max_ngram >= NUM_CLASSES:  # longer matches share the last class
+            st.ngram.clamp_(max=NUM_CLASSES - 1)
         counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
         counts.zero_()
         counts.scatter_add_(0, st.ngram, st.active.long())

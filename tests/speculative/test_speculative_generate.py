@@ -709,3 +709,29 @@ def test_match_gated_fused_triton_step_with_every_draft_length(tiny, monkeypatch
     (st,) = engine.states.values()
     drafts, valid, ngram = ngram_lookup_ref(st.tokens, st.lengths, st.starts, 4, with_ngram=True)
     assert torch.equal(st.drafts, drafts) and torch.equal(st.valid, valid) and torch.equal(st.ngram, ngram)
+
+
+def test_match_gated_matches_longer_than_the_classes_share_the_last_class(tiny):
+    """max_ngram 9 > NUM_CLASSES - 1: a 9-gram match is counted in the last class; greedy is unchanged."""
+    from hf_accel.speculative.engine import _State
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=4,
+                                                                               max_ngram=9))
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None), stock)
+    (engine,) = ours.__dict__["_hf_accel_spec_engines"].values()
+    st = _State(2, 32, "cpu", 4)
+    st.reset(0)
+    pattern = torch.randint(3, 50, (10,), generator=torch.Generator().manual_seed(0))
+    st.tokens[0, :20] = pattern.repeat(2)  # row 0: its last 10 tokens also open it (a 9-gram match)
+    st.tokens[1, :5] = torch.arange(60, 65)  # row 1: no token repeats
+    st.lengths[:] = torch.tensor([20, 5])
+    st.active[:] = True
+    engine._lookup_next(st, {"kernels": False})
+    assert st.ngram.tolist() == [NUM_CLASSES - 1, 0]
+    counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
+    assert counts[0] == 1 and counts[NUM_CLASSES - 1] == 1 and sum(counts) == 2
+    # the last 9 tokens (pattern[1:]) first occur at 1, followed by the second copy: pattern[0], pattern[1], ...
+    assert st.valid[0].all() and st.drafts[0].tolist() == pattern[:4].tolist()
