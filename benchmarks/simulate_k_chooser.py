@@ -317,21 +317,22 @@ def run_gated(rows, tables, ngrams, none_first_use=True):
         for tm in TIME_MODELS:
             res[name][tm] = {}
             for cat in CATEGORIES:
-                per = [simulate_gated(p, c, t, g, tm, gap, none_first_use)
-                       for (p, c), t, g in zip(rows[cat], tables[cat], ngrams[cat])]
-                sim = sum(TTFT_MS + r["sim_ms"] for r in per)
-                base = sum(TTFT_MS + r["plain_decode_ms"] for r in per)
-                ks: dict[int, int] = {}
-                for r in per:
-                    for k, v in r["ks"].items():
-                        ks[k] = ks.get(k, 0) + v
-                res[name][tm][cat] = {"tokens": sum(r["tokens"] for r in per),
-                                      "verify_rounds": sum(r["verify_rounds"] for r in per),
-                                      "plain_rounds": sum(r["plain_rounds"] for r in per),
-                                      "sim_ms": round(sim, 3), "plain_ms": round(base, 3),
-                                      "speedup": round(base / sim, 4),
-                                      "draft_lengths": {str(k): v for k, v in sorted(ks.items())}}
+                res[name][tm][cat] = summarise([simulate_gated(p, c, t, g, tm, gap, none_first_use)
+                                                for (p, c), t, g in zip(rows[cat], tables[cat], ngrams[cat])])
     return res
+
+
+def summarise(per: list[dict]) -> dict:
+    """One category's totals over its prompts' replays, and the speedup over plain decoding."""
+    sim = sum(TTFT_MS + r["sim_ms"] for r in per)
+    base = sum(TTFT_MS + r["plain_decode_ms"] for r in per)
+    ks: dict[int, int] = {}
+    for r in per:
+        for k, v in r["ks"].items():
+            ks[k] = ks.get(k, 0) + v
+    return {"tokens": sum(r["tokens"] for r in per), "verify_rounds": sum(r["verify_rounds"] for r in per),
+            "plain_rounds": sum(r["plain_rounds"] for r in per), "sim_ms": round(sim, 3), "plain_ms": round(base, 3),
+            "speedup": round(base / sim, 4), "draft_lengths": {str(k): v for k, v in sorted(ks.items())}}
 
 
 def run_all(rows, tables, ahead=1, none_first_use=True):
@@ -341,19 +342,8 @@ def run_all(rows, tables, ahead=1, none_first_use=True):
         for tm in TIME_MODELS:
             res[name][tm] = {}
             for cat in CATEGORIES:
-                per = [simulate(p, c, t, cls, tm, ahead, none_first_use) for (p, c), t in zip(rows[cat], tables[cat])]
-                tok = sum(r["tokens"] for r in per)
-                sim = sum(TTFT_MS + r["sim_ms"] for r in per)
-                base = sum(TTFT_MS + r["plain_decode_ms"] for r in per)
-                ks: dict[int, int] = {}
-                for r in per:
-                    for k, v in r["ks"].items():
-                        ks[k] = ks.get(k, 0) + v
-                res[name][tm][cat] = {"tokens": tok, "verify_rounds": sum(r["verify_rounds"] for r in per),
-                                      "plain_rounds": sum(r["plain_rounds"] for r in per),
-                                      "sim_ms": round(sim, 3), "plain_ms": round(base, 3),
-                                      "speedup": round(base / sim, 4),
-                                      "draft_lengths": {str(k): v for k, v in sorted(ks.items())}}
+                res[name][tm][cat] = summarise([simulate(p, c, t, cls, tm, ahead, none_first_use)
+                                                for (p, c), t in zip(rows[cat], tables[cat])])
     for oname, ks in (("z_oracle_all_candidates", _candidates(K_MAX)), ("z_oracle_0_or_15", [0, K_MAX])):
         res[oname] = {}
         for tm in TIME_MODELS:

@@ -241,9 +241,11 @@ def speculative_stats(model) -> dict | None:
     """Speculative-decoding counters of the model's last ``generate`` call, or None if it did not decode
     speculatively.
 
-    Keys: ``method``; ``num_draft_tokens`` (the largest k); ``verify_steps`` (verify passes with k > 0) and
-    ``backed_off_steps`` (plain steps chosen by the adaptive k); ``draft_lengths`` (steps per k);
-    ``draft_tokens`` / ``accepted_tokens`` (drafts proposed / accepted, summed over rows);
+    Keys: ``method``; ``num_draft_tokens`` (the largest k); ``match_gated`` (prompt lookup choosing each
+    round from its own matches); ``verify_steps`` (verify passes with k > 0) and ``backed_off_steps`` (plain
+    steps chosen by the adaptive k); ``draft_lengths`` (steps per k); ``draft_tokens`` / ``accepted_tokens``
+    (drafts proposed / accepted and committed, summed over rows: drafts past the token budget or an EOS
+    are not counted);
     ``acceptance_rate`` = accepted / proposed; ``mean_accepted_per_step`` (accepted drafts per row and
     verify step) and ``mean_tokens_per_step`` (tokens committed per row and verify step, the bonus or
     correction token included). Rates are None when nothing was drafted."""

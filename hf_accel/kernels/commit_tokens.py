@@ -33,7 +33,7 @@ INFO_SIZE = INFO_CLASS_HIST + NUM_CLASSES * (MAX_DRAFT + 1)
 def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, Active, Eos, Info, Totals, Classes,
                    batch, stride_tok, num_eos, K, GREEDY: tl.constexpr, COUNT_STEP: tl.constexpr,
                    BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, NUM_CLASSES: tl.constexpr,
-                   CLASS_HIST: tl.constexpr, CLASS_STRIDE: tl.constexpr):
+                   CLASS_HIST: tl.constexpr, CLASS_STRIDE: tl.constexpr, COUNT_TOKENS: tl.constexpr):
     rows = tl.arange(0, BLOCK_B)
     j = tl.arange(0, BLOCK_J)
     r2 = rows[:, None]
@@ -57,6 +57,7 @@ def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, 
     count = tl.minimum(count, first_eos + 1)
     remaining = tl.load(Remaining + rows, mask=rows < batch, other=0).to(tl.int32)
     was_active = tl.load(Active + rows, mask=rows < batch, other=0) != 0
+    limit = tl.minimum(first_eos + 1, remaining)  # tokens this row can commit at most, whatever it accepts
     count = tl.minimum(count, remaining)
     count = tl.where(was_active, count, 0)
     finished = first_eos < count
@@ -83,10 +84,13 @@ def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, 
             hist_c = tl.sum(((n[:, None] == j2) & was_active[:, None] & in_b & (cls[:, None] == c)).to(tl.int64),
                             axis=0)
             tl.store(Info + CLASS_HIST + c * CLASS_STRIDE + j, hist_c, mask=j < K + 1)
-    tl.store(Totals + 0, tl.load(Totals + 0) + tl.sum(proposed.to(tl.int64) * w, axis=0))
-    tl.store(Totals + 1, tl.load(Totals + 1) + tl.sum(n.to(tl.int64) * w, axis=0))
+    # drafts that could be committed (before the budget's end and an EOS), and those accepted of them
+    tl.store(Totals + 0, tl.load(Totals + 0) + tl.sum(tl.minimum(proposed, limit).to(tl.int64) * w, axis=0))
+    tl.store(Totals + 1, tl.load(Totals + 1) + tl.sum(tl.minimum(n, limit).to(tl.int64) * w, axis=0))
     if COUNT_STEP:
         tl.store(Totals + 2, tl.load(Totals + 2) + tl.sum(w, axis=0))
+        if COUNT_TOKENS:
+            tl.store(Totals + 3, tl.load(Totals + 3) + tl.sum(count.to(tl.int64) * w, axis=0))
 
 
 def _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes=None):
@@ -128,7 +132,9 @@ def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, 
         info: [>= 6 + k] int64, written: any row still active, accepted drafts, drafts examined (accepted +
             the first rejected), drafts proposed (rows active at the step), largest remaining budget, then
             ``info[5 + v]`` = rows that accepted exactly ``v`` drafts (v = 0..k; rows active at the step).
-        totals: [3] int64, accumulated: drafts proposed, accepted, row-steps (only with ``count_step``).
+        totals: [3] or [4] int64, accumulated: drafts proposed and drafts accepted, both counting only drafts
+            before the row's budget ends and before an accepted EOS (those could be committed), row-steps
+            and (with a 4th entry) tokens committed by them (these two only with ``count_step``).
         classes: optional [batch] int64 match class per row, in [0, NUM_CLASSES) (others are not counted):
             also writes the per-class histograms of accepted drafts (``info`` then needs :data:`INFO_SIZE`
             entries; layout at :data:`INFO_CLASS_HIST`).
@@ -149,7 +155,7 @@ def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, 
                          BLOCK_B=max(2, triton.next_power_of_2(b)), BLOCK_J=max(2, triton.next_power_of_2(k1)),
                          BLOCK_E=max(2, triton.next_power_of_2(eos.numel())),
                          NUM_CLASSES=NUM_CLASSES if classes is not None else 0, CLASS_HIST=INFO_CLASS_HIST,
-                         CLASS_STRIDE=MAX_DRAFT + 1)
+                         CLASS_STRIDE=MAX_DRAFT + 1, COUNT_TOKENS=totals.numel() >= 4)
 
 
 def commit_tokens_ref(out, num_accepted, drafts, valid, tokens, lengths, remaining, active, eos, info, totals,
@@ -164,7 +170,8 @@ def commit_tokens_ref(out, num_accepted, drafts, valid, tokens, lengths, remaini
     count = n + 1
     eos_hit = torch.isin(out, eos) & (j < count[:, None])  # token ids are never -1
     first_eos = torch.where(eos_hit.any(dim=1), eos_hit.long().argmax(dim=1), k + 1)
-    count = torch.minimum(torch.minimum(count, first_eos + 1), remaining)
+    limit = torch.minimum(first_eos + 1, remaining)
+    count = torch.minimum(count, limit)
     was_active = active.clone()
     count = torch.where(was_active, count, 0)
     keep = j < count[:, None]
@@ -189,7 +196,9 @@ def commit_tokens_ref(out, num_accepted, drafts, valid, tokens, lengths, remaini
         flat = torch.zeros(NUM_CLASSES * stride, dtype=info.dtype, device=info.device)
         flat.scatter_add_(0, classes.clamp(0, NUM_CLASSES - 1) * stride + n, w * in_range)
         info[INFO_CLASS_HIST: INFO_SIZE].view(NUM_CLASSES, stride)[:, : k + 1] = flat.view(NUM_CLASSES, stride)[:, : k + 1]
-    totals[0] += (proposed * w).sum()
-    totals[1] += (n * w).sum()
+    totals[0] += (torch.minimum(proposed, limit) * w).sum()
+    totals[1] += (torch.minimum(n, limit) * w).sum()
     if count_step:
         totals[2] += w.sum()
+        if totals.numel() >= 4:
+            totals[3] += (count * w).sum()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("prompt_lookup", "early_exit", "draft_model")
+MAX_NGRAM = 16  # the lookup kernel unrolls its compares over every n-gram length
 _DEFAULT_DRAFT_TOKENS = {"prompt_lookup": 15, "early_exit": 4, "draft_model": 4}
 
 
@@ -33,7 +34,7 @@ class SpeculativeConfig:
             with an early-exit loss (LayerSkip) draft well from early layers; a model trained without one
             needs most of its layers (SmolLM2-135M: 0% of drafts accepted at 8 of 30 layers, ~20% at 27),
             and then the adaptive draft length backs off to plain decoding.
-        max_ngram / min_ngram: n-gram lengths prompt lookup tries, longest first.
+        max_ngram / min_ngram: n-gram lengths prompt lookup tries, longest first (max_ngram <= 16).
         match_gated: prompt lookup with ``adaptive``: each round's lookup runs at the end of the round
             before, and the next round's k (0: plain decoding) is chosen knowing how long an n-gram each row
             matched, with acceptance tracked per matched length. A round with no match, or only matches
@@ -70,9 +71,10 @@ class SpeculativeConfig:
         if self.exit_layer is not None and (isinstance(self.exit_layer, bool) or not isinstance(self.exit_layer, int)
                                             or self.exit_layer < 1):
             raise ValueError(f"exit_layer must be a positive int, got {self.exit_layer!r}")
-        if not (isinstance(self.min_ngram, int) and isinstance(self.max_ngram, int) and 1 <= self.min_ngram
-                <= self.max_ngram):
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if not (all(isinstance(v, int) and not isinstance(v, bool) for v in (self.min_ngram, self.max_ngram))
+                and 1 <= self.min_ngram <= self.max_ngram <= MAX_NGRAM):
+            raise ValueError(f"need ints 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}, got {self.min_ngram!r}, "
+                             f"{self.max_ngram!r}")
 
     @classmethod
     def from_arg(cls, arg) -> "SpeculativeConfig":

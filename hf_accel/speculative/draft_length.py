@@ -198,15 +198,18 @@ class _GatedChooser:
             return e / self.time(k)
         return max(ks, key=value)
 
-    def choose(self, counts: list[int]) -> int:
-        """k of the next round from its class counts (``counts[c]``: active rows of class c)."""
+    def choose(self, counts: list[int], max_remaining: int | None = None) -> int:
+        """k of the next round from its class counts (``counts[c]``: active rows of class c); with
+        ``max_remaining`` (the largest token budget left in a row) never more drafts than a row can commit
+        besides the target's token."""
         matched = [c for c in range(1, NUM_CLASSES) if counts[c]]
-        if not matched:
+        ks = self.ks if max_remaining is None else [k for k in self.ks if k < max_remaining]
+        if not matched or len(ks) < 2:
             return 0
         if 0 not in self.times and any(k > 0 for k in self.times) and self.plain_timings < _PLAIN_TIMINGS:
             self.plain_timings += 1
             return 0
-        best = self._best(self.ks, counts)
+        best = self._best(ks, counts)
         if best == 0:
             due = False
             for c in matched:
@@ -214,7 +217,7 @@ class _GatedChooser:
                 due |= self.skipped[c] >= _PROBE_EVERY
             if not due:
                 return 0
-            best = self._best(self.ks[1:], counts)
+            best = self._best(ks[1:], counts)
         for c in matched:
             self.skipped[c] = 0
         return best

@@ -55,8 +55,8 @@ class _State:
 
     tokens [batch, capacity] int64 (prompt with its left padding, then output; pad after a row's end),
     lengths / starts / remaining [batch] int64, active [batch] bool, info [INFO_SIZE] int64 (this round's
-    counters, layout in :mod:`hf_accel.kernels.commit_tokens`), totals [3] int64 (drafts proposed, accepted,
-    row-steps); for match-gated prompt lookup the next round's lookup: drafts [batch, k_max] int64, valid
+    counters, layout in :mod:`hf_accel.kernels.commit_tokens`), totals [4] int64 (drafts proposed, accepted
+    drafts committed, row-steps and tokens they committed); for match-gated prompt lookup the next round's lookup: drafts [batch, k_max] int64, valid
     [batch, k_max] bool and ngram [batch] int64 (match class). One state per graph key, reused by every call
     of that shape (captured graphs read these very tensors)."""
 
@@ -69,7 +69,7 @@ class _State:
         self.remaining = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.zeros(batch, dtype=torch.bool, device=device)
         self.info = torch.zeros(INFO_SIZE, dtype=torch.long, device=device)
-        self.totals = torch.zeros(3, dtype=torch.long, device=device)
+        self.totals = torch.zeros(4, dtype=torch.long, device=device)
         self.eos = torch.full((8,), -1, dtype=torch.long, device=device)
         self.drafts = torch.zeros(batch, k_max, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
@@ -407,7 +407,7 @@ class SpeculativeEngine:
             slot = 0
             while running:
                 if gated:
-                    k, rounds = chooser.choose(counts), 1
+                    k, rounds = chooser.choose(counts, max_remaining), 1
                 else:
                     k, rounds = chooser.choose(max_remaining if streamer is None else 1)
                 ks[k] = ks.get(k, 0) + rounds
@@ -475,7 +475,7 @@ class SpeculativeEngine:
                 "accepted_tokens": totals[1],
                 "acceptance_rate": totals[1] / totals[0] if totals[0] else None,
                 "mean_accepted_per_step": totals[1] / totals[2] if totals[2] else None,
-                "mean_tokens_per_step": (totals[1] + totals[2]) / totals[2] if totals[2] else None,
+                "mean_tokens_per_step": totals[3] / totals[2] if totals[2] else None,
             }
             fast.last_stats = cache.memory_stats()
             generated = int((st.lengths[:batch] - prompt_len).max())

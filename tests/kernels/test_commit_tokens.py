@@ -110,3 +110,23 @@ def test_takes_column_slices_of_wider_drafts():
     commit_tokens_ref(b[0], None, *b[1:], count_step=True)
     for x, y in zip(a[3:], b[3:]):
         assert torch.equal(x.cpu(), y)
+
+
+@pytest.mark.parametrize("ref", [False, True])
+def test_totals_count_what_was_committed(ref):
+    """Row 0 accepts all 3 drafts but has a budget of 2 tokens, row 1 accepts 2 and stops at an EOS after the
+    first: drafts that could be committed 2 + 1, accepted of them 2 + 1, tokens committed 2 + 1."""
+    fn = commit_tokens_ref if ref else commit_tokens
+    dev = "cpu" if ref else DEV
+    out = torch.tensor([[7, 8, 9, 6], [5, 1, 4, 6]], device=dev)
+    drafts = torch.tensor([[7, 8, 9], [5, 1, 3]], device=dev)
+    valid = torch.ones(2, 3, dtype=torch.bool, device=dev)
+    tokens = torch.zeros(2, 12, dtype=torch.long, device=dev)
+    lengths, remaining = torch.tensor([2, 3], device=dev), torch.tensor([2, 10], device=dev)
+    active = torch.tensor([True, True], device=dev)
+    eos = torch.tensor([5, -1], device=dev)
+    info, totals = torch.zeros(9, dtype=torch.long, device=dev), torch.zeros(4, dtype=torch.long, device=dev)
+    fn(out, None, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, count_step=True)
+    assert lengths.tolist() == [4, 4] and active.tolist() == [False, False]
+    assert totals.tolist() == [3, 3, 2, 3]
+    assert info[1].item() == 5  # the acceptance counters still see what matched (3 + 2)
