@@ -27,13 +27,17 @@ INFO_HIST = 5
 INFO_CLASS_COUNTS = INFO_HIST + MAX_DRAFT + 1
 INFO_CLASS_HIST = INFO_CLASS_COUNTS + NUM_CLASSES
 INFO_SIZE = INFO_CLASS_HIST + NUM_CLASSES * (MAX_DRAFT + 1)
+#: ``totals`` (int64, accumulated over a call): drafts proposed, drafts accepted, row-steps of verify rounds,
+#: tokens they committed, then ``[4 + k]`` rounds with k drafts in which a row was still active.
+TOTALS_SIZE = 4 + MAX_DRAFT + 1
 
 
 @triton.jit
 def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, Active, Eos, Info, Totals, Classes,
                    batch, stride_tok, num_eos, K, GREEDY: tl.constexpr, COUNT_STEP: tl.constexpr,
                    BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, NUM_CLASSES: tl.constexpr,
-                   CLASS_HIST: tl.constexpr, CLASS_STRIDE: tl.constexpr, COUNT_TOKENS: tl.constexpr):
+                   CLASS_HIST: tl.constexpr, CLASS_STRIDE: tl.constexpr, COUNT_TOKENS: tl.constexpr,
+                   COUNT_ROUNDS: tl.constexpr):
     rows = tl.arange(0, BLOCK_B)
     j = tl.arange(0, BLOCK_J)
     r2 = rows[:, None]
@@ -91,6 +95,8 @@ def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, 
         tl.store(Totals + 2, tl.load(Totals + 2) + tl.sum(w, axis=0))
         if COUNT_TOKENS:
             tl.store(Totals + 3, tl.load(Totals + 3) + tl.sum(count.to(tl.int64) * w, axis=0))
+    if COUNT_ROUNDS:  # rounds with k drafts in which a row was still active
+        tl.store(Totals + 4 + K, tl.load(Totals + 4 + K) + tl.max(w, axis=0))
 
 
 def _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes=None):
@@ -132,9 +138,11 @@ def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, 
         info: [>= 6 + k] int64, written: any row still active, accepted drafts, drafts examined (accepted +
             the first rejected), drafts proposed (rows active at the step), largest remaining budget, then
             ``info[5 + v]`` = rows that accepted exactly ``v`` drafts (v = 0..k; rows active at the step).
-        totals: [3] or [4] int64, accumulated: drafts proposed and drafts accepted, both counting only drafts
-            before the row's budget ends and before an accepted EOS (those could be committed), row-steps
-            and (with a 4th entry) tokens committed by them (these two only with ``count_step``).
+        totals: [3], [4] or [TOTALS_SIZE] int64, accumulated: drafts proposed and drafts accepted, both
+            counting only drafts before the row's budget ends and before an accepted EOS (those could be
+            committed), row-steps and (with a 4th entry) tokens committed by them (these two only with
+            ``count_step``), and (with :data:`TOTALS_SIZE` entries) ``[4 + k]`` rounds of k drafts in which
+            a row was still active.
         classes: optional [batch] int64 match class per row, in [0, NUM_CLASSES) (others are not counted):
             also writes the per-class histograms of accepted drafts (``info`` then needs :data:`INFO_SIZE`
             entries; layout at :data:`INFO_CLASS_HIST`).
@@ -155,7 +163,8 @@ def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, 
                          BLOCK_B=max(2, triton.next_power_of_2(b)), BLOCK_J=max(2, triton.next_power_of_2(k1)),
                          BLOCK_E=max(2, triton.next_power_of_2(eos.numel())),
                          NUM_CLASSES=NUM_CLASSES if classes is not None else 0, CLASS_HIST=INFO_CLASS_HIST,
-                         CLASS_STRIDE=MAX_DRAFT + 1, COUNT_TOKENS=totals.numel() >= 4)
+                         CLASS_STRIDE=MAX_DRAFT + 1, COUNT_TOKENS=totals.numel() >= 4,
+                         COUNT_ROUNDS=totals.numel() >= TOTALS_SIZE)
 
 
 def commit_tokens_ref(out, num_accepted, drafts, valid, tokens, lengths, remaining, active, eos, info, totals,
@@ -202,3 +211,5 @@ def commit_tokens_ref(out, num_accepted, drafts, valid, tokens, lengths, remaini
         totals[2] += w.sum()
         if totals.numel() >= 4:
             totals[3] += (count * w).sum()
+    if totals.numel() >= TOTALS_SIZE:
+        totals[4 + k] += w.amax() if w.numel() else 0

@@ -44,7 +44,7 @@ from hf_accel.engine.fast_generate import call_inputs, sampling_warpers
 from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
-                                            commit_tokens, commit_tokens_ref)
+                                            TOTALS_SIZE, commit_tokens, commit_tokens_ref)
 from hf_accel.kernels.ngram_lookup import ngram_lookup, ngram_lookup_ref
 from hf_accel.speculative.verify import rejection_sample, sample
 from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates
@@ -55,8 +55,8 @@ class _State:
 
     tokens [batch, capacity] int64 (prompt with its left padding, then output; pad after a row's end),
     lengths / starts / remaining [batch] int64, active [batch] bool, info [INFO_SIZE] int64 (this round's
-    counters, layout in :mod:`hf_accel.kernels.commit_tokens`), totals [4] int64 (drafts proposed, accepted
-    drafts committed, row-steps and tokens they committed); for match-gated prompt lookup the next round's lookup: drafts [batch, k_max] int64, valid
+    counters, layout in :mod:`hf_accel.kernels.commit_tokens`), totals [TOTALS_SIZE] int64 (drafts proposed,
+    accepted, row-steps, tokens they committed, rounds per k that had an active row); for match-gated prompt lookup the next round's lookup: drafts [batch, k_max] int64, valid
     [batch, k_max] bool and ngram [batch] int64 (match class). One state per graph key, reused by every call
     of that shape (captured graphs read these very tensors)."""
 
@@ -69,7 +69,7 @@ class _State:
         self.remaining = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.zeros(batch, dtype=torch.bool, device=device)
         self.info = torch.zeros(INFO_SIZE, dtype=torch.long, device=device)
-        self.totals = torch.zeros(4, dtype=torch.long, device=device)
+        self.totals = torch.zeros(TOTALS_SIZE, dtype=torch.long, device=device)
         self.eos = torch.full((8,), -1, dtype=torch.long, device=device)
         self.drafts = torch.zeros(batch, k_max, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
@@ -463,14 +463,15 @@ class SpeculativeEngine:
             if cfg.adaptive:
                 self.round_times[key] = dict(chooser.times)
             totals = st.totals.tolist()
-            steps_spec = sum(v for k, v in ks.items() if k > 0)
+            # rounds counted on the device: the host may have queued some after every row had finished
+            rounds_per_k = {k: totals[4 + k] for k in sorted(ks) if totals[4 + k]}
             self.last_stats = {
                 "method": cfg.method,
                 "num_draft_tokens": k_max,
                 "match_gated": gated,
-                "verify_steps": steps_spec,
-                "backed_off_steps": ks.get(0, 0),
-                "draft_lengths": {str(k): v for k, v in sorted(ks.items())},
+                "verify_steps": sum(v for k, v in rounds_per_k.items() if k > 0),
+                "backed_off_steps": rounds_per_k.get(0, 0),
+                "draft_lengths": {str(k): v for k, v in rounds_per_k.items()},
                 "draft_tokens": totals[0],
                 "accepted_tokens": totals[1],
                 "acceptance_rate": totals[1] / totals[0] if totals[0] else None,

@@ -130,3 +130,25 @@ def test_totals_count_what_was_committed(ref):
     assert lengths.tolist() == [4, 4] and active.tolist() == [False, False]
     assert totals.tolist() == [3, 3, 2, 3]
     assert info[1].item() == 5  # the acceptance counters still see what matched (3 + 2)
+
+
+@pytest.mark.parametrize("ref", [False, True])
+def test_rounds_are_counted_per_k_while_a_row_is_active(ref):
+    from hf_accel.kernels.commit_tokens import TOTALS_SIZE
+
+    fn = commit_tokens_ref if ref else commit_tokens
+    dev = "cpu" if ref else DEV
+    g = torch.Generator().manual_seed(3)
+    totals = torch.zeros(TOTALS_SIZE, dtype=torch.long, device=dev)
+    tokens = torch.zeros(2, 40, dtype=torch.long, device=dev)
+    lengths, remaining = torch.tensor([2, 3], device=dev), torch.tensor([6, 1], device=dev)
+    active = torch.tensor([True, True], device=dev)
+    eos = torch.tensor([-1], device=dev)
+    for k in (2, 0, 2, 2, 0, 0):  # row 1 finishes in the first round, row 0 runs out of budget in the third
+        out = torch.randint(3, 9, (2, k + 1), generator=g).to(dev)
+        drafts = out[:, :k].clone()  # all accepted
+        valid = torch.ones(2, k, dtype=torch.bool, device=dev)
+        info = torch.zeros(6 + k, dtype=torch.long, device=dev)
+        fn(out, None, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, count_step=k > 0)
+    assert totals[4:].tolist()[:3] == [1, 0, 2] and totals[7:].sum() == 0  # k=0: 1 round, k=2: 2 rounds
+    assert lengths.tolist() == [8, 4] and not active.any()

@@ -134,7 +134,9 @@ def test_backed_off_draft_model_runs_no_draft_forward(batch, tiny, monkeypatch):
     stats = speculative_stats(ours)
     assert stats["backed_off_steps"] >= 2 * _KChooser.max_plain_run and stats["verify_steps"] >= 3, stats
     plain = [n for k, n in spy.rounds if k == 0]
-    assert len(plain) == stats["backed_off_steps"] and not any(plain)  # no draft forward in a plain round
+    # no draft forward in a plain round; the stats count only rounds in which a row was active, a burst of
+    # plain rounds may run past the end
+    assert stats["backed_off_steps"] <= len(plain) < stats["backed_off_steps"] + 8 and not any(plain)
     assert all(n == k for k, n in spy.rounds if k > 0)  # a round with k drafts: the re-feed + k - 1 steps
     assert len(spy.catch_ups) == spy.catch_ups_due() >= 2
     assert all(widths == [window()] for _, widths in spy.catch_ups)  # one forward of the window each

@@ -733,3 +733,34 @@ def test_gated_chooser_drafts_no_more_than_the_budget_can_take():
     assert chooser.choose(_counts(c3=1), max_remaining=100) == 8
     assert chooser.choose(_counts(c3=1), max_remaining=5) == 4  # at most 4 drafts + the target's token
     assert chooser.choose(_counts(c3=1), max_remaining=1) == 0  # one token left: a plain step
+
+
+@pytest.mark.parametrize("options", [{}, {"match_gated": False}, {"adaptive": False}],
+                         ids=["gated", "ungated-bursts", "fixed-k"])
+def test_counters_add_up_to_the_tokens_when_eos_ends_early(options, tiny, monkeypatch):
+    """bs1, EOS in the middle of a 20-token budget: plain steps + verify steps x tokens per verify step + the
+    prefill token = the new tokens, however many rounds the host queued past the end. The ungated chooser
+    is made to run a verify round, then bursts of 8 plain rounds, so that a burst runs past the EOS."""
+    if options.get("match_gated") is False:
+        picks = []
+
+        def choose(self, max_remaining):
+            picks.append(len(picks))
+            return (3, 1) if len(picks) == 1 else (0, 8)
+
+        monkeypatch.setattr(_KChooser, "choose", choose)
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ids, mask = ids[:1, mask[0].argmax():], mask[:1, mask[0].argmax():]
+    new = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)[0, ids.shape[1]:].tolist()
+    eos = next(t for i, t in enumerate(new) if 4 <= i and t not in new[:i])
+    n_new = new.index(eos) + 1
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=3,
+                                                                               **options))
+    for _ in range(2):
+        out = greedy(ours, ids, mask, tiny.PAD, eos_token_id=eos)
+        assert out[0, ids.shape[1]:].tolist() == new[:n_new]
+        s = speculative_stats(ours)
+        from_verify = s["mean_tokens_per_step"] * s["verify_steps"] if s["verify_steps"] else 0
+        assert from_verify + s["backed_off_steps"] + 1 == pytest.approx(n_new), s
+        assert sum(s["draft_lengths"].values()) == s["verify_steps"] + s["backed_off_steps"]
