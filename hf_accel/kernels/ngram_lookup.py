@@ -91,6 +91,8 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
     _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, ngram, cap, tokens.stride(0), k,
                                MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram,
                                BLOCK=min(1024, triton.next_power_of_2(cap)), BLOCK_K=triton.next_power_of_2(k))
+    if out is not None:
+        return out
     return (drafts, valid.view(torch.bool), ngram) if with_ngram else (drafts, valid.view(torch.bool))
 
 

@@ -45,7 +45,6 @@ from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
                                             TOTALS_SIZE, commit_tokens, commit_tokens_ref)
-from hf_accel.kernels.ngram_lookup import ngram_lookup, ngram_lookup_ref
 from hf_accel.speculative.verify import rejection_sample, sample
 from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates
 
@@ -56,8 +55,9 @@ class _State:
     tokens [batch, capacity] int64 (prompt with its left padding, then output; pad after a row's end),
     lengths / starts / remaining [batch] int64, active [batch] bool, info [INFO_SIZE] int64 (this round's
     counters, layout in :mod:`hf_accel.kernels.commit_tokens`), totals [TOTALS_SIZE] int64 (drafts proposed,
-    accepted, row-steps, tokens they committed, rounds per k that had an active row); for match-gated prompt lookup the next round's lookup: drafts [batch, k_max] int64, valid
-    [batch, k_max] bool and ngram [batch] int64 (match class). One state per graph key, reused by every call
+    accepted, row-steps, tokens they committed, rounds per k that had an active row); for match-gated prompt
+    lookup the next round's lookup: drafts [batch, k_max] int64, valid [batch, k_max] bool and ngram [batch]
+    int64 (match class). One state per graph key, reused by every call
     of that shape (captured graphs read these very tensors)."""
 
     NAMES = ("tokens", "lengths", "starts", "remaining", "active", "info", "totals", "drafts", "valid", "ngram")
@@ -197,15 +197,8 @@ class SpeculativeEngine:
         the active rows per class into ``info[INFO_CLASS_COUNTS:]`` (device work only)."""
         cfg = self.config
         k_max = st.drafts.shape[1]
-        if ctx["kernels"]:
-            ngram_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram,
-                         out=(st.drafts, st.valid, st.ngram))
-        else:
-            d, v, n = ngram_lookup_ref(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram,
-                                       with_ngram=True)
-            st.drafts.copy_(d)
-            st.valid.copy_(v)
-            st.ngram.copy_(n)
+        prompt_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram, use_kernel=ctx["kernels"],
+                      out=(st.drafts, st.valid, st.ngram))
         if cfg.max_ngram >= NUM_CLASSES:  # longer matches share the last class
             st.ngram.clamp_(max=NUM_CLASSES - 1)
         counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]

@@ -11,7 +11,7 @@ from hf_accel.speculative.verify import sample
 
 
 def prompt_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
-                  min_ngram: int = 1, use_kernel: bool | None = None, with_ngram: bool = False):
+                  min_ngram: int = 1, use_kernel: bool | None = None, out=None):
     """Draft by copying what followed the first occurrence of the row's last n-gram in the row's
     earlier tokens (Saxena 2023, "Prompt Lookup Decoding", as transformers' ``prompt_lookup_num_tokens``),
     trying ``n = max_ngram .. min_ngram``. The first occurrence is usually in the prompt, the passage an
@@ -25,16 +25,23 @@ def prompt_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Ten
             before it.
         k: tokens to draft (>= 1).
         use_kernel: the one-launch Triton kernel (default: on CUDA) or the PyTorch reference.
-        with_ngram: also return the matched n per row.
+        out: optional (drafts [batch, k] int64, valid [batch, k] bool, ngram [batch] int64) contiguous
+            buffers: written with the drafts, their valid masks and the length of each row's matched n-gram
+            (0: none), and returned.
 
     Returns:
         (drafts [batch, k] int64, valid [batch, k] bool): ``valid`` is a prefix per row (False where no
-        n-gram matched, or where the copied span reaches the end of the committed tokens); with
-        ``with_ngram`` also ngram [batch] int64, the length of the matched n-gram (0: none).
+        n-gram matched, or where the copied span reaches the end of the committed tokens); with ``out``
+        the three buffers.
     """
-    if use_kernel if use_kernel is not None else tokens.is_cuda:
-        return ngram_lookup(tokens, lengths, starts, k, max_ngram, min_ngram, with_ngram=with_ngram)
-    return ngram_lookup_ref(tokens, lengths, starts, k, max_ngram, min_ngram, with_ngram=with_ngram)
+    kernel = use_kernel if use_kernel is not None else tokens.is_cuda
+    if out is None:
+        return (ngram_lookup if kernel else ngram_lookup_ref)(tokens, lengths, starts, k, max_ngram, min_ngram)
+    if kernel:
+        return ngram_lookup(tokens, lengths, starts, k, max_ngram, min_ngram, out=out)
+    for buf, value in zip(out, ngram_lookup_ref(tokens, lengths, starts, k, max_ngram, min_ngram, with_ngram=True)):
+        buf.copy_(value)
+    return out
 
 
 def _pick(logits: torch.Tensor, warp, do_sample: bool):

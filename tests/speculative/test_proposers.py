@@ -94,3 +94,19 @@ def _brute_ngram(tokens, lengths, starts, max_ngram, min_ngram):
                 break
         out.append(best)
     return torch.tensor(out)
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_lookup_into_buffers(use_kernel):
+    """``out=``: the drafts, valid masks and matched n written into the given buffers, as the reference."""
+    from hf_accel.kernels.ngram_lookup import ngram_lookup_ref
+
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(1, 5, (3, 29), generator=g)
+    lengths, starts = torch.tensor([29, 17, 9]), torch.tensor([0, 2, 1])
+    bufs = (torch.full((3, 5), -7, dtype=torch.long), torch.zeros(3, 5, dtype=torch.bool),
+            torch.full((3,), -7, dtype=torch.long))
+    got = prompt_lookup(tokens, lengths, starts, 5, use_kernel=use_kernel, out=bufs)
+    want = ngram_lookup_ref(tokens, lengths, starts, 5, with_ngram=True)
+    assert all(a is b for a, b in zip(got, bufs))
+    assert all(torch.equal(a, b) for a, b in zip(bufs, want))
