@@ -2,8 +2,8 @@
 
 Times, with CUDA graphs replayed back to back (median of 50 replays, CUDA events): the plain decode step
 (q_len 1), the target forward over q_len = k + 1 tokens, and whole prompt-lookup rounds at k = 0, 8 and 15
-(``round_gated_k*``: match-gated rounds at k = 0 and 15, which end with the next round's lookup); then a
-torch.profiler table of the k = 15 round's kernels. Writes ``profile_speculative_round-<date>.json``.
+(``round_gated_k*``: match-gated rounds at k = 0 and 15, which end with the next round's lookup); then
+torch.profiler tables of the kernels of the k = 15 round, the match-gated plain round and the plain step. Writes ``profile_speculative_round-<date>.json``.
 
     python benchmarks/profile_speculative_round.py [--set NAME=VALUE+...]   # decode_step switches (A/B)
 """
@@ -71,7 +71,7 @@ def _main():
         nb = step.max_blocks
         prompt_len = ids.shape[1]
         step.cache_lens[:1] = prompt_len
-        res["plain_step_ms"], _ = time_graph(lambda: step._forward())
+        res["plain_step_ms"], g_plain = time_graph(lambda: step._forward())
         for k in (1, 4, 8, 15, 16):
             v = fast._step_for(1, nb, q_len=k + 1)
             v.input_ids.copy_(ids[:, : k + 1])
@@ -100,20 +100,33 @@ def _main():
 
         for k in (0, 8, 15):
             res[f"round_k{k}_ms"], _ = time_graph(lambda: round_k(k))
+        graphs = {"k15": None, "gated_k0": None}
         for k in (0, 15):  # match-gated: the next round's lookup and class counts at the end of the round
-            res[f"round_gated_k{k}_ms"], _ = time_graph(lambda: round_k(k, gated_ctx))
-        _, g8 = time_graph(lambda: round_k(15), reps=1)
+            res[f"round_gated_k{k}_ms"], g = time_graph(lambda: round_k(k, gated_ctx))
+            graphs[f"gated_k{k}"] = g
+        _, graphs["k15"] = time_graph(lambda: round_k(15), reps=1)
+        graphs["plain_step"] = g_plain
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                g8.replay()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
-        events = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
-        top = [{"name": e.key[:90], "calls_per_round": e.count / 10,
-                "us_per_round": getattr(e, "device_time_total", 0) / 10} for e in events[:30]]
-        res["kernels_per_round_k15"] = sum(e.count for e in events) / 10
+        for name in ("k15", "gated_k0", "plain_step"):  # kernels per replay (profiled times are inflated)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    graphs[name].replay()
+                torch.cuda.synchronize()
+            events = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
+            events = [e for e in events if not e.key.startswith(("cuda", "Activity"))]
+            print(f"-- {name}: kernels per replay (name, count, profiled us)")
+            for e in events[:40]:
+                print(f"   {e.key[:80]:80s} {e.count / 10:6.1f} {getattr(e, 'device_time_total', 0) / 10:8.1f}")
+            table = [{"name": e.key[:90], "calls_per_round": e.count / 10,
+                      "us_per_round": getattr(e, "device_time_total", 0) / 10} for e in events[:40]]
+            if name == "k15":
+                top = table
+            else:
+                rows.append({"bench": "profile_speculative_round", "provider": "ours",
+                             "shape": {"model": "SmolLM2-135M-Instruct", "bs": 1, "graph": name},
+                             "metric": "kernels", "unit": "us per replay", "value": table})
+            res[f"kernels_per_round_{name}"] = sum(e.count for e in events) / 10
     shape = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "bs": 1, "prompt_len": prompt_len}
     for key, value in res.items():
         print(f"{key:28s} {value}")

@@ -17,11 +17,14 @@ Time models (ms, H200 bf16 bs1-like): A) plain 0.92, k > 0: 0.95 + 0.003 k; B) p
 C) plain 0.98, 1.0 + 0.004 k. Time to first token 4 ms per call. Speedup per category =
 sum(4 + tokens x plain) / sum(4 + simulated time) over its prompts (tokens: new tokens incl. the prefill one).
 
-Time model D is today's kernels (plain 0.486 ms; verify 0.793 + 0.0026 k ms).
+Time model D is the kernels' graph replays (plain 0.486 ms; verify 0.793 + 0.0026 k ms); E is whole engine
+rounds at 88accfb (plain decoding 0.488 ms per token; the engine's plain round 0.540, verify round 0.845 +
+0.0023 k ms).
 
 Policies: see ``POLICIES`` (the current ``_KChooser`` imported from the engine, and variants of it), the
 match-gated loop (``g_match_gated_gap*``: the engine's ``_GatedChooser``, each round chosen from the class of
-its own lookup, no lag, a host turnaround of 0 / 0.02 / 0.04 ms added to every round), and two clairvoyant
+its own lookup, no lag, a host turnaround of 0 / 0.02 / 0.04 ms added to every host sync; ``_no_bursts``:
+one plain round per sync, as before plain bursts), and two clairvoyant
 ceilings (``z_oracle_*``: the best k sequence knowing every outcome; not attainable).
 A policy "passes" if, under all three time models, its speedup is >= 5% above the current chooser's on
 grounded-code and no worse than -2% on grounded-text and open-ended.
@@ -63,13 +66,17 @@ TIME_MODELS = {
     # today's kernels: graph replays back to back, profile_generate_call-20261201-662919e.json (plain 0.486,
     # verify over 2 / 16 tokens 0.796 / 0.833 ms)
     "D": (0.486, 0.793, 0.0026),
+    # whole engine rounds, profile_speculative_round at 88accfb (plain step 0.488; a plain round of the
+    # speculative engine 0.533-0.540 and a verify round 0.874-0.888 ms, commit and lookup included): the
+    # fourth entry is the engine's plain-round time where it differs from plain decoding's step
+    "E": (0.488, 0.845, 0.0023, 0.540),
 }
 GATED_GAP_MS = (0.0, 0.02, 0.04)  # host turnaround per round of the match-gated loop (no round in flight)
 
 
 def round_ms(model: str, k: int) -> float:
-    plain, a, b = TIME_MODELS[model]
-    return plain if k == 0 else a + b * k
+    plain, a, b, *k0 = TIME_MODELS[model]
+    return (k0[0] if k0 else plain) if k == 0 else a + b * k
 
 
 # --- data ---------------------------------------------------------------------------------------------------
@@ -270,7 +277,8 @@ def simulate(prompt, cont, table, policy_cls, tm: str, ahead: int = 1, none_firs
             "plain_decode_ms": tokens * plain_ms, "ks": ks_count, **({"trace": log} if trace else {})}
 
 
-def simulate_gated(prompt, cont, table, ngrams, tm: str, gap_ms: float, none_first_use: bool = True) -> dict:
+def simulate_gated(prompt, cont, table, ngrams, tm: str, gap_ms: float, none_first_use: bool = True,
+                   bursts: bool = True) -> dict:
     """The match-gated loop (``SpeculativeConfig.match_gated``): each round is chosen by the engine's
     ``_GatedChooser`` from the class of the lookup made for it, the host waits for every round, and every
     round costs ``gap_ms`` more (the host's turnaround between rounds; its measured round times include it
@@ -286,24 +294,27 @@ def simulate_gated(prompt, cont, table, ngrams, tm: str, gap_ms: float, none_fir
     while active:
         counts = [0] * NUM_CLASSES
         counts[ngrams[j - 1]] = 1
-        k = chooser.choose(counts)
-        ks_count[k] = ks_count.get(k, 0) + 1
-        ms = round_ms(tm, k) + gap_ms
+        k, rounds = chooser.choose(counts, remaining, burst=bursts)
+        ks_count[k] = ks_count.get(k, 0) + rounds
+        ms = round_ms(tm, k) * rounds + gap_ms
         t_ms += ms
-        n = min(table[j - 1], k) if k > 0 else 0
-        count, finished = commit_count(cont[j: j + k + 1], n, remaining, EOS)
         hists = [[0] * (k + 1) for _ in range(NUM_CLASSES)]
-        hists[ngrams[j - 1]][n] = 1
-        j += count
-        remaining -= count
-        active = not finished and remaining > 0
-        verify_rounds += k > 0
-        plain_rounds += k == 0
+        for _ in range(rounds):  # the rounds of a plain burst commit one token each; rounds past the end cost too
+            if not active:
+                break
+            n = min(table[j - 1], k) if k > 0 else 0
+            hists[ngrams[j - 1]][n] += 1
+            count, finished = commit_count(cont[j: j + k + 1], n, remaining, EOS)
+            j += count
+            remaining -= count
+            active = not finished and remaining > 0
+        verify_rounds += rounds if k > 0 else 0
+        plain_rounds += rounds if k == 0 else 0
         captured = none_first_use and k not in used
         used.add(k)
         if pending is not None:
             chooser.update(*pending)
-        pending = (k, hists, None if (captured or first) else ms / 1e3)
+        pending = (k, hists, None if (captured or first) else ms / 1e3 / rounds)
         first = False
     return {"tokens": j, "verify_rounds": verify_rounds, "plain_rounds": plain_rounds, "sim_ms": t_ms,
             "plain_decode_ms": j * TIME_MODELS[tm][0], "ks": ks_count}
@@ -311,13 +322,13 @@ def simulate_gated(prompt, cont, table, ngrams, tm: str, gap_ms: float, none_fir
 
 def run_gated(rows, tables, ngrams, none_first_use=True):
     res = {}
-    for gap in GATED_GAP_MS:
-        name = f"g_match_gated_gap{gap}"
+    for gap, bursts in [(gap, True) for gap in GATED_GAP_MS] + [(GATED_GAP_MS[1], False)]:
+        name = f"g_match_gated_gap{gap}" + ("" if bursts else "_no_bursts")
         res[name] = {}
         for tm in TIME_MODELS:
             res[name][tm] = {}
             for cat in CATEGORIES:
-                res[name][tm][cat] = summarise([simulate_gated(p, c, t, g, tm, gap, none_first_use)
+                res[name][tm][cat] = summarise([simulate_gated(p, c, t, g, tm, gap, none_first_use, bursts)
                                                 for (p, c), t, g in zip(rows[cat], tables[cat], ngrams[cat])])
     return res
 

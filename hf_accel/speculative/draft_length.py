@@ -14,6 +14,8 @@ from hf_accel.kernels.commit_tokens import NUM_CLASSES
 
 _PROBE_EVERY = 16  # plain rounds between probes while backed off (also the most plain rounds in a row)
 _PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
+#: Match-gated plain rounds in bursts (:class:`_GatedChooser`); False: one plain round per host sync.
+GATED_PLAIN_BURSTS = True
 _PLAIN_TIMINGS = 2  # plain rounds a chooser runs to time them (a round that captures a graph is not timed)
 _DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
 _SHRINK = 2.0  # pseudo-rounds of the previous position's hazard in each position's estimate
@@ -160,6 +162,12 @@ class _GatedChooser:
     second, summed over the rows: a row of class c adds ``expected_tokens(k)`` of class c, a row without a
     match 1. So ``k = 0``, a plain round, whenever no row matched, or where verifying does not pay.
 
+    Plain rounds run in bursts that grow with the plain rounds in a row so far (one round per sync for the
+    first four, two for the next four, ..., at most :data:`_PLAIN_BURST`): the host waits for every choice,
+    so a long stretch without usable matches (open-ended text) would otherwise pay the host's turnaround
+    every token, while a short one should not hide the next match for long. Each round of a burst still
+    looks up the next one's drafts; the choice after the burst sees the last round's classes.
+
     A class that occurred in :data:`_PROBE_EVERY` plain rounds in a row is drafted once (a probe), so its
     estimate can recover; once a verify round has been timed, :data:`_PLAIN_TIMINGS` plain rounds are run to
     time them (as :class:`_KChooser` does) where none has been timed yet."""
@@ -179,6 +187,7 @@ class _GatedChooser:
             self.classes.append(est)
         self.skipped = [0] * NUM_CLASSES  # plain rounds in a row in which the class occurred
         self.plain_timings = 0
+        self.plain_run = 0  # plain rounds since the last round that drafted
 
     def time(self, k: int) -> float:
         return _round_time(self.times, k, self.draft_cost)
@@ -198,29 +207,40 @@ class _GatedChooser:
             return e / self.time(k)
         return max(ks, key=value)
 
-    def choose(self, counts: list[int], max_remaining: int | None = None) -> int:
-        """k of the next round from its class counts (``counts[c]``: active rows of class c); with
-        ``max_remaining`` (the largest token budget left in a row) never more drafts than a row can commit
-        besides the target's token."""
+    def choose(self, counts: list[int], max_remaining: int | None = None, burst: bool = True) -> tuple[int, int]:
+        """(k, rounds): the draft length of the next round from its class counts (``counts[c]``: active rows
+        of class c), and how many rounds of it to queue before the next host sync (more than one only for
+        plain rounds, and only with ``burst``). With ``max_remaining`` (the largest token budget left in a
+        row) never more drafts than a row can commit besides the target's token, nor plain rounds past the
+        budget."""
         matched = [c for c in range(1, NUM_CLASSES) if counts[c]]
         ks = self.ks if max_remaining is None else [k for k in self.ks if k < max_remaining]
         if not matched or len(ks) < 2:
-            return 0
+            return self._plain(self._burst(max_remaining, burst))
         if 0 not in self.times and any(k > 0 for k in self.times) and self.plain_timings < _PLAIN_TIMINGS:
             self.plain_timings += 1
-            return 0
+            return self._plain(1)
         best = self._best(ks, counts)
         if best == 0:
-            due = False
-            for c in matched:
-                self.skipped[c] += 1
-                due |= self.skipped[c] >= _PROBE_EVERY
-            if not due:
-                return 0
+            skipped = max(self.skipped[c] for c in matched)
+            if skipped < _PROBE_EVERY:  # a burst that ends at the probe at the latest
+                rounds = min(self._burst(max_remaining, burst), _PROBE_EVERY - skipped)
+                for c in matched:
+                    self.skipped[c] += rounds
+                return self._plain(rounds)
             best = self._best(ks[1:], counts)
         for c in matched:
             self.skipped[c] = 0
-        return best
+        self.plain_run = 0
+        return best, 1
+
+    def _burst(self, max_remaining: int | None, burst: bool) -> int:
+        n = min(_PLAIN_BURST, 1 + self.plain_run // 4) if burst and GATED_PLAIN_BURSTS else 1
+        return n if max_remaining is None else max(1, min(n, max_remaining))
+
+    def _plain(self, rounds: int) -> tuple[int, int]:
+        self.plain_run += rounds
+        return 0, rounds
 
     def update(self, k: int, class_hists: list[list[int]], seconds: float | None) -> None:
         """``class_hists[c][v]``: rows of class c that accepted exactly v of the round's k drafts."""

@@ -400,7 +400,7 @@ class SpeculativeEngine:
             slot = 0
             while running:
                 if gated:
-                    k, rounds = chooser.choose(counts, max_remaining), 1
+                    k, rounds = chooser.choose(counts, max_remaining, burst=streamer is None)
                 else:
                     k, rounds = chooser.choose(max_remaining if streamer is None else 1)
                 ks[k] = ks.get(k, 0) + rounds

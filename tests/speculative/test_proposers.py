@@ -101,11 +101,12 @@ def test_lookup_into_buffers(use_kernel):
     """``out=``: the drafts, valid masks and matched n written into the given buffers, as the reference."""
     from hf_accel.kernels.ngram_lookup import ngram_lookup_ref
 
+    dev = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"  # the kernel's CPU path: interpreter
     g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(1, 5, (3, 29), generator=g)
-    lengths, starts = torch.tensor([29, 17, 9]), torch.tensor([0, 2, 1])
-    bufs = (torch.full((3, 5), -7, dtype=torch.long), torch.zeros(3, 5, dtype=torch.bool),
-            torch.full((3,), -7, dtype=torch.long))
+    tokens = torch.randint(1, 5, (3, 29), generator=g).to(dev)
+    lengths, starts = torch.tensor([29, 17, 9], device=dev), torch.tensor([0, 2, 1], device=dev)
+    bufs = (torch.full((3, 5), -7, dtype=torch.long, device=dev), torch.zeros(3, 5, dtype=torch.bool, device=dev),
+            torch.full((3,), -7, dtype=torch.long, device=dev))
     got = prompt_lookup(tokens, lengths, starts, 5, use_kernel=use_kernel, out=bufs)
     want = ngram_lookup_ref(tokens, lengths, starts, 5, with_ngram=True)
     assert all(a is b for a, b in zip(got, bufs))

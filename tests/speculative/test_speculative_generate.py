@@ -426,9 +426,8 @@ def alternating_k(monkeypatch):
         calls.append(len(calls))
         return (3, 1) if len(calls) % 2 else (0, 3)
 
-    def choose_gated(self, counts, max_remaining=None):  # match-gated prompt lookup: one round per choice
-        calls.append(len(calls))
-        return 3 if len(calls) % 4 == 1 else 0
+    def choose_gated(self, counts, max_remaining=None, burst=True):  # match-gated prompt lookup: the same
+        return choose(self, max_remaining)
 
     monkeypatch.setattr(_KChooser, "choose", choose)
     monkeypatch.setattr(_GatedChooser, "choose", choose_gated)
@@ -546,9 +545,9 @@ def verify_on_match(monkeypatch):
     class counts it was given are recorded."""
     seen = []
 
-    def choose(self, counts, max_remaining=None):
+    def choose(self, counts, max_remaining=None, burst=True):
         seen.append(list(counts))
-        return self.k_max if any(counts[1:]) else 0
+        return (self.k_max, 1) if any(counts[1:]) else (0, 1)
 
     monkeypatch.setattr(_GatedChooser, "choose", choose)
     return seen
@@ -610,30 +609,42 @@ def _hists(k, **by_class):
 
 
 def test_gated_chooser_runs_plain_rounds_without_matches():
+    """No row matched: plain rounds, in bursts that grow with the plain rounds in a row (1, 1, 1, 1, 2, 2, 3,
+    ..., at most 8), one at a time without ``burst``, never past the budget; a round that drafts starts over."""
     chooser = _GatedChooser(k_max=8, draft_cost=0.03)
-    assert chooser.choose(_counts(c0=1)) == 0
-    assert chooser.choose(_counts(c0=5)) == 0
+    bursts = [chooser.choose(_counts(c0=5))[1] for _ in range(20)]
+    assert bursts[:8] == [1, 1, 1, 1, 2, 2, 3, 3] and bursts[-3:] == [8, 8, 8], bursts
+    assert chooser.choose(_counts(c0=5)) == (0, 8)
+    assert chooser.choose(_counts(c0=1), burst=False) == (0, 1)
+    assert chooser.choose(_counts(c0=1), max_remaining=3) == (0, 3)
+    chooser.times = {0: 1.0, 1: 1.2, 2: 1.2, 4: 1.2, 8: 1.2}
+    for _ in range(20):
+        chooser.update(8, _hists(8, c3=(8, 1)), None)
+    assert chooser.choose(_counts(c3=1)) == (8, 1)
+    assert chooser.choose(_counts(c0=1)) == (0, 1)
 
 
 def test_gated_chooser_verifies_what_holds_and_skips_what_does_not():
     """3-gram matches are always copied in full, 1-gram matches never hold: the chooser verifies the first and
-    runs plain rounds for the second, probing them every _PROBE_EVERY rounds; a verify round costs 1.7 plain
-    rounds."""
+    runs plain rounds for the second, probing them once per _PROBE_EVERY plain rounds; a verify round costs
+    1.7 plain rounds."""
     chooser = _GatedChooser(k_max=8, draft_cost=0.03)
     chooser.times = {0: 1.0, 8: 1.7, 4: 1.7, 2: 1.7, 1: 1.7}
     for _ in range(30):
-        k = chooser.choose(_counts(c3=1))
-        assert k > 0
+        k, rounds = chooser.choose(_counts(c3=1))
+        assert k > 0 and rounds == 1
         chooser.update(k, _hists(k, c3=(k, 1)), None)
-    assert chooser.choose(_counts(c3=1)) == 8
-    picks = []
-    for _ in range(3 * _PROBE_EVERY):
-        k = chooser.choose(_counts(c1=1))
-        picks.append(k)
+    assert chooser.choose(_counts(c3=1)) == (8, 1)
+    probes, plain = [], 0  # plain rounds before each probe
+    while plain < 3 * _PROBE_EVERY:
+        k, rounds = chooser.choose(_counts(c1=1))
+        if k:
+            probes.append(plain)
+        plain += rounds if k == 0 else 0
         chooser.update(k, _hists(k, c1=(0, 1)), None)
-    probes = [i for i, k in enumerate(picks) if k > 0]
-    assert 2 <= len(probes) <= 4 and all(b - a >= _PROBE_EVERY - 1 for a, b in zip(probes, probes[1:])), picks
-    assert chooser.choose(_counts(c3=1)) == 8  # the 3-gram estimate is untouched by the 1-gram rounds
+    gaps = [b - a for a, b in zip([0] + probes, probes)]
+    assert 2 <= len(probes) <= 3 and all(_PROBE_EVERY <= g < _PROBE_EVERY + 8 for g in gaps), probes
+    assert chooser.choose(_counts(c3=1)) == (8, 1)  # the 3-gram estimate is untouched by the 1-gram rounds
 
 
 def test_gated_chooser_weighs_the_rows_of_a_batch():
@@ -644,16 +655,16 @@ def test_gated_chooser_weighs_the_rows_of_a_batch():
     for _ in range(30):
         chooser.update(8, _hists(8, c3=(2, 1)), None)  # 3-gram rows accept 2 drafts
     assert chooser.expected_tokens(8, _counts(c3=1)) == pytest.approx(3.0, abs=0.2)
-    assert chooser.choose(_counts(c0=3, c3=1)) == 0
-    assert chooser.choose(_counts(c0=1, c3=3)) > 0
+    assert chooser.choose(_counts(c0=3, c3=1))[0] == 0
+    assert chooser.choose(_counts(c0=1, c3=3))[0] > 0
 
 
 def test_gated_chooser_times_a_plain_round_once_a_verify_round_is_timed():
     chooser = _GatedChooser(k_max=4, draft_cost=0.03)
-    k = chooser.choose(_counts(c3=1))
+    k, _ = chooser.choose(_counts(c3=1))
     assert k > 0
     chooser.update(k, _hists(k, c3=(k, 1)), seconds=1.8)
-    assert chooser.choose(_counts(c3=1)) == 0  # to time it
+    assert chooser.choose(_counts(c3=1)) == (0, 1)  # to time it
     chooser.update(0, _hists(0, c3=(0, 1)), seconds=1.0)
     assert chooser.times == {k: 1.8, 0: 1.0}
 
@@ -664,10 +675,10 @@ def test_match_gated_fused_triton_step_with_every_draft_length(tiny, monkeypatch
     between; greedy equals stock and the state ends holding the lookup of the final tokens."""
     picks = []
 
-    def choose(self, counts, max_remaining=None):
+    def choose(self, counts, max_remaining=None, burst=True):
         matched = [k for k in picks if k >= 0]
         picks.append((1, 2, 4, 0)[len(matched) % 4] if any(counts[1:]) else -1)
-        return max(picks[-1], 0)
+        return max(picks[-1], 0), 1
 
     monkeypatch.setattr(_GatedChooser, "choose", choose)
     model = tiny.model("llama", num_hidden_layers=LAYERS)
@@ -715,10 +726,10 @@ def test_gated_chooser_drafts_no_more_than_the_budget_can_take():
     chooser.times = {0: 1.0, 1: 1.2, 2: 1.2, 4: 1.2, 8: 1.2}
     for _ in range(20):
         chooser.update(8, _hists(8, c3=(8, 1)), None)  # 3-gram matches are copied in full
-    assert chooser.choose(_counts(c3=1)) == 8
-    assert chooser.choose(_counts(c3=1), max_remaining=100) == 8
-    assert chooser.choose(_counts(c3=1), max_remaining=5) == 4  # at most 4 drafts + the target's token
-    assert chooser.choose(_counts(c3=1), max_remaining=1) == 0  # one token left: a plain step
+    assert chooser.choose(_counts(c3=1)) == (8, 1)
+    assert chooser.choose(_counts(c3=1), max_remaining=100) == (8, 1)
+    assert chooser.choose(_counts(c3=1), max_remaining=5) == (4, 1)  # at most 4 drafts + the target's token
+    assert chooser.choose(_counts(c3=1), max_remaining=1) == (0, 1)  # one token left: a plain step
 
 
 @pytest.mark.parametrize("options", [{}, {"match_gated": False}, {"adaptive": False}],

@@ -75,10 +75,10 @@ def test_match_gated_rounds_in_graphs(tiny, monkeypatch):
 
     picks = []
 
-    def choose(self, counts, max_remaining=None):  # cycles 3, 0, 1, 2 (k_max = 3: candidates 0, 1, 2, 3) over rounds a row matched
+    def choose(self, counts, max_remaining=None, burst=True):  # cycles 3, 0, 1, 2 over rounds a row matched
         matched = [k for k in picks if k >= 0]
         picks.append((3, 0, 1, 2)[len(matched) % 4] if any(counts[1:]) else -1)
-        return max(picks[-1], 0)
+        return max(picks[-1], 0), 1
 
     monkeypatch.setattr(_GatedChooser, "choose", choose)
     model = tiny.model("llama", num_hidden_layers=LAYERS).cuda()
