@@ -23,9 +23,9 @@ Providers:
 * ``ours``: ``accelerate_model(model)``, hf-accel's non-speculative fast path: the baseline of the speedups
   and the reference of the losslessness check;
 * ``ours-prompt_lookup``: ``accelerate_model(model, speculative="prompt_lookup")`` (n-gram prompt lookup;
-  each round chosen from its own lookup's matches, ``SpeculativeConfig.match_gated``);
-* ``ours-prompt_lookup-ungated``: the same with ``match_gated=False`` (k from past rounds' acceptance alone,
-  one round in flight), for an A/B of the gating;
+  at batch 1 each round chosen from its own lookup's matches, ``SpeculativeConfig.match_gated``);
+* ``ours-prompt_lookup-ungated`` / ``-gated``: the same with ``match_gated=False`` (k from past rounds'
+  acceptance alone, one round in flight) / ``True`` (gated at every batch size), for A/Bs of the gating;
 * ``ours-early_exit``: ``speculative="early_exit"`` (self-speculative: first layers + final norm + lm_head);
 * ``ours-draft_model``: ``speculative=draft``. CAVEAT: no smaller real model with SmolLM2's tokenizer is
   available offline, so the draft is a *layer-truncated copy of SmolLM2 itself* (deep copy keeping the
@@ -88,7 +88,9 @@ from common import decode_step_overrides, write_results  # noqa: E402
 import hf_accel  # noqa: E402
 
 BENCH = "bench_speculative"
-SPECULATIVE = ("ours-prompt_lookup", "ours-prompt_lookup-ungated", "ours-early_exit", "ours-draft_model")
+SPECULATIVE = ("ours-prompt_lookup", "ours-prompt_lookup-ungated", "ours-prompt_lookup-gated", "ours-early_exit",
+               "ours-draft_model")
+AB_PROVIDERS = ("ours-prompt_lookup-ungated", "ours-prompt_lookup-gated")  # not in the default list
 PROVIDERS = ("hf-greedy", "hf-prompt-lookup", "ours", *SPECULATIVE)
 CATEGORIES = ("grounded-text", "grounded-code", "open-ended")
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -252,8 +254,8 @@ def speculative_arg(provider: str, draft, args):
     API (method name / draft model), or a ``SpeculativeConfig`` when an option asks for one."""
     method = provider.removeprefix("ours-")
     options = {}
-    if method == "prompt_lookup-ungated":
-        method, options["match_gated"] = "prompt_lookup", False
+    if method in ("prompt_lookup-ungated", "prompt_lookup-gated"):
+        method, options["match_gated"] = "prompt_lookup", method == "prompt_lookup-gated"
     plain = draft if method == "draft_model" else method
     if args.num_draft_tokens is not None:
         options["num_draft_tokens"] = args.num_draft_tokens
@@ -336,6 +338,8 @@ def aggregate_stats(stats: list) -> dict | None:
     if lengths:
         agg["draft_lengths"] = dict(sorted(lengths.items(), key=lambda kv: int(kv[0])))
     agg["method"] = stats[-1].get("method")
+    if stats[-1].get("round_ms"):
+        agg["round_ms"] = stats[-1]["round_ms"]  # the engine's estimate after the last call (kept across calls)
     return agg
 
 
@@ -429,6 +433,8 @@ def run_shape(category, bs, batches, providers, model, args, new_tokens, eos_ids
                         row(key, "count", stats[key])
                 if "draft_lengths" in stats:
                     row("draft_lengths", "steps per k", stats["draft_lengths"])
+                if "round_ms" in stats:
+                    row("round_ms", "ms per round by k (host turnaround included)", stats["round_ms"])
             if ref is not None:
                 identical, prefix = compare(outs, ref)
                 row("greedy_identical", "bool", identical)
@@ -465,8 +471,8 @@ def _out_dir(private: bool):
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny random Llama, token-id prompts")
-    ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "ours-prompt_lookup-ungated"),
-                    help=f"comma list out of {', '.join(PROVIDERS)} (default: all but the ungated A/B)")
+    ap.add_argument("--providers", default=",".join(p for p in PROVIDERS if p not in AB_PROVIDERS),
+                    help=f"comma list out of {', '.join(PROVIDERS)} (default: all but the gating A/Bs)")
     ap.add_argument("--skip-draft", action="store_true", help="leave out ours-draft_model")
     ap.add_argument("--categories", default=",".join(CATEGORIES), help="comma list of prompt categories")
     ap.add_argument("--batch-sizes", default="1,8", help="comma list; bs > 1 uses that many prompts (at most 8)")

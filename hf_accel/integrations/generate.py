@@ -248,7 +248,9 @@ def speculative_stats(model) -> dict | None:
     are not counted);
     ``acceptance_rate`` = accepted / proposed; ``mean_accepted_per_step`` (accepted drafts per row and
     verify step) and ``mean_tokens_per_step`` (tokens committed per row and verify step, the bonus or
-    correction token included). Rates are None when nothing was drafted."""
+    correction token included); ``round_ms`` (measured time per round by k, from one round's completion to
+    the next one's, so the host's turnaround between rounds is included; recent rounds weigh more, as
+    the adaptive k uses them). Rates are None when nothing was drafted."""
     from hf_accel.integrations.patch import _unwrap_peft
 
     hf_model, _ = _unwrap_peft(model)

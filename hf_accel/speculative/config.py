@@ -40,7 +40,9 @@ class SpeculativeConfig:
             matched, with acceptance tracked per matched length. A round with no match, or only matches
             that rarely hold (on SmolLM2 mostly 1-grams), is a plain step instead of a verify pass over
             drafts that would be rejected. With ``False`` k is chosen from the acceptance of past rounds
-            alone, one round ahead of the counters (the host never waits for the GPU).
+            alone, one round ahead of the counters (the host never waits for the GPU). ``None`` (the
+            default): match-gated for one-row calls, not for batches, where the H200 measured the
+            ungated chooser faster (``docs/speculative.md``).
 
     Raises:
         ValueError: an unknown method, a missing/extra ``draft_model``, or a count out of range.
@@ -53,12 +55,13 @@ class SpeculativeConfig:
     exit_layer: int | None = None
     max_ngram: int = 3
     min_ngram: int = 1
-    match_gated: bool = True
+    match_gated: bool | None = None
 
     def __post_init__(self):
-        for name in ("adaptive", "match_gated"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
+        if self.match_gated is not None and not isinstance(self.match_gated, bool):
+            raise ValueError(f"match_gated must be True, False or None, got {self.match_gated!r}")
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if (self.method == "draft_model") != (self.draft_model is not None):

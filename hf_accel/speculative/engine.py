@@ -21,7 +21,7 @@ round uses the k in ``{0, 1, 2, 4, ..., k_max}`` with the most expected tokens p
 times measured on this machine (a prior until measured). ``k = 0`` is plain decoding ("backed off"); every
 16th backed-off round probes the best ``k > 0`` again so the estimate can recover.
 
-*Match-gated prompt lookup* (``SpeculativeConfig.match_gated``, the default with ``adaptive``): each round
+*Match-gated prompt lookup* (``SpeculativeConfig.match_gated``, the default with ``adaptive`` at batch 1): each round
 ends with the next round's n-gram lookup, and the host chooses the next round's k from the rows' matched
 n-gram lengths (:class:`~.draft_length._GatedChooser`): a round in which no row matched, or only matched
 n-grams that rarely hold, is a plain step rather than a verify pass over drafts that would be rejected.
@@ -134,11 +134,12 @@ class SpeculativeEngine:
         engine.fused = self.fast.fused
         return engine
 
-    @property
-    def match_gated(self) -> bool:
-        """Whether rounds are chosen from the next round's prompt-lookup matches (:class:`_GatedChooser`)."""
+    def match_gated(self, batch: int) -> bool:
+        """Whether a call of ``batch`` rows chooses its rounds from the next round's prompt-lookup matches
+        (:class:`_GatedChooser`); ``SpeculativeConfig.match_gated=None``: for one row only."""
         cfg = self.config
-        return cfg.method == "prompt_lookup" and cfg.adaptive and cfg.match_gated
+        gated = batch == 1 if cfg.match_gated is None else cfg.match_gated
+        return cfg.method == "prompt_lookup" and cfg.adaptive and gated
 
     # -- eligibility ----------------------------------------------------------------------------------
     def check(self, gc) -> str | None:
@@ -330,7 +331,7 @@ class SpeculativeEngine:
                    # one-launch Triton kernels for the lookup and the commit on CUDA (and on CPU with the
                    # fused step, under Triton's interpreter); their PyTorch references otherwise
                    "kernels": step.fused or model.device.type == "cuda",
-                   "gated": self.match_gated}
+                   "gated": self.match_gated(batch)}
             nb = step.max_blocks
             ctx["verify"] = {k: fast._step_for(batch, nb, q_len=k + 1) for k in _candidates(k_max)}
             if cfg.method == "early_exit":
@@ -470,6 +471,8 @@ class SpeculativeEngine:
                 "acceptance_rate": totals[1] / totals[0] if totals[0] else None,
                 "mean_accepted_per_step": totals[1] / totals[2] if totals[2] else None,
                 "mean_tokens_per_step": totals[3] / totals[2] if totals[2] else None,
+                # completion to completion, the host's turnaround included (CUDA events; wall clock on CPU)
+                "round_ms": {str(k): 1e3 * t for k, t in sorted(chooser.times.items())},
             }
             fast.last_stats = cache.memory_stats()
             generated = int((st.lengths[:batch] - prompt_len).max())

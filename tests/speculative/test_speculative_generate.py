@@ -146,7 +146,7 @@ def test_rollback_leaves_the_cache_as_plain_decoding(method, tiny, monkeypatch, 
     gated = method == "prompt_lookup-gated"
     if gated:
         request.getfixturevalue("verify_on_match")
-        cfg = SpeculativeConfig("prompt_lookup", num_draft_tokens=4)
+        cfg = SpeculativeConfig("prompt_lookup", num_draft_tokens=4, match_gated=True)
     else:
         cfg = SpeculativeConfig(method, num_draft_tokens=4, adaptive=False)
     spec = accelerate_model(copy.deepcopy(model), speculative=cfg)
@@ -195,7 +195,7 @@ def test_sampling_keeps_the_distribution(method, tiny, request):
     gated = method == "prompt_lookup-gated"
     if gated:
         request.getfixturevalue("verify_on_match")
-        spec_cfg = SpeculativeConfig("prompt_lookup", num_draft_tokens=2)
+        spec_cfg = SpeculativeConfig("prompt_lookup", num_draft_tokens=2, match_gated=True)
     else:
         spec_cfg = spec_arg(method, model, num_draft_tokens=2, adaptive=False)
     spec_model = accelerate_model(copy.deepcopy(model), speculative=spec_cfg)
@@ -318,7 +318,7 @@ def test_bad_options_raise_and_leave_the_model_untouched(tiny):
                 dict(max_ngram=2.0)):
         with pytest.raises(ValueError, match="min_ngram <= max_ngram <= 16"):
             SpeculativeConfig(method="prompt_lookup", **bad)
-    with pytest.raises(ValueError, match="match_gated must be True or False"):
+    with pytest.raises(ValueError, match="match_gated must be True, False or None"):
         SpeculativeConfig(method="prompt_lookup", match_gated="yes")
     with pytest.raises(TypeError, match="speculative must be"):
         accelerate_model(model, speculative=3)
@@ -391,7 +391,7 @@ def test_smollm2_greedy_identical(method, smollm2, monkeypatch):
     # accepted ~20% of the time, enough to exercise acceptance
     draft = truncated(model, 27) if method == "draft_model" else None
     if method == "prompt_lookup-gated":  # adaptive: each round chosen from its own lookup's matches
-        spec = SpeculativeConfig("prompt_lookup", num_draft_tokens=4)
+        spec = SpeculativeConfig("prompt_lookup", num_draft_tokens=4, match_gated=True)
     else:
         spec = SpeculativeConfig(method, draft_model=draft, num_draft_tokens=4, adaptive=False,
                                  exit_layer=27 if method == "early_exit" else None)
@@ -568,13 +568,28 @@ def test_match_gated_prompt_lookup_greedy_identical(batch, gated, tiny):
         assert speculative_stats(ours)["match_gated"] is gated
 
 
+@pytest.mark.parametrize("match_gated", [None, True, False])
+def test_match_gated_default_is_for_one_row(match_gated, tiny):
+    """``match_gated=None`` (the default) gates one-row calls and not batches; True / False hold for both."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig(
+        "prompt_lookup", num_draft_tokens=3, match_gated=match_gated))
+    for rows in (1, 3):
+        out = greedy(ours, ids[:rows], mask[:rows], tiny.PAD, max_new_tokens=8, eos_token_id=None)
+        assert torch.equal(out, greedy(model, ids[:rows], mask[:rows], tiny.PAD, max_new_tokens=8, eos_token_id=None))
+        want = rows == 1 if match_gated is None else match_gated
+        assert speculative_stats(ours)["match_gated"] is want, rows
+
+
 def test_match_gated_rounds_see_the_class_counts_of_their_own_lookup(tiny, verify_on_match):
     """Every round is chosen from the counts of the lookup made for it: rows without any earlier occurrence
     of their last token are class 0, and a round whose rows all lack a match is plain."""
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny)
     stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=24, eos_token_id=None)
-    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=3))
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=3,
+                                                                               match_gated=True))
     out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=24, eos_token_id=None)
     assert torch.equal(out, stock)
     stats = speculative_stats(ours)
@@ -684,7 +699,8 @@ def test_match_gated_fused_triton_step_with_every_draft_length(tiny, monkeypatch
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny)
     stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
-    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=4))
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=4,
+                                                                               match_gated=True))
     ours._hf_accel_engine.fused = True
     out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
     assert torch.equal(out, stock)
@@ -703,7 +719,7 @@ def test_match_gated_matches_longer_than_the_classes_share_the_last_class(tiny):
     ids, mask = repetitive_batch(tiny)
     stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
     ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=4,
-                                                                               max_ngram=9))
+                                                                               max_ngram=9, match_gated=True))
     assert torch.equal(greedy(ours, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None), stock)
     (engine,) = ours.__dict__["_hf_accel_spec_engines"].values()
     st = _State(2, 32, "cpu", 4)

@@ -86,7 +86,8 @@ def test_match_gated_rounds_in_graphs(tiny, monkeypatch):
     kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=tiny.PAD, eos_token_id=None)
     with torch.no_grad():
         plain = accelerate_model(copy.deepcopy(model)).generate(input_ids=ids, attention_mask=mask, **kwargs)
-    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=3))
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=3,
+                                                                               match_gated=True))
     for _ in range(2):
         with torch.no_grad():
             out = ours.generate(input_ids=ids, attention_mask=mask, **kwargs)
