@@ -777,3 +777,5 @@ def test_counters_add_up_to_the_tokens_when_eos_ends_early(options, tiny, monkey
         from_verify = s["mean_tokens_per_step"] * s["verify_steps"] if s["verify_steps"] else 0
         assert from_verify + s["backed_off_steps"] + 1 == pytest.approx(n_new), s
         assert sum(s["draft_lengths"].values()) == s["verify_steps"] + s["backed_off_steps"]
+        assert s["round_ms"] and all(v > 0 for v in s["round_ms"].values()), s  # measured per k that ran
+        assert set(s["draft_lengths"]) <= set(s["round_ms"]) | {"0"}, s
