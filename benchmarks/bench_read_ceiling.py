@@ -25,33 +25,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import _read_kv_kernel  # noqa: E402  (the pointer-load reader of bench_decode.py)
 from common import write_results  # noqa: E402
 
 B, S, HKV, D, BS = 1, 32768, 8, 128, 16
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":
     S = 512
-
-
-@triton.jit
-def _read_ptr(K, V, BT, Out, stride_kb, stride_ks, stride_kh, tps, seq_len, PAGED: tl.constexpr,
-              BLOCK_N: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr):
-    """Pointer loads of BLOCK_N tokens per step: through the block table (paged) or from [H_kv, S, D]."""
-    h = tl.program_id(0)
-    s = tl.program_id(1)
-    offs_d = tl.arange(0, D)
-    acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-    start = s * tps
-    end = tl.minimum(seq_len, start + tps)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        if PAGED:
-            phys = tl.load(BT + offs_n // BS).to(tl.int64)
-            ptr = phys[:, None] * stride_kb + (offs_n % BS)[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
-        else:
-            ptr = (h * seq_len + offs_n.to(tl.int64))[:, None] * D + offs_d[None, :]
-        acc += tl.load(K + ptr).to(tl.float32) + tl.load(V + ptr).to(tl.float32)
-    tl.store(Out + (h * tl.num_programs(1) + s) * D + offs_d, tl.sum(acc, 0))
 
 
 @triton.jit
@@ -120,53 +100,33 @@ def main():
         rows.append({"variant": name, "us": ms * 1e3, "tbs": tbs})
         print(f"{name:50s} {ms * 1e3:8.2f} us {tbs:6.3f} TB/s", flush=True)
 
+    def variant(name, launch, tokens_per_step):
+        """Check and time ``launch(out, tokens_per_split, splits)`` over the split counts."""
+        for ns in splits_opts:
+            tps = triton.cdiv(triton.cdiv(S, ns), tokens_per_step) * tokens_per_step
+            n = triton.cdiv(S, tps)
+            out = torch.empty(HKV * n * D, device=DEV)
+            ms = timer(lambda: launch(out, tps, n))
+            check(out, n, name)
+            rec(f"{name} splits{n}", ms)
+
     splits_opts = (32, 33, 64, 128) if DEV == "cuda" else (4,)
     for paged in (True, False):
+        a = (kc, vc) if paged else (kcont, vcont)
         for bn, w, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 4), (32, 4, 6), (256, 8, 2)):
-            for ns in splits_opts:
-                tps = triton.cdiv(triton.cdiv(S, ns), bn) * bn
-                n = triton.cdiv(S, tps)
-                out = torch.empty(HKV * n * D, device=DEV)
-                a = (kc, vc) if paged else (kcont, vcont)
-                f = lambda: _read_ptr[(HKV, n)](a[0], a[1], bt, out, kc.stride(0), kc.stride(1), kc.stride(2), tps, S,
-                                               PAGED=paged, BLOCK_N=bn, D=D, BS=BS, HKV=HKV, num_warps=w, num_stages=st)
-                ms = timer(f)
-                check(out, n, "ptr")
-                rec(f"ptr-{'paged' if paged else 'contig'} n{bn} w{w} s{st} splits{n}", ms)
-    if True:  # TMA variants (the interpreter runs them too)
-        k2 = kcont.view(HKV * S, D)
-        v2 = vcont.view(HKV * S, D)
-        for bn, w, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4), (64, 4, 6)):
-            for ns in splits_opts:
-                tps = triton.cdiv(triton.cdiv(S, ns), bn) * bn
-                n = triton.cdiv(S, tps)
-                out = torch.empty(HKV * n * D, device=DEV)
-                kd = TensorDescriptor.from_tensor(k2, [bn, D])
-                vd = TensorDescriptor.from_tensor(v2, [bn, D])
-                f = lambda: _read_tma_contig[(HKV, n)](kd, vd, out, tps, S, BLOCK_N=bn, D=D, num_warps=w, num_stages=st)
-                try:
-                    ms = timer(f)
-                    check(out, n, "tma")
-                except Exception as e:  # noqa: BLE001
-                    print("tma-contig failed", type(e).__name__, str(e)[:300]); break
-                rec(f"tma-contig n{bn} w{w} s{st} splits{n}", ms)
-        kp = kc.view(nblk * BS, HKV * D)
-        vp = vc.view(nblk * BS, HKV * D)
-        kd = TensorDescriptor.from_tensor(kp, [BS, D])
-        vd = TensorDescriptor.from_tensor(vp, [BS, D])
-        for blocks, w, st in ((4, 4, 3), (4, 4, 4), (2, 4, 4), (8, 4, 3), (4, 8, 4), (1, 4, 6)):
-            for ns in splits_opts:
-                tps = triton.cdiv(triton.cdiv(S, ns), BS * blocks) * BS * blocks
-                n = triton.cdiv(S, tps)
-                out = torch.empty(HKV * n * D, device=DEV)
-                f = lambda: _read_tma_paged[(HKV, n)](kd, vd, bt, out, tps, S, D=D, BS=BS, BLOCKS=blocks, num_warps=w,
-                                                      num_stages=st)
-                try:
-                    ms = timer(f)
-                    check(out, n, "tma-paged")
-                except Exception as e:  # noqa: BLE001
-                    print("tma-paged failed", type(e).__name__, str(e)[:300]); break
-                rec(f"tma-paged blocks{blocks} w{w} s{st} splits{n}", ms)
+            variant(f"ptr-{'paged' if paged else 'contig'} n{bn} w{w} s{st}", lambda out, tps, n: _read_kv_kernel[(HKV, n)](
+                a[0], a[1], bt[None], out, kc.stride(0), kc.stride(1), kc.stride(2), bt.numel(), HKV, tps, S, BLOCK_N=bn,
+                HEAD_DIM=D, BLOCK_SIZE=BS, PAGED=paged, num_warps=w, num_stages=st), bn)
+    k2, v2 = kcont.view(HKV * S, D), vcont.view(HKV * S, D)
+    for bn, w, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4), (64, 4, 6)):
+        kd, vd = TensorDescriptor.from_tensor(k2, [bn, D]), TensorDescriptor.from_tensor(v2, [bn, D])
+        variant(f"tma-contig n{bn} w{w} s{st}", lambda out, tps, n: _read_tma_contig[(HKV, n)](
+            kd, vd, out, tps, S, BLOCK_N=bn, D=D, num_warps=w, num_stages=st), bn)
+    kd = TensorDescriptor.from_tensor(kc.view(nblk * BS, HKV * D), [BS, D])
+    vd = TensorDescriptor.from_tensor(vc.view(nblk * BS, HKV * D), [BS, D])
+    for blocks, w, st in ((4, 4, 3), (4, 4, 4), (2, 4, 4), (8, 4, 3), (4, 8, 4), (1, 4, 6)):
+        variant(f"tma-paged blocks{blocks} w{w} s{st}", lambda out, tps, n: _read_tma_paged[(HKV, n)](
+            kd, vd, bt, out, tps, S, D=D, BS=BS, BLOCKS=blocks, num_warps=w, num_stages=st), BS * blocks)
     if DEV == "cuda":
         x = torch.empty(nbytes // 2, device=DEV, dtype=torch.bfloat16).normal_()
         rec("torch-sum (one tensor of the same bytes)", timer(lambda: x.sum(dtype=torch.float32)))
