@@ -67,9 +67,11 @@ def test_sampling_in_graphs_draws_valid_tokens(tiny):
     assert not torch.equal(seen[0], seen[1])  # the graph's random draws change between replays
 
 
-def test_match_gated_rounds_in_graphs(tiny, monkeypatch):
-    """Match-gated prompt lookup with every draft length the chooser can pick, plain rounds between: greedy
-    equals the plain fast path, and the state holds the in-graph lookup of the final tokens."""
+@pytest.mark.parametrize("burst", [1, 3])
+def test_match_gated_rounds_in_graphs(burst, tiny, monkeypatch):
+    """Match-gated prompt lookup with every draft length the chooser can pick, plain rounds between (in bursts
+    of ``burst`` replays per host sync): greedy equals the plain fast path, and the state holds the in-graph
+    lookup of the final tokens."""
     from hf_accel.kernels.ngram_lookup import ngram_lookup_ref
     from hf_accel.speculative.draft_length import _GatedChooser
 
@@ -78,7 +80,7 @@ def test_match_gated_rounds_in_graphs(tiny, monkeypatch):
     def choose(self, counts, max_remaining=None, burst=True):  # cycles 3, 0, 1, 2 over rounds a row matched
         matched = [k for k in picks if k >= 0]
         picks.append((3, 0, 1, 2)[len(matched) % 4] if any(counts[1:]) else -1)
-        return max(picks[-1], 0), 1
+        return (picks[-1], 1) if picks[-1] > 0 else (0, burst)
 
     monkeypatch.setattr(_GatedChooser, "choose", choose)
     model = tiny.model("llama", num_hidden_layers=LAYERS).cuda()
