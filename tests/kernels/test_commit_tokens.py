@@ -152,3 +152,46 @@ def test_rounds_are_counted_per_k_while_a_row_is_active(ref):
         fn(out, None, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, count_step=k > 0)
     assert totals[4:].tolist()[:3] == [1, 0, 2] and totals[7:].sum() == 0  # k=0: 1 round, k=2: 2 rounds
     assert lengths.tolist() == [8, 4] and not active.any()
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("k", [0, 3, 8])
+@pytest.mark.parametrize("seed", range(3))
+def test_next_inputs_are_the_updated_rows_last_token_and_positions(seed, k, greedy):
+    """``next_inputs``: each row's last committed token (the token before it for rows that committed
+    nothing: finished or out of budget), ``lengths - 1`` as int32 and ``lengths - 1 - starts``, from the
+    updated state; kernel as reference; with classes the class counts are zeroed for the next lookup."""
+    from hf_accel.kernels.commit_tokens import INFO_CLASS_COUNTS, INFO_SIZE, NUM_CLASSES
+
+    batch = 6
+    state = list(_state(seed, batch, k))
+    state[9] = torch.full((INFO_SIZE,), 99, dtype=torch.long)
+    g = torch.Generator().manual_seed(200 + seed)
+    starts = torch.randint(0, 3, (batch,), generator=g)
+    classes = torch.randint(0, NUM_CLASSES, (batch,), generator=g)
+    state[7][0], state[7][1], state[6][1] = False, True, 2  # row 0 commits nothing, row 1 at least one token
+    results = []
+    for run, dev in ((commit_tokens, DEV), (commit_tokens_ref, "cpu")):
+        s = [t.to(dev).clone() for t in state]
+        if greedy:
+            s[1] = None
+        nxt = (starts.to(dev), torch.full((batch,), -5, device=dev), torch.full((batch,), -5, dtype=torch.int32,
+                                                                               device=dev),
+               torch.full((batch,), -5, device=dev))
+        run(*s, count_step=k > 0, classes=classes.to(dev), next_inputs=nxt)
+        tokens, lengths = s[4].cpu(), s[5].cpu()
+        assert nxt[1].cpu().tolist() == [int(tokens[r, lengths[r] - 1]) for r in range(batch)]
+        assert nxt[2].cpu().tolist() == (lengths - 1).tolist() and nxt[2].dtype == torch.int32
+        assert nxt[3].cpu().tolist() == (lengths - 1 - starts).tolist()
+        assert s[9][INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].cpu().tolist() == [0] * NUM_CLASSES
+        results.append([t.cpu() for t in (*s[4:], *nxt[1:])])
+    for x, y in zip(*results):
+        assert torch.equal(x, y)
+
+
+def test_next_inputs_are_checked():
+    state = list(_state(0, 2, 3))
+    bad = (torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+           torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="cache_lens must be a contiguous"):
+        commit_tokens_ref(*state, count_step=True, next_inputs=bad)
