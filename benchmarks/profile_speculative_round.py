@@ -87,7 +87,6 @@ def _main():
         st.lengths[0] = prompt_len + 1
         st.remaining[0] = 120
         st.active[0] = True
-        st.set_next_inputs()
         ctx = {"warp": lambda x: x, "do_sample": False, "block_table": step.block_table, "key_mask": step.key_mask,
                "use_graph": True, "kernels": True, "verify": {k: fast._step_for(1, nb, q_len=k + 1) for k in (0, 8, 15)},
                "gated": False}

@@ -18,9 +18,9 @@ from hf_accel.kernels.device import check_launch_device
 #: Layout of the ``info`` counters (int64): ``[0]`` any row still active, ``[1]`` accepted drafts, ``[2]``
 #: drafts examined, ``[3]`` drafts proposed, ``[4]`` largest remaining budget, then ``[INFO_HIST + v]`` rows
 #: that accepted exactly v drafts (v = 0..k). With match classes (``classes``, prompt lookup's matched
-#: n-gram length per row, clamped to ``NUM_CLASSES - 1``): ``[INFO_CLASS_COUNTS + c]`` (zeroed by the
-#: commit, then filled by the next lookup: active rows of class c for the next round) and
-#: ``[INFO_CLASS_HIST + c * (MAX_DRAFT + 1) + v]`` rows of class c that accepted exactly v drafts.
+#: n-gram length per row, clamped to ``NUM_CLASSES - 1``): ``[INFO_CLASS_COUNTS + c]`` (written by the
+#: caller: active rows of class c for the next round) and ``[INFO_CLASS_HIST + c * (MAX_DRAFT + 1) + v]``
+#: rows of class c that accepted exactly v drafts.
 MAX_DRAFT = 32
 NUM_CLASSES = 8
 INFO_HIST = 5
@@ -34,11 +34,10 @@ TOTALS_SIZE = 4 + MAX_DRAFT + 1
 
 @triton.jit
 def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, Active, Eos, Info, Totals, Classes,
-                   Starts, LastToken, CacheLens, Pos0,
                    batch, stride_tok, num_eos, K, GREEDY: tl.constexpr, COUNT_STEP: tl.constexpr,
                    BLOCK_B: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, NUM_CLASSES: tl.constexpr,
                    CLASS_HIST: tl.constexpr, CLASS_STRIDE: tl.constexpr, COUNT_TOKENS: tl.constexpr,
-                   COUNT_ROUNDS: tl.constexpr, NEXT_INPUTS: tl.constexpr, CLASS_COUNTS: tl.constexpr):
+                   COUNT_ROUNDS: tl.constexpr):
     rows = tl.arange(0, BLOCK_B)
     j = tl.arange(0, BLOCK_J)
     r2 = rows[:, None]
@@ -72,15 +71,6 @@ def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, 
     remaining = remaining - count
     active = was_active & (finished == 0) & (remaining > 0)
     tl.store(Lengths + rows, lengths + count, mask=rows < batch)
-    if NEXT_INPUTS:  # the next round's inputs: its first token, cached tokens and first position per row
-        committed = tl.sum(tl.where(j2 == count[:, None] - 1, out, 0), axis=1)
-        before = tl.load(Tokens + rows.to(tl.int64) * stride_tok + tl.maximum(lengths - 1, 0),
-                         mask=(rows < batch) & (count == 0), other=0)  # not written by this launch
-        new_len = lengths + count
-        tl.store(LastToken + rows, tl.where(count > 0, committed, before), mask=rows < batch)
-        tl.store(CacheLens + rows, (new_len - 1).to(tl.int32), mask=rows < batch)
-        starts = tl.load(Starts + rows, mask=rows < batch, other=0)
-        tl.store(Pos0 + rows, new_len - 1 - starts, mask=rows < batch)
     tl.store(Remaining + rows, remaining.to(tl.int64), mask=rows < batch)
     tl.store(Active + rows, active.to(tl.uint8), mask=rows < batch)
     w = was_active.to(tl.int64)
@@ -92,8 +82,6 @@ def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, 
     tl.store(Info + 4, tl.max(tl.where(active, remaining, 0).to(tl.int64), axis=0))
     hist = tl.sum(((n[:, None] == j2) & was_active[:, None] & in_b).to(tl.int64), axis=0)
     tl.store(Info + 5 + j, hist, mask=j < K + 1)
-    if CLASS_COUNTS:  # zeroed for the next lookup, which adds its rows' classes (ngram_lookup's counts=)
-        tl.store(Info + CLASS_COUNTS + tl.arange(0, NUM_CLASSES), tl.zeros([NUM_CLASSES], dtype=tl.int64))
     if NUM_CLASSES > 0:
         cls = tl.load(Classes + rows, mask=rows < batch, other=-1)
         for c in tl.static_range(NUM_CLASSES):
@@ -111,7 +99,7 @@ def _commit_kernel(Out, NumAccepted, Drafts, Valid, Tokens, Lengths, Remaining, 
         tl.store(Totals + 4 + K, tl.load(Totals + 4 + K) + tl.max(w, axis=0))
 
 
-def _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes=None, next_inputs=None):
+def _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes=None):
     b, k1 = out.shape
     k = k1 - 1
     if drafts.shape != (b, k) or valid.shape != (b, k) or valid.dtype != torch.bool:
@@ -132,16 +120,10 @@ def _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, to
             raise ValueError(f"classes must be [{b}] int64, got {tuple(classes.shape)} {classes.dtype}")
         if info.numel() < INFO_SIZE:
             raise ValueError(f"info needs {INFO_SIZE} entries with classes, got {info.numel()}")
-    if next_inputs is not None:
-        for name, t, dt in zip(("starts", "last_token", "cache_lens", "pos0"), next_inputs,
-                               (torch.long, torch.long, torch.int32, torch.long)):
-            if t.shape != (b,) or t.dtype != dt or not t.is_contiguous():
-                raise ValueError(f"next_inputs {name} must be a contiguous [{b}] {dt} tensor, got {tuple(t.shape)} "
-                                 f"{t.dtype}")
 
 
 def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, active, eos, info, totals,
-                  count_step: bool, classes: torch.Tensor | None = None, next_inputs=None) -> None:
+                  count_step: bool, classes: torch.Tensor | None = None) -> None:
     """Commit one verify step's tokens in place (one launch; batch <= 256).
 
     Args:
@@ -163,38 +145,32 @@ def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, 
             a row was still active.
         classes: optional [batch] int64 match class per row, in [0, NUM_CLASSES) (others are not counted):
             also writes the per-class histograms of accepted drafts (``info`` then needs :data:`INFO_SIZE`
-            entries; layout at :data:`INFO_CLASS_HIST`), and zeroes the class counts at
-            :data:`INFO_CLASS_COUNTS` for the next lookup to fill.
-        next_inputs: optional (starts [batch] int64, last_token [batch] int64, cache_lens [batch] int32,
-            pos0 [batch] int64): written with the next round's inputs from the updated state: each row's last
-            committed token, ``lengths - 1`` and ``lengths - 1 - starts`` (its first position).
+            entries; layout at :data:`INFO_CLASS_HIST`).
 
     Raises:
         ValueError: bad shapes or dtypes, more than :data:`MAX_DRAFT` drafts, or batch > 256.
     """
-    _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes, next_inputs)
+    _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes)
     b, k1 = out.shape
     out, drafts, valid = out.contiguous(), drafts.contiguous(), valid.contiguous()  # the kernel indexes rows densely
     if b > 256:
         raise ValueError(f"commit_tokens handles at most 256 rows per launch, got {b}")
     check_launch_device(out, "commit_tokens")
-    nxt = next_inputs if next_inputs is not None else (lengths,) * 4
     _commit_kernel[(1,)](out, num_accepted if num_accepted is not None else lengths, drafts, valid.view(torch.uint8),
                          tokens, lengths, remaining, active.view(torch.uint8), eos, info, totals,
-                         classes if classes is not None else lengths, *nxt, b, tokens.stride(0),
+                         classes if classes is not None else lengths, b, tokens.stride(0),
                          eos.numel(), k1 - 1, GREEDY=num_accepted is None, COUNT_STEP=bool(count_step),
                          BLOCK_B=max(2, triton.next_power_of_2(b)), BLOCK_J=max(2, triton.next_power_of_2(k1)),
                          BLOCK_E=max(2, triton.next_power_of_2(eos.numel())),
                          NUM_CLASSES=NUM_CLASSES if classes is not None else 0, CLASS_HIST=INFO_CLASS_HIST,
                          CLASS_STRIDE=MAX_DRAFT + 1, COUNT_TOKENS=totals.numel() >= 4,
-                         COUNT_ROUNDS=totals.numel() >= TOTALS_SIZE, NEXT_INPUTS=next_inputs is not None,
-                         CLASS_COUNTS=INFO_CLASS_COUNTS if classes is not None else 0)
+                         COUNT_ROUNDS=totals.numel() >= TOTALS_SIZE)
 
 
 def commit_tokens_ref(out, num_accepted, drafts, valid, tokens, lengths, remaining, active, eos, info, totals,
-                      count_step: bool, classes: torch.Tensor | None = None, next_inputs=None) -> None:
+                      count_step: bool, classes: torch.Tensor | None = None) -> None:
     """PyTorch reference of :func:`commit_tokens` (same arguments and effects)."""
-    _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes, next_inputs)
+    _check(out, drafts, valid, tokens, lengths, remaining, active, eos, info, totals, classes)
     k = drafts.shape[1]
     if num_accepted is None:
         num_accepted = ((drafts == out[:, :k]) & valid).long().cumprod(dim=1).sum(dim=1)
@@ -229,12 +205,6 @@ def commit_tokens_ref(out, num_accepted, drafts, valid, tokens, lengths, remaini
         flat = torch.zeros(NUM_CLASSES * stride, dtype=info.dtype, device=info.device)
         flat.scatter_add_(0, classes.clamp(0, NUM_CLASSES - 1) * stride + n, w * in_range)
         info[INFO_CLASS_HIST: INFO_SIZE].view(NUM_CLASSES, stride)[:, : k + 1] = flat.view(NUM_CLASSES, stride)[:, : k + 1]
-        info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES] = 0
-    if next_inputs is not None:
-        starts, last_token, cache_lens, pos0 = next_inputs
-        last_token.copy_(tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0])
-        cache_lens.copy_(lengths - 1)
-        pos0.copy_(lengths - 1 - starts)
     totals[0] += (torch.minimum(proposed, limit) * w).sum()
     totals[1] += (torch.minimum(n, limit) * w).sum()
     if count_step:

@@ -15,9 +15,9 @@ from hf_accel.kernels.device import check_launch_device
 
 
 @triton.jit
-def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, Active, Counts, capacity, stride_tb, K,
+def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, capacity, stride_tb, K,
                          MAX_NGRAM: tl.constexpr, MIN_NGRAM: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_K: tl.constexpr, NUM_CLASSES: tl.constexpr):
+                         BLOCK_K: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     row = Tokens + b * stride_tb
     length = tl.load(Lengths + b).to(tl.int32)
@@ -44,14 +44,11 @@ def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, Active, 
     drafts = tl.load(row + idx, mask=ok, other=0)
     tl.store(Drafts + b * K + kk, drafts, mask=kk < K)
     tl.store(Valid + b * K + kk, ok.to(tl.uint8), mask=kk < K)
-    if NUM_CLASSES > 0:  # the row's class (matched n, clamped), counted if the row is active
-        matched = tl.minimum(matched, NUM_CLASSES - 1)
-        tl.atomic_add(Counts + matched, (tl.load(Active + b) != 0).to(tl.int64))
     tl.store(Ngram + b, matched.to(tl.int64))
 
 
 def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
-                 min_ngram: int = 1, with_ngram: bool = False, out=None, class_counts=None):
+                 min_ngram: int = 1, with_ngram: bool = False, out=None):
     """Prompt-lookup drafts, one launch.
 
     Args:
@@ -62,9 +59,6 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
         with_ngram: also return the length of the n-gram each row matched.
         out: optional (drafts [batch, k] int64, valid [batch, k] bool, ngram [batch] int64) contiguous
             tensors to write (and return) instead of new ones.
-        class_counts: optional (active [batch] bool, counts [num_classes] int64, zeroed by the caller):
-            ``ngram`` is clamped to ``num_classes - 1`` (the row's *match class*) and ``counts[c]`` gets the
-            active rows of class c (atomic adds).
 
     Returns:
         (drafts [batch, k] int64, valid [batch, k] bool, a prefix per row), as :func:`ngram_lookup_ref`;
@@ -93,17 +87,10 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
         drafts = torch.empty(b, k, dtype=torch.long, device=tokens.device)
         valid = torch.empty(b, k, dtype=torch.uint8, device=tokens.device)
         ngram = torch.empty(b, dtype=torch.long, device=tokens.device)
-    active, counts = class_counts if class_counts is not None else (ngram, ngram)
-    if class_counts is not None and (active.shape != (b,) or active.dtype != torch.bool or counts.dim() != 1
-                                     or counts.dtype != torch.long or not counts.is_contiguous()):
-        raise ValueError(f"class_counts must be (active [{b}] bool, counts [num_classes] int64 contiguous), got "
-                         f"{tuple(active.shape)} {active.dtype}, {tuple(counts.shape)} {counts.dtype}")
     check_launch_device(tokens, "ngram_lookup")
-    _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, ngram,
-                               active.view(torch.uint8) if class_counts is not None else active, counts, cap,
-                               tokens.stride(0), k, MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram,
-                               BLOCK=min(1024, triton.next_power_of_2(cap)), BLOCK_K=triton.next_power_of_2(k),
-                               NUM_CLASSES=counts.numel() if class_counts is not None else 0)
+    _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, ngram, cap, tokens.stride(0), k,
+                               MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram,
+                               BLOCK=min(1024, triton.next_power_of_2(cap)), BLOCK_K=triton.next_power_of_2(k))
     if out is not None:
         return out
     return (drafts, valid.view(torch.bool), ngram) if with_ngram else (drafts, valid.view(torch.bool))

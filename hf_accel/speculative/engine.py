@@ -42,7 +42,6 @@ import torch
 from hf_accel._logging import log_once
 from hf_accel.engine.fast_generate import call_inputs, sampling_warpers
 from hf_accel.speculative.config import SpeculativeConfig
-from hf_accel.kernels.ngram_lookup import ngram_lookup
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
                                             TOTALS_SIZE, commit_tokens, commit_tokens_ref)
@@ -58,12 +57,10 @@ class _State:
     counters, layout in :mod:`hf_accel.kernels.commit_tokens`), totals [TOTALS_SIZE] int64 (drafts proposed,
     accepted, row-steps, tokens they committed, rounds per k that had an active row); for match-gated prompt
     lookup the next round's lookup: drafts [batch, k_max] int64, valid [batch, k_max] bool and ngram [batch]
-    int64 (match class); the next round's inputs, written by each round's commit: last_token [batch] int64,
-    cache_lens [batch] int32 (``lengths - 1``) and pos0 [batch] int64 (``lengths - 1 - starts``). One state
-    per graph key, reused by every call of that shape (captured graphs read these very tensors)."""
+    int64 (match class). One state per graph key, reused by every call
+    of that shape (captured graphs read these very tensors)."""
 
-    NAMES = ("tokens", "lengths", "starts", "remaining", "active", "info", "totals", "drafts", "valid", "ngram",
-             "last_token", "cache_lens", "pos0")
+    NAMES = ("tokens", "lengths", "starts", "remaining", "active", "info", "totals", "drafts", "valid", "ngram")
 
     def __init__(self, batch: int, capacity: int, device, k_max: int = 1):
         self.tokens = torch.zeros(batch, capacity, dtype=torch.long, device=device)
@@ -77,26 +74,11 @@ class _State:
         self.drafts = torch.zeros(batch, k_max, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
         self.ngram = torch.zeros(batch, dtype=torch.long, device=device)
-        self.last_token = torch.zeros(batch, dtype=torch.long, device=device)
-        self.cache_lens = torch.zeros(batch, dtype=torch.int32, device=device)
-        self.pos0 = torch.zeros(batch, dtype=torch.long, device=device)
-        self.offsets = torch.arange(k_max + 1, device=device)  # positions of a round's tokens after pos0
-
-    def next_inputs(self):
-        """(starts, last_token, cache_lens, pos0): what ``commit_tokens(next_inputs=...)`` writes."""
-        return self.starts, self.last_token, self.cache_lens, self.pos0
-
-    def set_next_inputs(self) -> None:
-        """The next round's inputs from ``tokens`` / ``lengths`` / ``starts`` (after the prefill)."""
-        self.last_token.copy_(self.tokens.gather(1, (self.lengths - 1)[:, None])[:, 0])
-        self.cache_lens.copy_(self.lengths - 1)
-        self.pos0.copy_(self.lengths - 1 - self.starts)
 
     def reset(self, pad: int) -> None:
         self.tokens.fill_(pad)
         self.lengths.fill_(1)
-        for t in (self.starts, self.remaining, self.info, self.totals, self.drafts, self.ngram, self.last_token,
-                  self.cache_lens, self.pos0):
+        for t in (self.starts, self.remaining, self.info, self.totals, self.drafts, self.ngram):
             t.zero_()
         self.active.zero_()
         self.valid.zero_()
@@ -174,8 +156,9 @@ class SpeculativeEngine:
         """Draft ``k`` tokens, verify, commit (updates ``st``; device work only)."""
         b = st.lengths.shape[0]
         dev = st.tokens.device
-        # written by the previous round's commit (or set_next_inputs after the prefill)
-        cache_lens, pos0, x0 = st.cache_lens, st.pos0, st.last_token[:, None]
+        cache_lens = (st.lengths - 1).to(torch.int32)
+        pos0 = st.lengths - 1 - st.starts
+        x0 = st.tokens.gather(1, (st.lengths - 1)[:, None])
         draft_probs = None
         if k == 0:  # plain round; a draft model's cache lags until _catch_up_draft
             drafts = torch.zeros(b, 0, dtype=torch.long, device=dev)
@@ -195,9 +178,10 @@ class SpeculativeEngine:
                                               ctx["draft_key_mask"], k, ctx["warp"], ctx["do_sample"],
                                               next_step=ctx["draft1"])
             valid = torch.ones_like(drafts, dtype=torch.bool)
-        ids = torch.cat([x0, drafts], dim=1) if k else x0
-        positions = pos0[:, None] + st.offsets[: k + 1] if k else pos0[:, None]
-        logits = ctx["verify"][k].forward_tokens(ids, positions, cache_lens, ctx["block_table"], ctx["key_mask"])
+        ids = torch.cat([x0, drafts], dim=1)
+        j = torch.arange(k + 1, device=dev)
+        logits = ctx["verify"][k].forward_tokens(ids, pos0[:, None] + j, cache_lens, ctx["block_table"],
+                                                 ctx["key_mask"])
         if ctx["do_sample"]:
             probs = torch.softmax(ctx["warp"](logits.flatten(0, 1)), dim=-1).view_as(logits)
             out, n = rejection_sample(drafts, valid, draft_probs, probs)
@@ -205,7 +189,7 @@ class SpeculativeEngine:
             out, n = logits.argmax(dim=-1), None  # greedy: the commit counts the matching prefix
         commit = commit_tokens if ctx["kernels"] and b <= 256 else commit_tokens_ref  # one program: <= 256 rows
         commit(out, n, drafts, valid, st.tokens, st.lengths, st.remaining, st.active, st.eos, st.info, st.totals,
-               count_step=k > 0, classes=st.ngram if ctx["gated"] else None, next_inputs=st.next_inputs())
+               count_step=k > 0, classes=st.ngram if ctx["gated"] else None)
         if ctx["gated"]:
             self._lookup_next(st, ctx)
 
@@ -214,14 +198,11 @@ class SpeculativeEngine:
         the active rows per class into ``info[INFO_CLASS_COUNTS:]`` (device work only)."""
         cfg = self.config
         k_max = st.drafts.shape[1]
-        counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
-        if ctx["kernels"]:  # classes clamped and counted by the lookup kernel; the commit before it zeroed the counts
-            ngram_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram,
-                         out=(st.drafts, st.valid, st.ngram), class_counts=(st.active, counts))
-            return
-        prompt_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram, use_kernel=False,
+        prompt_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram, use_kernel=ctx["kernels"],
                       out=(st.drafts, st.valid, st.ngram))
-        st.ngram.clamp_(max=NUM_CLASSES - 1)  # longer matches share the last class
+        if cfg.max_ngram >= NUM_CLASSES:  # longer matches share the last class
+            st.ngram.clamp_(max=NUM_CLASSES - 1)
+        counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
         counts.zero_()
         counts.scatter_add_(0, st.ngram, st.active.long())
 
@@ -387,7 +368,6 @@ class SpeculativeEngine:
             st.starts[:batch] = prompt_len - attention_mask.long().sum(-1)
             st.remaining[:batch] = max_new - 1
             st.active[:batch] = (st.remaining[:batch] > 0) & ~torch.isin(first, st.eos)
-            st.set_next_inputs()
             if streamer is not None:
                 streamer.put(input_ids.cpu())
                 streamer.put(first.cpu())

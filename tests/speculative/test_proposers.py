@@ -111,30 +111,3 @@ def test_lookup_into_buffers(use_kernel):
     want = ngram_lookup_ref(tokens, lengths, starts, 5, with_ngram=True)
     assert all(a is b for a, b in zip(got, bufs))
     assert all(torch.equal(a, b) for a, b in zip(bufs, want))
-
-
-@pytest.mark.parametrize("max_ngram", [3, 9])
-def test_lookup_counts_active_rows_per_class(max_ngram):
-    """``class_counts``: the matched n clamped to the last class, and the active rows per class added to the
-    given counts, as the reference's classes give them."""
-    from hf_accel.kernels.ngram_lookup import ngram_lookup, ngram_lookup_ref
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(3)
-    batch, num_classes = 7, 4
-    tokens = torch.randint(1, 4, (batch, 33), generator=g)
-    tokens[0] = torch.arange(100, 133)  # no repeats: class 0
-    lengths = torch.randint(10, 34, (batch,), generator=g)
-    starts = torch.randint(0, 3, (batch,), generator=g)
-    active = torch.rand(batch, generator=g) < 0.7
-    counts = torch.zeros(num_classes, dtype=torch.long, device=dev)
-    bufs = (torch.zeros(batch, 5, dtype=torch.long, device=dev), torch.zeros(batch, 5, dtype=torch.bool, device=dev),
-            torch.zeros(batch, dtype=torch.long, device=dev))
-    ngram_lookup(tokens.to(dev), lengths.to(dev), starts.to(dev), 5, max_ngram, out=bufs,
-                 class_counts=(active.to(dev), counts))
-    drafts, valid, ngram = ngram_lookup_ref(tokens, lengths, starts, 5, max_ngram, with_ngram=True)
-    classes = ngram.clamp(max=num_classes - 1)
-    assert torch.equal(bufs[0].cpu(), drafts) and torch.equal(bufs[1].cpu(), valid)
-    assert torch.equal(bufs[2].cpu(), classes)
-    assert counts.cpu().tolist() == [int((active & (classes == c)).sum()) for c in range(num_classes)]
-    assert int(counts.sum()) == int(active.sum()) and classes[0] == 0 and (classes == num_classes - 1).any()
