@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ class SpeculativeConfig:
             (:data:`hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS`). 4 for the model-based drafts.
         adaptive: choose k per verify step from the measured acceptance and step times (down to 0: plain
             decoding, "backed off", with an occasional probe); with ``False`` k stays ``num_draft_tokens``.
+            Sampling stays exact either way, but with ``adaptive`` the k sequence depends on measured
+            times, so a fixed seed does not repeat the same samples across calls; with ``False`` it does.
         exit_layer: layers of the early-exit draft; default half of the model's layers. Models trained
             with an early-exit loss (LayerSkip) draft well from early layers; a model trained without one
             needs most of its layers (SmolLM2-135M: 0% of drafts accepted at 8 of 30 layers, ~20% at 27),
@@ -81,13 +84,15 @@ class SpeculativeConfig:
 
     @classmethod
     def from_arg(cls, arg) -> "SpeculativeConfig":
-        """``speculative=`` of ``accelerate_model``: a config, a method name, or a draft model.
+        """``speculative=`` of ``accelerate_model``: a config, a method name, or a draft model. A config is
+        copied (and so validated again): fields changed after construction are checked, and changes made
+        after ``accelerate_model`` do not reach the accelerated model (accelerate it again to apply them).
 
         Raises:
-            TypeError: anything else.
+            TypeError: anything else. ValueError: a config whose fields were set to invalid values.
         """
         if isinstance(arg, cls):
-            return arg
+            return dataclasses.replace(arg)
         if isinstance(arg, str):
             return cls(method=arg)
         from transformers import PreTrainedModel

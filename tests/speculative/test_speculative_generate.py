@@ -779,3 +779,39 @@ def test_counters_add_up_to_the_tokens_when_eos_ends_early(options, tiny, monkey
         assert sum(s["draft_lengths"].values()) == s["verify_steps"] + s["backed_off_steps"]
         assert s["round_ms"] and all(v > 0 for v in s["round_ms"].values()), s  # measured per k that ran
         assert set(s["draft_lengths"]) <= set(s["round_ms"]) | {"0"}, s
+
+
+def test_a_config_edited_after_construction_is_checked_and_copied(tiny):
+    """accelerate_model validates a SpeculativeConfig again (fields set after construction) and keeps its
+    own copy: edits after accelerating do not reach the model."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    cfg = SpeculativeConfig("prompt_lookup", num_draft_tokens=3)
+    cfg.match_gated = "yes"
+    with pytest.raises(ValueError, match="match_gated must be True, False or None"):
+        accelerate_model(copy.deepcopy(model), speculative=cfg)
+    cfg.match_gated, cfg.num_draft_tokens = None, 0
+    with pytest.raises(ValueError, match="num_draft_tokens must be an int"):
+        accelerate_model(copy.deepcopy(model), speculative=cfg)
+    cfg.num_draft_tokens = 3
+    ours = accelerate_model(copy.deepcopy(model), speculative=cfg)
+    cfg.num_draft_tokens, cfg.method = 0, "bogus"
+    ids, mask = repetitive_batch(tiny)
+    out = greedy(ours, ids[:1], mask[:1], tiny.PAD, max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(out, greedy(model, ids[:1], mask[:1], tiny.PAD, max_new_tokens=6, eos_token_id=None))
+    assert speculative_stats(ours)["num_draft_tokens"] == 3
+
+
+def test_sampling_with_a_fixed_k_repeats_under_a_seed(tiny):
+    """adaptive=False: the same k every round, so a seed draws the same samples on every call."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=3,
+                                                                               adaptive=False))
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(1234)
+        with torch.no_grad():
+            outs.append(ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=True,
+                                      pad_token_id=tiny.PAD))
+    assert torch.equal(outs[0], outs[1])
+    assert speculative_stats(ours)["verify_steps"] > 0
