@@ -114,9 +114,10 @@ def main():
     for paged in (True, False):
         a = (kc, vc) if paged else (kcont, vcont)
         for bn, w, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 4), (32, 4, 6), (256, 8, 2)):
-            variant(f"ptr-{'paged' if paged else 'contig'} n{bn} w{w} s{st}", lambda out, tps, n: _read_kv_kernel[(HKV, n)](
-                a[0], a[1], bt[None], out, kc.stride(0), kc.stride(1), kc.stride(2), bt.numel(), HKV, tps, S, BLOCK_N=bn,
-                HEAD_DIM=D, BLOCK_SIZE=BS, PAGED=paged, num_warps=w, num_stages=st), bn)
+            name = f"ptr-{'paged' if paged else 'contig'} n{bn} w{w} s{st}"
+            variant(name, lambda out, tps, n: _read_kv_kernel[(HKV, n)](
+                a[0], a[1], bt[None], out, kc.stride(0), kc.stride(1), kc.stride(2), bt.numel(), HKV, tps, S,
+                BLOCK_N=bn, HEAD_DIM=D, BLOCK_SIZE=BS, PAGED=paged, num_warps=w, num_stages=st), bn)
     k2, v2 = kcont.view(HKV * S, D), vcont.view(HKV * S, D)
     for bn, w, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4), (64, 4, 6)):
         kd, vd = TensorDescriptor.from_tensor(k2, [bn, D]), TensorDescriptor.from_tensor(v2, [bn, D])

@@ -3,7 +3,8 @@
 Times, with CUDA graphs replayed back to back (median of 50 replays, CUDA events): the plain decode step
 (q_len 1), the target forward over q_len = k + 1 tokens, and whole prompt-lookup rounds at k = 0, 8 and 15
 (``round_gated_k*``: match-gated rounds at k = 0 and 15, which end with the next round's lookup); then
-torch.profiler tables of the kernels of the k = 15 round, the match-gated plain round and the plain step. Writes ``profile_speculative_round-<date>.json``.
+torch.profiler tables of the kernels of the k = 15 round, the match-gated plain round and the plain step.
+Writes ``profile_speculative_round-<date>.json``.
 
     python benchmarks/profile_speculative_round.py [--set NAME=VALUE+...]   # decode_step switches (A/B)
 """
