@@ -191,6 +191,15 @@ FUSED_LINEAR_ROPE = True
 #: :func:`hf_accel.kernels.fused_linear._tiles`).
 FUSED_LINEAR_SMALL_TILES = False
 
+#: The step's fused_linear / fused_linear_rope calls (2-16 rows, no split-K) load each program's first weight
+#: tile before their PDL wait (``preload``), as the one-row GEMVs do (:data:`GEMV_PRELOAD_TILES`).
+FUSED_LINEAR_PRELOAD = False
+
+#: Steps of 2-16 token rows launch the paged attention as one-row steps do (:data:`ATTENTION_TRIGGER`,
+#: :data:`ATTENTION_PRELOAD`): the first tile's cached K/V loaded before the wait for the Q/K/V kernel, the
+#: split merge launched early. Needs the Q/K/V kernel to write the cache (:data:`FUSED_LINEAR_ROPE`).
+MULTI_ROW_ATTENTION_OVERLAP = False
+
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
@@ -385,9 +394,10 @@ class DecodeStep:
         if one_row and GEMV_ROPE and d % 4 == 0:
             rope_linear = functools.partial(gemv_rope, preload_tiles=GEMV_PRELOAD_TILES, norm_k=GEMV_NORM_K)
         elif small and FUSED_LINEAR_ROPE and (d // 2) % 16 == 0:
-            rope_linear = functools.partial(fused_linear_rope, small_tiles=FUSED_LINEAR_SMALL_TILES)
+            rope_linear = functools.partial(fused_linear_rope, small_tiles=FUSED_LINEAR_SMALL_TILES,
+                                            preload=FUSED_LINEAR_PRELOAD)
         pdl = DECODE_PDL
-        overlap = one_row and pdl and ATTENTION_PDL  # measured for one-row steps only
+        overlap = pdl and ATTENTION_PDL and (one_row or (MULTI_ROW_ATTENTION_OVERLAP and rope_linear is not None))
         attn_kw = {"merge_counters": self.merge_counters if FUSED_MERGE else None,
                    "trigger": ATTENTION_TRIGGER if overlap else False,
                    "preload_kv": ATTENTION_PRELOAD and overlap}
@@ -486,7 +496,7 @@ class DecodeStep:
             split = split_k_for(weight.shape[0] // (2 if kw.get("swiglu") else 1), weight.shape[1],
                                 FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM * self.sms)
         return fused_linear(x, weight, split_k=split, counters=self.linear_counters, norm_k=FUSED_LINEAR_NORM_K,
-                            small_tiles=FUSED_LINEAR_SMALL_TILES, **kw)
+                            small_tiles=FUSED_LINEAR_SMALL_TILES, preload=FUSED_LINEAR_PRELOAD or None, **kw)
 
     def _forward_modules(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only):
         model = self.model

@@ -535,6 +535,7 @@ def fused_linear_rope(
     num_stages: int | None = None,
     norm_k: int | None = None,
     small_tiles: bool = False,
+    preload: bool = False,
 ):
     """The merged Q/K/V projection of a few token rows with RoPE and the cache write as its epilogue:
     :func:`fused_linear` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one
@@ -556,8 +557,9 @@ def fused_linear_rope(
             Slots must be below ``num_blocks * block_size``: a device tensor, not checked here (the decode
             step computes them from its block table).
         num_heads: query heads.
-        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles: as :func:`fused_linear`; ``block_n`` (default
-            the largest of 32 and 16 that divides it) must divide ``head_dim / 2``.
+        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload: as :func:`fused_linear`
+            (``preload`` default False); ``block_n`` (default the largest of 32 and 16 that divides it) must divide
+            ``head_dim / 2``.
 
     Returns:
         rotated q [rows, num_heads * head_dim], or ``(q, x + residual)`` when ``residual`` is given.
@@ -600,7 +602,7 @@ def fused_linear_rope(
         key_cache.stride(2),
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=1, PRELOAD=False, NORM_K=norm_k, ROPE=True,
+        IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=1, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=True,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (q, r_out) if residual is not None else q

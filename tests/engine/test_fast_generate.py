@@ -493,6 +493,47 @@ def test_small_batch_fused_step_rope_epilogue(model_type, fused_rope, tiny, monk
     assert calls["rope_kernel"] == (layers if fused_rope else 5 * layers)
 
 
+def test_small_batch_fused_step_preload_and_attention_overlap(tiny, monkeypatch):
+    """Batch-3 fused decode steps with FUSED_LINEAR_PRELOAD (first weight tile before the PDL wait) and
+    MULTI_ROW_ATTENTION_OVERLAP (attention preloading its cached K/V, triggering the merge): the options reach
+    every 3-row kernel, and greedy output stays token-identical to stock in float32."""
+    from hf_accel.engine import decode_step
+
+    monkeypatch.setattr(decode_step, "FUSED_LINEAR_PRELOAD", True)
+    monkeypatch.setattr(decode_step, "MULTI_ROW_ATTENTION_OVERLAP", True)
+    seen = {"preload": 0, "rope_preload": 0, "preload_kv": 0, "trigger": 0}
+    linear, rope_linear = decode_step.fused_linear, decode_step.fused_linear_rope
+    attention = decode_step.paged_attention
+
+    def spy_linear(x, w, **kw):
+        seen["preload"] += kw.get("preload") is True
+        return linear(x, w, **{**kw, "block_k": 16})  # several K tiles: a loop after the preloaded one
+
+    def spy_rope(*a, **kw):
+        seen["rope_preload"] += kw.get("preload") is True
+        return rope_linear(*a, **{**kw, "block_k": 16})
+
+    def spy_attention(q, *a, **kw):
+        if q.shape[2] == 1:  # [batch, heads, q_len, head_dim]: the decode steps, not the prefill
+            seen["preload_kv"] += kw.get("preload_kv") is True
+            seen["trigger"] += kw.get("trigger") is True
+        return attention(q, *a, **kw)
+
+    monkeypatch.setattr(decode_step, "fused_linear", spy_linear)
+    monkeypatch.setattr(decode_step, "fused_linear_rope", spy_rope)
+    monkeypatch.setattr(decode_step, "paged_attention", spy_attention)
+    model = tiny.model("llama", head_dim=32)
+    ids, mask = tiny.batch(seed=2)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
+    ours = _accelerated(model, fused=True)
+    out = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    layers = model.config.num_hidden_layers
+    assert seen["rope_preload"] == 4 * layers  # 4 decode steps
+    assert seen["preload"] == 3 * 4 * layers  # o, gate/up, down
+    assert seen["preload_kv"] == seen["trigger"] == 4 * layers
+
+
 def test_model_reason_follows_mode_dtype_and_layers(tiny):
     """The fast path's model check is cached per call, but training mode, a cast, a device move of the
     whole model and a replaced layer are seen at the next call (and generate falls back / recovers)."""

@@ -152,11 +152,27 @@ def test_num_warps_override_matches_reference_fp32(num_warps):
             fused_linear(x, w, norm_weight=nw, norm_k=bad)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows,hidden,block_k", [(3, 96, 16), (16, 80, 32), (2, 40, 64)])
+@pytest.mark.parametrize("mode", MODES)
+def test_preloaded_first_tile_matches_reference_fp32(rows, hidden, block_k, mode):
+    """The first weight tile loaded before the PDL wait (``preload`` without split-K): a loop over the
+    remaining tiles (96 / 16), a masked last tile (80 / 32), and one tile covering all of K (40 / 64)."""
+    x, r, w, nw, b = linear_inputs(rows, hidden, 48 * (2 if "swiglu" in mode else 1), torch.float32, seed=rows)
+    kw = linear_kwargs(mode, r, nw, b)
+    want = fused_linear_ref(x, w, **kw)
+    got = fused_linear(x, w, block_k=block_k, block_n=16, preload=True, **kw)
+    if "residual" in mode:
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        got, want = got[0], want[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,preload", [(1, False), (5, False), (16, False), (5, True)])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden,bias", [(3, 1, 32, 96, False), (2, 1, 64, 80, True)])
-def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, heads, kv_heads, d, hidden, bias):
+def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preload, heads, kv_heads, d, hidden, bias):
     """Q/K/V projection of several rows with RoPE + cache write as its epilogue: fused_linear followed by
-    rope_and_cache_ref; each row's K/V lands in its own slot (-1: none), the rest of the cache untouched."""
+    rope_and_cache_ref; each row's K/V lands in its own slot (-1: none), the rest of the cache untouched.
+    With ``preload`` the first of several 16-column weight tiles is loaded before the PDL wait."""
     from hf_accel.kernels.fused_linear import fused_linear_rope
     from hf_accel.kernels.rope_cache import rope_and_cache_ref
 
@@ -174,8 +190,9 @@ def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, heads,
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     want_q = rope_and_cache_ref(q, k, v, cos, sin, kc1, vc1, slots)
+    tiles = dict(block_k=16, preload=True) if preload else {}
     got_q, got_res = fused_linear_rope(x, w, cos, sin, kc2, vc2, slots, heads, bias=b, norm_weight=nw, eps=1e-5,
-                                       residual=r)
+                                       residual=r, **tiles)
     torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
     torch.testing.assert_close(got_q, want_q.reshape(rows, -1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kc2, kc1, rtol=1e-5, atol=1e-5)
