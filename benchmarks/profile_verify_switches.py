@@ -60,8 +60,10 @@ def build():
     accelerate_model(model)
     fast = model._hf_accel_engine
     ids16 = torch.randint(100, 49000, (16, PROMPT), device="cuda")
+    blocks_per_row = -(-(PROMPT + 128 + 17) // fast.block_size)
+    fast._ensure_cache(17 * blocks_per_row + 2)  # both steps' rows (and scratch blocks) in one cache
     with torch.inference_mode():
-        step16, _ = fast.start(ids16, torch.ones_like(ids16), 128, lookahead=17)  # the larger cache first
+        step16, _ = fast.start(ids16, torch.ones_like(ids16), 128, lookahead=17)
         step16.cache_lens[:16] = PROMPT
         ids = ids16[:1]
         step, _ = fast.start(ids, torch.ones_like(ids), 128, lookahead=17)
