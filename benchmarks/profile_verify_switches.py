@@ -60,19 +60,19 @@ def build():
     accelerate_model(model)
     fast = model._hf_accel_engine
     ids16 = torch.randint(100, 49000, (16, PROMPT), device="cuda")
-    with torch.inference_mode():
+    with torch.inference_mode():  # the step buffers are inference tensors
         step16, _ = fast.start(ids16, torch.ones_like(ids16), 128, lookahead=17)
-    step16.cache_lens[:16] = PROMPT
-    ids = ids16[:1]
-    verify = {}
-    for q in (2, 16):  # batch 1 on the first row's blocks
-        v = fast._step_for(1, step16.max_blocks, q_len=q)
-        v.input_ids.copy_(ids[:, :q])
-        v.position_ids.copy_(torch.arange(PROMPT, PROMPT + q, device="cuda")[None])
-        v.cache_lens.fill_(PROMPT)
-        v.block_table.copy_(step16.block_table[: v.block_table.shape[0]])
-        v.key_mask.copy_(step16.key_mask[: v.key_mask.shape[0]])
-        verify[q] = v
+        step16.cache_lens[:16] = PROMPT
+        ids = ids16[:1]
+        verify = {}
+        for q in (2, 16):  # batch 1 on the first row's blocks
+            v = fast._step_for(1, step16.max_blocks, q_len=q)
+            v.input_ids.copy_(ids[:, :q])
+            v.position_ids.copy_(torch.arange(PROMPT, PROMPT + q, device="cuda")[None])
+            v.cache_lens.fill_(PROMPT)
+            v.block_table.copy_(step16.block_table[: v.block_table.shape[0]])
+            v.key_mask.copy_(step16.key_mask[: v.key_mask.shape[0]])
+            verify[q] = v
     return {"verify_q2": verify[2]._forward, "verify_q16": verify[16]._forward, "bs16_step": step16._forward}
 
 
