@@ -192,12 +192,17 @@ FUSED_LINEAR_ROPE = True
 FUSED_LINEAR_SMALL_TILES = False
 
 #: The step's fused_linear / fused_linear_rope calls (2-16 rows, no split-K) load each program's first weight
-#: tile before their PDL wait (``preload``), as the one-row GEMVs do (:data:`GEMV_PRELOAD_TILES`).
+#: tile before their PDL wait (``preload``), as the one-row GEMVs do (:data:`GEMV_PRELOAD_TILES`). Off: H200,
+#: SmolLM2-shaped random bf16 weights, 305-token prompt, medians of 4 graph timings in one run
+#: (``profile_verify_switches-20261202-f792bb3.json``): a verify forward of 16 tokens 0.838 vs 0.835 ms, of 2
+#: tokens 0.774 vs 0.791, a bs16 decode step 0.903 vs 0.890.
 FUSED_LINEAR_PRELOAD = False
 
 #: Steps of 2-16 token rows launch the paged attention as one-row steps do (:data:`ATTENTION_TRIGGER`,
 #: :data:`ATTENTION_PRELOAD`): the first tile's cached K/V loaded before the wait for the Q/K/V kernel, the
-#: split merge launched early. Needs the Q/K/V kernel to write the cache (:data:`FUSED_LINEAR_ROPE`).
+#: split merge launched early. Needs the Q/K/V kernel to write the cache (:data:`FUSED_LINEAR_ROPE`). Off: in
+#: the run above 16 tokens 0.881 ms, 2 tokens 0.767, bs16 0.954 (defaults 0.835 / 0.791 / 0.890); with
+#: :data:`FUSED_LINEAR_PRELOAD` as well 0.860 / 0.739 / 0.922.
 MULTI_ROW_ATTENTION_OVERLAP = False
 
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every

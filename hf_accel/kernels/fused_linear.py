@@ -364,7 +364,11 @@ def _tiles(rows: int, n: int, k: int, norm: bool, swiglu: bool, block_n: int | N
     (``bench_fused_linear-pdl-20261201-26dae0b.json``). Inside the decode step they lost: SmolLM2 verify
     forward of 16 tokens 0.877 vs 0.836 ms, of 2 tokens 0.887 vs 0.800 (random SmolLM2-shaped weights,
     ``profile_verify_tiles-20261201-26dae0b.json``); bs16 decode 16513 vs 18104 tok/s
-    (``bench_generate-smollm2-20261201-26dae0b.json``)."""
+    (``bench_generate-smollm2-20261201-26dae0b.json``).
+
+    A coordinate search inside the step (one tile parameter of one projection changed at a time: block_n, block_k,
+    num_warps, num_stages; SmolLM2-shaped random weights, ``profile_verify_switches-20261202-f792bb3.json``) found
+    no change faster by more than 1% on both the 16-token verify forward (0.835 ms) and the bs16 step (0.893 ms)."""
     block_m = 16 if rows <= 16 else 32  # tl.dot's smallest M is 16; rows <= MAX_ROWS
     small = small_tiles and k <= SMALL_K and n < 16384
     if block_k is None:
