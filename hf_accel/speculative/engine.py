@@ -395,6 +395,7 @@ class SpeculativeEngine:
             # Match-gated rounds need the previous round's lookup, so none is in flight while choosing.
             ahead = 1 if (ctx["use_graph"] and streamer is None and not gated) else 0
             pinned = torch.zeros(3, st.info.numel(), dtype=torch.long, pin_memory=ctx["use_graph"])
+            pinned_np = pinned.numpy()  # the host reads a few counters per round: numpy indexing is cheaper
             inflight: list = []
             deferred = None  # match-gated: the chooser's update for the last round read, run after the next launch
             last_done = None
@@ -428,6 +429,8 @@ class SpeculativeEngine:
                 if deferred is not None:  # the previous round's counters, while this round runs
                     deferred()
                     deferred = None
+                if gated and batch == 1:  # the next choice for each match class, while this round runs
+                    chooser.prepare(burst=streamer is None)
                 if len(inflight) <= ahead:
                     continue
                 event, done_slot, k, rounds, captured, t0 = inflight.pop(0)
@@ -438,14 +441,13 @@ class SpeculativeEngine:
                     last_done = (event, captured)
                 else:
                     seconds = None if captured else (time.perf_counter() - t0) / rounds
+                row = pinned_np[done_slot]
                 if gated:  # only what the next choice needs before the next launch; the rest after it
-                    info = pinned[done_slot, :INFO_CLASS_HIST].tolist()
-                    counts = info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
+                    counts = row[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
                     deferred = functools.partial(self._update_gated, chooser, pinned[done_slot], k, seconds)
                 else:
-                    info = pinned[done_slot].tolist()
-                    chooser.update(k, info[5: 6 + k], seconds)
-                running, max_remaining = bool(info[0]), info[4]
+                    chooser.update(k, row[5: 6 + k].tolist(), seconds)
+                running, max_remaining = bool(row[0]), int(row[4])
                 if streamer is not None:
                     after = st.lengths[:batch]
                     if int(after[0]) > int(before[0]):
