@@ -16,6 +16,8 @@ _PROBE_EVERY = 16  # plain rounds between probes while backed off (also the most
 _PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
 #: Match-gated plain rounds in bursts (:class:`_GatedChooser`); False: one plain round per host sync.
 GATED_PLAIN_BURSTS = True
+#: :meth:`_GatedChooser.prepare` computes the next choice while a round runs; False: chosen after the sync.
+GATED_PREPARED_CHOICES = True
 _PLAIN_TIMINGS = 2  # plain rounds a chooser runs to time them (a round that captures a graph is not timed)
 _DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
 _SHRINK = 2.0  # pseudo-rounds of the previous position's hazard in each position's estimate
@@ -249,7 +251,9 @@ class _GatedChooser:
         the host's turnaround between rounds is a table lookup). The next :meth:`choose` uses it when its
         counts are one row's, ``burst`` is the same and ``max_remaining`` is None or at least
         ``max(k_max + 1, _PLAIN_BURST)`` (where the budget cannot change the choice); :meth:`update` and
-        that :meth:`choose` drop it."""
+        that :meth:`choose` drop it. Does nothing with :data:`GATED_PREPARED_CHOICES` off."""
+        if not GATED_PREPARED_CHOICES:
+            return
         saved = (list(self.skipped), self.plain_timings, self.plain_run)
         table = []
         for c in range(NUM_CLASSES):
