@@ -16,8 +16,6 @@ _PROBE_EVERY = 16  # plain rounds between probes while backed off (also the most
 _PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
 #: Match-gated plain rounds in bursts (:class:`_GatedChooser`); False: one plain round per host sync.
 GATED_PLAIN_BURSTS = True
-#: :meth:`_GatedChooser.prepare` computes the next choice while a round runs; False: chosen after the sync.
-GATED_PREPARED_CHOICES = True
 _PLAIN_TIMINGS = 2  # plain rounds a chooser runs to time them (a round that captures a graph is not timed)
 _DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
 _SHRINK = 2.0  # pseudo-rounds of the previous position's hazard in each position's estimate
@@ -190,7 +188,6 @@ class _GatedChooser:
         self.skipped = [0] * NUM_CLASSES  # plain rounds in a row in which the class occurred
         self.plain_timings = 0
         self.plain_run = 0  # plain rounds since the last round that drafted
-        self._prepared = None  # (burst, per-class choices) of prepare()
 
     def time(self, k: int) -> float:
         return _round_time(self.times, k, self.draft_cost)
@@ -216,15 +213,6 @@ class _GatedChooser:
         plain rounds, and only with ``burst``). With ``max_remaining`` (the largest token budget left in a
         row) never more drafts than a row can commit besides the target's token, nor plain rounds past the
         budget."""
-        prepared, self._prepared = self._prepared, None
-        if (prepared is not None and prepared[0] == burst and sum(counts) == 1
-                and (max_remaining is None or max_remaining >= max(self.k_max + 1, _PLAIN_BURST))):
-            k, rounds, (skipped, plain_timings, plain_run) = prepared[1][counts.index(1)]
-            self.skipped, self.plain_timings, self.plain_run = list(skipped), plain_timings, plain_run
-            return k, rounds
-        return self._choose(counts, max_remaining, burst)
-
-    def _choose(self, counts: list[int], max_remaining: int | None, burst: bool) -> tuple[int, int]:
         matched = [c for c in range(1, NUM_CLASSES) if counts[c]]
         ks = self.ks if max_remaining is None else [k for k in self.ks if k < max_remaining]
         if not matched or len(ks) < 2:
@@ -246,24 +234,6 @@ class _GatedChooser:
         self.plain_run = 0
         return best, 1
 
-    def prepare(self, burst: bool = True) -> None:
-        """Compute the next :meth:`choose` ahead for one row of each match class (while a round runs, so that
-        the host's turnaround between rounds is a table lookup). The next :meth:`choose` uses it when its
-        counts are one row's, ``burst`` is the same and ``max_remaining`` is None or at least
-        ``max(k_max + 1, _PLAIN_BURST)`` (where the budget cannot change the choice); :meth:`update` and
-        that :meth:`choose` drop it. Does nothing with :data:`GATED_PREPARED_CHOICES` off."""
-        if not GATED_PREPARED_CHOICES:
-            return
-        saved = (list(self.skipped), self.plain_timings, self.plain_run)
-        table = []
-        for c in range(NUM_CLASSES):
-            counts = [0] * NUM_CLASSES
-            counts[c] = 1
-            k, rounds = self._choose(counts, None, burst)
-            table.append((k, rounds, (list(self.skipped), self.plain_timings, self.plain_run)))
-            self.skipped, self.plain_timings, self.plain_run = list(saved[0]), saved[1], saved[2]
-        self._prepared = (burst, table)
-
     def _burst(self, max_remaining: int | None, burst: bool) -> int:
         n = min(_PLAIN_BURST, 1 + self.plain_run // 4) if burst and GATED_PLAIN_BURSTS else 1
         return n if max_remaining is None else max(1, min(n, max_remaining))
@@ -274,7 +244,6 @@ class _GatedChooser:
 
     def update(self, k: int, class_hists: list[list[int]], seconds: float | None) -> None:
         """``class_hists[c][v]``: rows of class c that accepted exactly v of the round's k drafts."""
-        self._prepared = None
         if k > 0:
             for c in range(1, NUM_CLASSES):
                 self.classes[c].update_acceptance(k, class_hists[c])

@@ -429,8 +429,6 @@ class SpeculativeEngine:
                 if deferred is not None:  # the previous round's counters, while this round runs
                     deferred()
                     deferred = None
-                if gated and batch == 1:  # the next choice for each match class, while this round runs
-                    chooser.prepare(burst=streamer is None)
                 if len(inflight) <= ahead:
                     continue
                 event, done_slot, k, rounds, captured, t0 = inflight.pop(0)

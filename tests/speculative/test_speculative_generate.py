@@ -674,42 +674,6 @@ def test_gated_chooser_weighs_the_rows_of_a_batch():
     assert chooser.choose(_counts(c0=1, c3=3))[0] > 0
 
 
-def test_gated_chooser_prepared_choices_equal_live_ones():
-    """``prepare`` (the next choice for one row of each class, computed while a round runs) gives the same
-    (k, rounds) and leaves the same counters as choosing live, over random rounds of random classes with
-    updates in between; a budget that could bind, a batch's counts, another ``burst`` or an update in
-    between make ``choose`` choose live."""
-    import random
-
-    rng = random.Random(0)
-    live, fast = _GatedChooser(k_max=8, draft_cost=0.03), _GatedChooser(k_max=8, draft_cost=0.03)
-    used = 0
-    for r in range(400):
-        c = rng.choice([0, 0, 1, 2, 3, 3, 5, NUM_CLASSES - 1])
-        counts = [0] * NUM_CLASSES
-        counts[c] = 1
-        if rng.random() < 0.1:
-            counts[rng.randrange(NUM_CLASSES)] += 1  # two rows: not from the table
-        budget = rng.choice([None, 100, 9, 8, 3])
-        burst = rng.random() < 0.9
-        fast.prepare(burst=burst if rng.random() < 0.95 else not burst)
-        used += fast._prepared is not None and fast._prepared[0] == burst and sum(counts) == 1 \
-            and (budget is None or budget >= 9)
-        got, want = fast.choose(counts, budget, burst), live.choose(counts, budget, burst)
-        assert got == want, (r, counts, budget, burst)
-        assert (fast.skipped, fast.plain_timings, fast.plain_run) == (live.skipped, live.plain_timings, live.plain_run)
-        k = got[0]
-        hist = [[0] * (k + 1) for _ in range(NUM_CLASSES)]
-        hist[c][rng.randint(0, k)] = 1
-        seconds = rng.choice([None, 1.0 + 0.1 * k])
-        for ch in (live, fast):
-            ch.update(k, hist, seconds)
-    assert used > 150  # about half the choices came from the table (the rest: budget, batch, burst)
-    fast.prepare()
-    fast.update(0, [[0] for _ in range(NUM_CLASSES)], 1.0)
-    assert fast._prepared is None  # an update invalidates it
-
-
 def test_gated_chooser_times_a_plain_round_once_a_verify_round_is_timed():
     chooser = _GatedChooser(k_max=4, draft_cost=0.03)
     k, _ = chooser.choose(_counts(c3=1))
