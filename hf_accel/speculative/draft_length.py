@@ -112,7 +112,9 @@ class _KChooser:
     def choose(self, max_remaining: int) -> tuple[int, int]:
         """(k, rounds): the draft length of the next rounds and how many to run before the next host sync
         (several plain rounds back to back while backed off, at most ``max_remaining``, and never past
-        the next probe: so at most ``max_plain_run`` plain rounds between two rounds with k > 0)."""
+        the next probe: so at most ``max_plain_run`` plain rounds between two rounds with k > 0). Adaptive
+        choices never draft more than a row could commit besides the target's token: k < ``max_remaining``
+        (a budget of one token left runs a plain round, unless a probe is due)."""
         if not self.adaptive:
             return self.k_max, 1
         if (0 in self.ks and 0 not in self.times and any(k > 0 for k in self.times)
@@ -120,12 +122,18 @@ class _KChooser:
             self.plain_timings += 1
             self.since_probe += 1
             return 0, 1
-        best = self._best(self.ks)
+        ks = [k for k in self.ks if k < max_remaining]
+        if len(ks) < 2:
+            if self.since_probe < self.max_plain_run:
+                self.since_probe += 1
+                return 0, 1
+            ks = self.ks  # a due probe (a draft model's catch-up window bounds the plain rounds in a row)
+        best = self._best(ks)
         if best > 0:
             return best, 1
         if self.since_probe >= self.max_plain_run:
             self.since_probe = 0
-            return self._best(self.ks[1:]), 1
+            return self._best(ks[1:]), 1
         rounds = max(1, min(_PLAIN_BURST, max_remaining, self.max_plain_run - self.since_probe))
         self.since_probe += rounds
         return 0, rounds

@@ -346,11 +346,27 @@ def test_k_chooser_backs_off_probes_and_recovers():
     plain = [r for k, r in picks if k == 0]
     assert len(plain) >= 8 and set(plain) == {8}  # backed off: plain rounds in bursts of 8
     assert any(k > 0 for k, _ in picks)  # with probes
-    assert chooser.choose(3) in ((0, 3), (2, 1), (1, 1), (4, 1), (8, 1))  # never past the budget
+    assert chooser.choose(3) in ((0, 3), (2, 1), (1, 1))  # never past the budget
     for _ in range(40):  # everything is accepted again
         k, rounds = chooser.choose(100)
         chooser.update(k, [0] * k + [1], seconds=1.0 + 0.3 * k)
     assert chooser.choose(100) == (8, 1)
+
+
+def test_k_chooser_drafts_no_more_than_the_budget_can_take():
+    """Every draft is accepted: k_max while the budget allows, the largest candidate below the tokens left
+    near the end, a plain round with one token left (unless a probe is due, which bounds plain runs)."""
+    chooser = _KChooser(k_max=8, adaptive=True, draft_cost=0.03)
+    for _ in range(30):
+        k, _ = chooser.choose(100)
+        chooser.update(k, [0] * k + [1], seconds=1.0 + 0.01 * k)
+    assert chooser.choose(100) == (8, 1)
+    assert chooser.choose(9) == (8, 1)
+    assert chooser.choose(8) == (4, 1)
+    assert chooser.choose(2) == (1, 1)
+    assert chooser.choose(1) == (0, 1)
+    chooser.since_probe = chooser.max_plain_run
+    assert chooser.choose(1) == (8, 1)  # the due probe
 
 
 def test_k_chooser_sees_all_or_nothing_copies():
