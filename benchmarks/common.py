@@ -109,3 +109,19 @@ class decode_step_overrides:  # noqa: N801 (used as a context manager)
         for k, v in self.saved.items():
             setattr(self.module, k, v)
         return False
+
+
+def smollm2_shaped_model(device: str = "cuda"):
+    """An accelerated Llama of SmolLM2-135M's shape (hidden 576, 30 layers, 9 / 3 heads of 64, intermediate
+    1536, vocab 49152, tied embeddings) with random bf16 weights (seed 0): kernel A/Bs without a download."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_accel import accelerate_model
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    return accelerate_model(model)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import smollm2_shaped_model, write_results  # noqa: E402
 from profile_speculative_round import time_graph  # noqa: E402
 
 PROMPT = 305
@@ -48,16 +48,7 @@ TILE_VALUES = {"block_n": (16, 32, 64), "block_k": (64, 128, 256), "num_warps": 
 
 
 def build():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from hf_accel import accelerate_model
-
-    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                      num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    accelerate_model(model)
+    model = smollm2_shaped_model()
     fast = model._hf_accel_engine
     ids16 = torch.randint(100, 49000, (16, PROMPT), device="cuda")
     with torch.inference_mode():  # the step buffers are inference tensors

@@ -18,24 +18,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import smollm2_shaped_model, write_results  # noqa: E402
 from profile_speculative_round import time_graph  # noqa: E402
 
 PROMPT = 305
 
 
 def main():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     import hf_accel.engine.decode_step as ds
-    from hf_accel import accelerate_model
 
-    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                      num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    accelerate_model(model)
+    model = smollm2_shaped_model()
     fast = model._hf_accel_engine
     ids = torch.randint(100, 49000, (1, PROMPT), device="cuda")
     rows = []

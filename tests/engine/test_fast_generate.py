@@ -425,6 +425,18 @@ def test_batch1_fused_step_runs_gemv(model_type, gemv_rope, head_norm, tiny, mon
     assert calls.count("rope") == (5 * layers if gemv_rope else 0)
 
 
+def _fused_five_tokens_match_stock(tiny, seed: int, *model_args, **model_kwargs):
+    """A tiny model and its fused-step accelerated copy; 5 greedy tokens of ``tiny.batch(seed)`` (float32,
+    no EOS) must be identical. Returns ``(model, accelerated)``."""
+    model = tiny.model(*model_args, **model_kwargs)
+    ids, mask = tiny.batch(seed=seed)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
+    ours = _accelerated(model, fused=True)
+    out = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    return model, ours
+
+
 def test_fused_step_split_k_and_in_kernel_merge(tiny, monkeypatch):
     """Batch-3 fused decode steps with fused_linear split into 2 K shares per output tile and 3 KV splits
     merged inside the attention kernel (both through the step's arrival counters, reused by every layer
@@ -446,12 +458,7 @@ def test_fused_step_split_k_and_in_kernel_merge(tiny, monkeypatch):
     monkeypatch.setattr(decode_step, "paged_attention", merging_attention)
     monkeypatch.setattr(decode_step, "default_num_splits", lambda *a: 3)
     monkeypatch.setattr(decode_step, "FUSED_MERGE", True)  # off by default (measured slower on the H200)
-    model = tiny.model("llama")
-    ids, mask = tiny.batch(seed=1)
-    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
-    ours = _accelerated(model, fused=True)
-    out = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
-    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    model, ours = _fused_five_tokens_match_stock(tiny, 1, "llama")
     layers = model.config.num_hidden_layers
     assert seen["split"] == 4 * 4 * layers and seen["merge"] == 4 * layers  # 4 decode steps
     for step in ours._hf_accel_engine.steps.values():
@@ -481,12 +488,7 @@ def test_small_batch_fused_step_rope_epilogue(model_type, fused_rope, tiny, monk
 
     monkeypatch.setattr(decode_step, "fused_linear_rope", spy)
     monkeypatch.setattr(decode_step, "rope_and_cache", spy_kernel)
-    model = tiny.model(model_type, head_dim=32)
-    ids, mask = tiny.batch(seed=2)
-    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
-    ours = _accelerated(model, fused=True)
-    out = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
-    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    model, ours = _fused_five_tokens_match_stock(tiny, 2, model_type, head_dim=32)
     layers = model.config.num_hidden_layers
     # 4 decode steps of 3 rows (the prefill has more rows than fused_linear takes: the RoPE kernel)
     assert calls["fused_rope"] == (4 * layers if fused_rope else 0)
@@ -522,12 +524,7 @@ def test_small_batch_fused_step_preload_and_attention_overlap(tiny, monkeypatch)
     monkeypatch.setattr(decode_step, "fused_linear", spy_linear)
     monkeypatch.setattr(decode_step, "fused_linear_rope", spy_rope)
     monkeypatch.setattr(decode_step, "paged_attention", spy_attention)
-    model = tiny.model("llama", head_dim=32)
-    ids, mask = tiny.batch(seed=2)
-    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
-    ours = _accelerated(model, fused=True)
-    out = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=5, eos_token_id=None)
-    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    model, ours = _fused_five_tokens_match_stock(tiny, 2, "llama", head_dim=32)
     layers = model.config.num_hidden_layers
     assert seen["rope_preload"] == 4 * layers  # 4 decode steps
     assert seen["preload"] == 3 * 4 * layers  # o, gate/up, down
