@@ -80,6 +80,9 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
         return None, kwargs, "assisted generation with a draft tokenizer (universal assisted decoding)"
     if sum(x is not None and x is not False and x != 0 for x in (assistant, lookup, early)) > 1:
         return None, kwargs, "more than one kind of assisted generation in one call"
+    for name, value in (("prompt_lookup_num_tokens", lookup), ("assistant_early_exit", early)):
+        if value and (isinstance(value, bool) or not isinstance(value, int)):
+            return None, kwargs, f"{name}={value!r} is not an int"
     layers = getattr(model.config, "num_hidden_layers", None)
     if early and layers is not None and int(early) >= layers:
         return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"
@@ -165,6 +168,7 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
 def paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):
     """Fast path (speculative where asked), else ``original_generate`` with a fresh PagedCache, unless
     :func:`_skip_reason` applies."""
+    model._hf_accel_spec_stats = None  # set again only by a call that decodes speculatively
     call_spec, rest, assisted_reason = assisted_config(model, kwargs)
     if call_spec is not None and engine is not None:
         reason = _skip_reason(model, args, rest, assisted_handled=True)
@@ -250,7 +254,8 @@ def speculative_stats(model) -> dict | None:
     verify step) and ``mean_tokens_per_step`` (tokens committed per row and verify step, the bonus or
     correction token included); ``round_ms`` (measured time per round by k, from one round's completion to
     the next one's, so the host's turnaround between rounds is included; recent rounds weigh more, as
-    the adaptive k uses them). Rates are None when nothing was drafted."""
+    the adaptive k uses them). The keys of ``draft_lengths`` and ``round_ms`` are the k values as strings.
+    Rates are None when nothing was drafted."""
     from hf_accel.integrations.patch import _unwrap_peft
 
     hf_model, _ = _unwrap_peft(model)

@@ -24,7 +24,7 @@ class SpeculativeConfig:
             Leviathan et al. 2023; Chen et al. 2023).
         draft_model: the draft for ``"draft_model"``: a transformers causal LM of a type hf-accel
             supports, on the target's device, with the target's ``vocab_size``. It is accelerated too.
-        num_draft_tokens: the largest number of tokens drafted per verify step (k). Default 15 for prompt
+        num_draft_tokens: the largest number of tokens drafted per verify step (k), 1 to 32. Default 15 for prompt
             lookup: drafting is free, and verifying 17 tokens of SmolLM2 at bs1 on an H200 took 1.007 ms
             against 0.967 ms for one (``profile_speculative_round-20261201.json``); 15 drafts + 1 make the 16
             token rows up to which a small model's verify pass runs the fused small-batch matmuls
@@ -33,7 +33,7 @@ class SpeculativeConfig:
             decoding, "backed off", with an occasional probe); with ``False`` k stays ``num_draft_tokens``.
             Sampling stays exact either way, but with ``adaptive`` the k sequence depends on measured
             times, so a fixed seed does not repeat the same samples across calls; with ``False`` it does.
-        exit_layer: layers of the early-exit draft; default half of the model's layers. Models trained
+        exit_layer: layers of the early-exit draft (``"early_exit"`` only); default half of the model's layers. Models trained
             with an early-exit loss (LayerSkip) draft well from early layers; a model trained without one
             needs most of its layers (SmolLM2-135M: 0% of drafts accepted at 8 of 30 layers, ~20% at 27),
             and then the adaptive draft length backs off to plain decoding.
@@ -48,7 +48,8 @@ class SpeculativeConfig:
             ungated chooser faster (``docs/speculative.md``).
 
     Raises:
-        ValueError: an unknown method, a missing/extra ``draft_model``, or a count out of range.
+        ValueError: an unknown method, a missing/extra ``draft_model``, an ``exit_layer`` with another method,
+            or a count out of range.
     """
 
     method: str
@@ -77,6 +78,8 @@ class SpeculativeConfig:
         if self.exit_layer is not None and (isinstance(self.exit_layer, bool) or not isinstance(self.exit_layer, int)
                                             or self.exit_layer < 1):
             raise ValueError(f"exit_layer must be a positive int, got {self.exit_layer!r}")
+        if self.exit_layer is not None and self.method != "early_exit":
+            raise ValueError(f"exit_layer applies to method 'early_exit' only, not {self.method!r}")
         if not (all(isinstance(v, int) and not isinstance(v, bool) for v in (self.min_ngram, self.max_ngram))
                 and 1 <= self.min_ngram <= self.max_ngram <= MAX_NGRAM):
             raise ValueError(f"need ints 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}, got {self.min_ngram!r}, "

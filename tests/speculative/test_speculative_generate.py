@@ -817,6 +817,39 @@ def test_a_config_edited_after_construction_is_checked_and_copied(tiny):
     assert speculative_stats(ours)["num_draft_tokens"] == 3
 
 
+def test_stats_are_cleared_by_a_call_that_does_not_decode_speculatively(tiny, hf_log):
+    """A call that takes transformers' loop (a repetition penalty, beams) or keeps transformers' cache
+    (use_cache=False) reports None, not the counters of the speculative call before it."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ours = accelerate_model(copy.deepcopy(model), speculative="prompt_lookup")
+    for other in ({"repetition_penalty": 1.3}, {"num_beams": 2}, {"use_cache": False}):
+        greedy(ours, ids[:1], mask[:1], tiny.PAD, max_new_tokens=6, eos_token_id=None)
+        assert speculative_stats(ours) is not None
+        greedy(ours, ids[:1], mask[:1], tiny.PAD, max_new_tokens=6, eos_token_id=None, **other)
+        assert speculative_stats(ours) is None, other
+
+
+def test_non_int_assisted_arguments_are_left_to_transformers(tiny, hf_log):
+    """prompt_lookup_num_tokens / assistant_early_exit that are not ints are not converted (stock transformers
+    refuses them): the call runs transformers' own assisted generation, which raises as stock does."""
+    from hf_accel.integrations.generate import assisted_config
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    for name, bad in (("prompt_lookup_num_tokens", "5"), ("prompt_lookup_num_tokens", 2.5),
+                      ("assistant_early_exit", "1"), ("prompt_lookup_num_tokens", True)):
+        config, rest, reason = assisted_config(model, {name: bad})
+        assert config is None and rest == {name: bad} and reason == f"{name}={bad!r} is not an int"
+    config, _, reason = assisted_config(model, {"prompt_lookup_num_tokens": 5})
+    assert reason is None and config.num_draft_tokens == 5
+
+
+def test_exit_layer_is_refused_with_other_methods():
+    with pytest.raises(ValueError, match="exit_layer applies to method 'early_exit' only, not 'prompt_lookup'"):
+        SpeculativeConfig("prompt_lookup", exit_layer=5)
+    assert SpeculativeConfig("early_exit", exit_layer=5).exit_layer == 5
+
+
 def test_sampling_with_a_fixed_k_repeats_under_a_seed(tiny):
     """adaptive=False: the same k every round, so a seed draws the same samples on every call."""
     model = tiny.model("llama", num_hidden_layers=LAYERS)
