@@ -31,6 +31,7 @@ import functools
 import torch
 import triton
 
+from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
 from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope, split_k_for
 from hf_accel.kernels.gemv import gemv, gemv_rope
@@ -593,7 +594,7 @@ class DecodeStep:
         if self.graph_greedy is None:
             self._warm_up()
             self.graph_greedy = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph_greedy):
+            with capture_graph(self.graph_greedy):
                 self._greedy_tail(self._forward())
         self.graph_greedy.replay()
 
@@ -606,7 +607,7 @@ class DecodeStep:
         if self.graph is None:
             self._warm_up()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with capture_graph(self.graph):
                 self.logits = self._forward()
         self.graph.replay()
         return self.logits
@@ -621,7 +622,7 @@ class DecodeStep:
         if entry is None:
             self._warm_up(fn)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with capture_graph(graph):
                 out = fn()
             entry = self.graphs[key] = (graph, out)
         entry[0].replay()

@@ -41,6 +41,7 @@ import time
 import torch
 from hf_accel._logging import log_once
 from hf_accel.engine.fast_generate import call_inputs, sampling_warpers
+from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
@@ -271,7 +272,7 @@ class SpeculativeEngine:
                     st.restore(saved)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with capture_graph(graph):
                 fn()
             self.graphs[gkey] = graph
         if replay:
