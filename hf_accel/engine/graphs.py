@@ -13,10 +13,11 @@ def capture(graph: torch.cuda.CUDAGraph, **kwargs):
     """``torch.cuda.graph(graph, **kwargs)`` with Python's automatic garbage collection paused.
 
     A captured graph kept alive only by a dead reference cycle (an accelerated model or engine the caller
-    dropped) is freed whenever the collector next runs, which can be in the middle of another capture: an
-    allocation during the captured code triggers a collection, the old graph is destroyed, and CUDA then
-    invalidates the capture in progress ("operation not permitted when stream is capturing"; PyTorch no
-    longer collects before capturing by default). With collection paused, such garbage is freed after the
+    dropped) is freed whenever the collector next runs, which can be in the middle of another capture, when
+    an allocation in the captured code triggers a collection; PyTorch no longer collects before capturing by
+    default. A GPU test run of the speculative draft-model path failed that way now and then: its capture
+    was invalidated, and CUDA warned "operation not permitted when stream is capturing" from a graph's
+    ``reset`` (a graph being freed) during it. With collection paused, such garbage is freed after the
     capture. Explicit ``gc.collect()`` calls still run.
     """
     enabled = gc.isenabled()

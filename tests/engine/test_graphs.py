@@ -68,8 +68,9 @@ def _capture_with_allocations(ctx, x):
 
 @cuda
 def test_a_dead_graph_collected_meanwhile_does_not_break_a_capture():
-    """Without the pause, the collection that the allocations trigger frees the dead graph in the middle of
-    the capture and CUDA invalidates it; with it, the capture succeeds and replays correctly."""
+    """A dead graph in a reference cycle, and allocations during the next capture that would trigger a
+    collection (which would free that graph mid-capture): with the pause the capture succeeds and replays
+    correctly."""
     x = torch.zeros(4, device="cuda")
     gc.collect()
     _dead_graph_in_a_cycle(x)
