@@ -44,7 +44,8 @@ VARIANTS = {
 ROLES = {"qkv_rope": (True, True, 576, 960), "o": (False, False, 576, 576), "gate_up": (True, True, 576, 1536),
          "down": (False, False, 1536, 576)}
 #: Values tried per tile parameter (block_n of q/k/v + RoPE must divide head_dim / 2 = 32).
-TILE_VALUES = {"block_n": (16, 32, 64), "block_k": (64, 128, 256), "num_warps": (1, 2, 4, 8), "num_stages": (2, 3, 4, 5)}
+TILE_VALUES = {"block_n": (16, 32, 64), "block_k": (64, 128, 256), "num_warps": (1, 2, 4, 8),
+               "num_stages": (2, 3, 4, 5)}
 
 
 def build():

@@ -33,10 +33,10 @@ class SpeculativeConfig:
             decoding, "backed off", with an occasional probe); with ``False`` k stays ``num_draft_tokens``.
             Sampling stays exact either way, but with ``adaptive`` the k sequence depends on measured
             times, so a fixed seed does not repeat the same samples across calls; with ``False`` it does.
-        exit_layer: layers of the early-exit draft (``"early_exit"`` only); default half of the model's layers. Models trained
-            with an early-exit loss (LayerSkip) draft well from early layers; a model trained without one
-            needs most of its layers (SmolLM2-135M: 0% of drafts accepted at 8 of 30 layers, ~20% at 27),
-            and then the adaptive draft length backs off to plain decoding.
+        exit_layer: layers of the early-exit draft (``"early_exit"`` only); default half of the model's
+            layers. Models trained with an early-exit loss (LayerSkip) draft well from early layers; a model
+            trained without one needs most of its layers (SmolLM2-135M: 0% of drafts accepted at 8 of 30
+            layers, ~20% at 27), and then the adaptive draft length backs off to plain decoding.
         max_ngram / min_ngram: n-gram lengths prompt lookup tries, longest first (max_ngram <= 16).
         match_gated: prompt lookup with ``adaptive``: each round's lookup runs at the end of the round
             before, and the next round's k (0: plain decoding) is chosen knowing how long an n-gram each row
