@@ -14,6 +14,8 @@ steps only add padding that is trimmed), one per token with a streamer (it needs
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -76,9 +78,36 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return p
 
 
+class CallLock:
+    """One call at a time on an engine's state (its persistent cache, buffers and captured graphs).
+
+    ``with lock:`` waits while another thread holds it, so concurrent ``generate`` calls on one model run
+    one after the other. A nested call from the thread that holds it (a streamer calling ``generate`` on
+    the same model) would overwrite the running call's cache: it raises RuntimeError instead."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self):
+        if self._owner == threading.get_ident():
+            raise RuntimeError("hf-accel: generate was called on a model whose generate is already running in "
+                               "this thread (from a streamer or a callback?); the running call owns the model's "
+                               "cache. Call it after the running generate returns, or on another model instance.")
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc):
+        self._owner = None
+        self._lock.release()
+        return False
+
+
 class FastEngine:
     """Per-model state of the fast path: a persistent PagedCache (pools kept between calls) and the
-    captured decode steps, keyed by (batch bucket, block-table width bucket)."""
+    captured decode steps, keyed by (batch bucket, block-table width bucket). ``call_lock`` (a
+    :class:`CallLock`) is held by whoever runs a call on this state."""
 
     def __init__(self, model, block_size: int = 16, use_cuda_graphs: bool = True, sync_every: int = 16,
                  fused: bool | None = None):
@@ -91,6 +120,7 @@ class FastEngine:
         self.steps: dict[tuple, DecodeStep] = {}
         self.last_stats: dict = {}
         self.merged = None  # MergedLayer list once the fused step merged the projections
+        self.call_lock = CallLock()
 
     @property
     def fused(self) -> bool | None:

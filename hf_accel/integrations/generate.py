@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from transformers.generation import utils as _gen_utils
 
 from hf_accel._logging import log_once
@@ -47,16 +48,23 @@ def _skip_reason(model, args, kwargs, assisted_handled: bool = False) -> str | N
         gen_config, "prompt_lookup_num_tokens", None
     ) or kwargs.get("assistant_early_exit") or getattr(gen_config, "assistant_early_exit", None)):
         return "assisted generation"
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    if input_ids is None or input_ids.dim() != 2:
+    input_ids = _input_ids(args, kwargs)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         return "no 2-D input_ids (inputs_embeds only)"
     return None
 
 
+def _input_ids(args, kwargs):
+    """A generate call's token ids: the first positional argument, ``inputs=`` (transformers' name for
+    it) or ``input_ids=``."""
+    if args:
+        return args[0]
+    return kwargs["inputs"] if kwargs.get("inputs") is not None else kwargs.get("input_ids")
+
+
 def _blocks_needed(model, args, kwargs, block_size: int) -> int:
     gen_config = kwargs.get("generation_config") or model.generation_config
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    batch, prompt_len = input_ids.shape
+    batch, prompt_len = _input_ids(args, kwargs).shape
     max_new = kwargs.get("max_new_tokens", getattr(gen_config, "max_new_tokens", None))
     if max_new is None:
         max_new = max(kwargs.get("max_length", getattr(gen_config, "max_length", 20) or 20) - prompt_len, 1)
@@ -69,7 +77,11 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
 
     Returns ``(config, kwargs without those arguments, reason)``: config None and kwargs unchanged when
     the call asks for none; ``reason`` set when it asks for a kind hf-accel does not run (then the call
-    is left to transformers)."""
+    is left to transformers).
+
+    Raises:
+        ValueError: a negative ``assistant_early_exit``.
+    """
     gen_config = kwargs.get("generation_config") or model.generation_config
     assistant = kwargs.get("assistant_model")
     lookup = kwargs.get("prompt_lookup_num_tokens") or getattr(gen_config, "prompt_lookup_num_tokens", None)
@@ -83,6 +95,8 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     for name, value in (("prompt_lookup_num_tokens", lookup), ("assistant_early_exit", early)):
         if value and (isinstance(value, bool) or not isinstance(value, int)):
             return None, kwargs, f"{name}={value!r} is not an int"
+    if early and early < 0:  # transformers' own loop fails on it with an unrelated error
+        raise ValueError(f"assistant_early_exit must be a positive number of layers, got {early}")
     layers = getattr(model.config, "num_hidden_layers", None)
     if early and layers is not None and int(early) >= layers:
         return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"
@@ -140,29 +154,36 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
             if speculative is not None:  # the assisted options that asked for it (transformers may re-apply
                 gc.prompt_lookup_num_tokens = None  # the model's own generation config's values)
                 gc.assistant_early_exit = None
-            reason = engine.check(gc, model_kwargs)
-            if reason is None:
-                log_once("generate-fast", "hf-accel: generate runs the fast decode path "
-                         f"({'CUDA graphs' if model.device.type == 'cuda' and engine.use_cuda_graphs else 'eager steps'})")
-                model._hf_accel_spec_stats = None
-                if speculative is not None:
-                    from hf_accel.speculative.engine import engine_for
-
-                    spec = engine_for(model, engine, speculative)
-                    spec_reason = spec.check(gc)
-                    if spec_reason is None:
-                        out = spec.generate(gc, model_kwargs)
-                        model._hf_accel_spec_stats = spec.last_stats
-                        model._hf_accel_last_cache_stats = engine.last_stats
-                        return out
-                    log_once(f"spec-skip:{spec_reason}", f"hf-accel: speculative decoding not used: {spec_reason}; "
-                             "plain fast path")
-                out = engine.generate(gc, model_kwargs)
-                model._hf_accel_last_cache_stats = engine.last_stats
-                return out
+            with engine.call_lock:  # concurrent calls on one model wait for each other
+                reason = engine.check(gc, model_kwargs)
+                if reason is None:
+                    return _run_fast(model, engine, gc, model_kwargs, speculative)
     log_once(f"fast-skip:{reason}", f"hf-accel: fast decode path not used: {reason}; transformers' loop runs "
              "on hf-accel's kernels")
     return None
+
+
+def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | None):
+    """The fast path (speculative where asked and :meth:`SpeculativeEngine.check` allows) for a call that
+    ``engine.check`` accepted; the caller holds ``engine.call_lock``."""
+    log_once("generate-fast", "hf-accel: generate runs the fast decode path "
+             f"({'CUDA graphs' if model.device.type == 'cuda' and engine.use_cuda_graphs else 'eager steps'})")
+    model._hf_accel_spec_stats = None
+    if speculative is not None:
+        from hf_accel.speculative.engine import engine_for
+
+        spec = engine_for(model, engine, speculative)
+        spec_reason = spec.check(gc, model_kwargs)
+        if spec_reason is None:
+            out = spec.generate(gc, model_kwargs)
+            model._hf_accel_spec_stats = spec.last_stats
+            model._hf_accel_last_cache_stats = engine.last_stats
+            return out
+        log_once(f"spec-skip:{spec_reason}", f"hf-accel: speculative decoding not used: {spec_reason}; "
+                 "plain fast path")
+    out = engine.generate(gc, model_kwargs)
+    model._hf_accel_last_cache_stats = engine.last_stats
+    return out
 
 
 def paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):

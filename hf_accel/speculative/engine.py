@@ -143,8 +143,12 @@ class SpeculativeEngine:
         return cfg.method == "prompt_lookup" and cfg.adaptive and gated
 
     # -- eligibility ----------------------------------------------------------------------------------
-    def check(self, gc) -> str | None:
-        """Why this call cannot decode speculatively (None if it can); the caller then runs the plain fast path."""
+    def check(self, gc, model_kwargs) -> str | None:
+        """Why this call cannot decode speculatively (None if it can); the caller then runs the plain fast path.
+        ``model_kwargs``: the call's ``input_ids`` [batch, prompt_len] and ``streamer``, as for :meth:`generate`."""
+        if model_kwargs.get("streamer") is not None and model_kwargs["input_ids"].shape[0] > 1:
+            return ("a streamer with more than one row (a verify step commits a different number of tokens per "
+                    "row; a streamer takes one token per row at a time)")
         if (gc.min_length or 0) > 0 or (gc.min_new_tokens or 0) > 0:
             return "min_length / min_new_tokens (their logits processor depends on each position's length)"
         eos = gc.eos_token_id
@@ -302,7 +306,16 @@ class SpeculativeEngine:
         Returns:
             [batch, prompt_len + new] int64 — prompt and new tokens, ``pad_token_id`` after a row's EOS, as
             transformers returns them; ``self.last_stats`` holds the counters (see ``speculative_stats``).
+
+        The caller holds the target's ``FastEngine.call_lock``; a draft model's engine lock is taken here
+        (the draft's own ``generate`` calls in other threads wait).
         """
+        if self.draft_fast is None:
+            return self._generate(gc, model_kwargs)
+        with self.draft_fast.call_lock:
+            return self._generate(gc, model_kwargs)
+
+    def _generate(self, gc, model_kwargs) -> torch.Tensor:
         fast, model, cfg = self.fast, self.model, self.config
         input_ids = model_kwargs["input_ids"].to(model.device)
         streamer = model_kwargs.get("streamer")

@@ -378,6 +378,20 @@ def test_smollm2_text_streamer_and_pipeline(smollm2, decode_steps, hf_log, capsy
     assert reply == stock_reply and reply.strip()
 
 
+def test_inputs_keyword_takes_the_fast_path(tiny, decode_steps, hf_log):
+    """``inputs=`` (transformers' name of generate's first parameter) is the token ids, as positionally."""
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None)
+    ours = _accelerated(model)
+    with torch.no_grad():
+        out = ours.generate(inputs=ids, attention_mask=mask, pad_token_id=tiny.PAD, do_sample=False,
+                            max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(out, stock)
+    assert decode_steps and _messages(hf_log, FAST_MSG)
+    assert not _messages(hf_log, "keeps transformers' cache")
+
+
 def test_right_padded_batch_falls_back_to_stock(tiny, hf_log):
     """A right-padded batch (a user mistake transformers warns about) is not decoded on the fast path,
     which assumes left padding: transformers' loop runs it, same tokens as stock, and the reason is logged."""

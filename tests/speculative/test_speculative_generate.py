@@ -275,6 +275,31 @@ def test_streamer_gets_every_committed_token_once(tiny):
     assert any(p.numel() > 1 for p in rec.puts[1:])  # several tokens per verify step
 
 
+def test_streamer_with_several_rows_takes_the_plain_fast_path(tiny, hf_log):
+    """A verify step commits a different number of tokens per row, which a streamer ([batch] per put) cannot
+    take: such calls decode without speculation (logged), and every put holds one token of each row."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", adaptive=False))
+    rec = _Recorder()
+    out = greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, streamer=rec)
+    assert torch.equal(out, stock)
+    assert speculative_stats(ours) is None
+    assert _messages(hf_log, "speculative decoding not used: a streamer with more than one row")
+    assert rec.ends == 1 and torch.equal(rec.puts[0], ids)
+    assert all(p.shape == (ids.shape[0],) for p in rec.puts[1:])
+    assert torch.equal(torch.stack(rec.puts[1:], 1), out[:, ids.shape[1]:])
+
+
+def test_negative_assistant_early_exit_raises(tiny):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ours = accelerate_model(copy.deepcopy(model))
+    with pytest.raises(ValueError, match="assistant_early_exit must be a positive number of layers, got -2"):
+        greedy(ours, ids[:1], mask[:1], tiny.PAD, assistant_early_exit=-2)
+
+
 def test_accelerating_again_with_other_speculative_options_raises(tiny):
     """Another draft model or other draft settings on an accelerated model raise (revert first); the same
     options again are a no-op."""
