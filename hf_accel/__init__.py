@@ -5,11 +5,47 @@
     model.generate(...)                        # unchanged
 """
 
-from hf_accel.conversion import convert_to_gqa, expand_kv_heads
-from hf_accel.integrations.measure import GenerationStats, TimingStreamer, measure_generate
-from hf_accel.integrations.generate import speculative_stats
-from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, accelerate_model, is_accelerated, revert_model
-from hf_accel.speculative import SpeculativeConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# The public names are imported on first use (PEP 562), so that `import hf_accel.cli` (and the command
+# line's argument errors) does not wait for torch and transformers to load.
+_EXPORTS = {
+    "convert_to_gqa": "hf_accel.conversion",
+    "expand_kv_heads": "hf_accel.conversion",
+    "GenerationStats": "hf_accel.integrations.measure",
+    "TimingStreamer": "hf_accel.integrations.measure",
+    "measure_generate": "hf_accel.integrations.measure",
+    "speculative_stats": "hf_accel.integrations.generate",
+    "SUPPORTED_MODEL_TYPES": "hf_accel.integrations.patch",
+    "accelerate_model": "hf_accel.integrations.patch",
+    "is_accelerated": "hf_accel.integrations.patch",
+    "revert_model": "hf_accel.integrations.patch",
+    "SpeculativeConfig": "hf_accel.speculative",
+}
+
+if TYPE_CHECKING:
+    from hf_accel.conversion import convert_to_gqa, expand_kv_heads
+    from hf_accel.integrations.generate import speculative_stats
+    from hf_accel.integrations.measure import GenerationStats, TimingStreamer, measure_generate
+    from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, accelerate_model, is_accelerated, revert_model
+    from hf_accel.speculative import SpeculativeConfig
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_accel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __version__ = "0.1.0"
 __all__ = [

@@ -60,9 +60,6 @@ def _load(path, dtype, device, what):
 
 
 def _run_generate(args) -> int:
-    import torch
-
-    from hf_accel import accelerate_model, measure_generate, speculative_stats
     prompt = args.prompt.strip()
     if not prompt:
         raise CLIError("--prompt is empty; give some text to answer")
@@ -79,6 +76,9 @@ def _run_generate(args) -> int:
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
         if path is not None and not os.path.exists(path):
             raise CLIError(f"{flag} {path!r} does not exist")
+    import torch  # after the checks that need no torch (a mistyped option is answered at once)
+
+    from hf_accel import accelerate_model, measure_generate, speculative_stats
     device = args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise CLIError(f"--device must be cpu, cuda or cuda:N (got {device!r})")
@@ -88,9 +88,21 @@ def _run_generate(args) -> int:
         raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model, tokenizer = _load(args.model, dtype, device, "model")
+    # What accelerate_model would refuse is refused before the stock run, naming the option at fault.
+    from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES
+    from hf_accel.speculative.engine import check_draft
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CLIError(f"--model {args.model}: hf-accel does not support model_type {model_type!r}; supported: "
+                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     speculative = args.speculative
     if args.draft_model:
         speculative, _ = _load(args.draft_model, dtype, device, "draft model")
+        try:
+            check_draft(model, speculative)
+        except ValueError as e:
+            raise CLIError(f"--draft-model {args.draft_model}: {e}") from None
     from transformers import TextStreamer
 
     if not args.no_chat_template and getattr(tokenizer, "chat_template", None):
@@ -107,7 +119,7 @@ def _run_generate(args) -> int:
     try:
         accelerate_model(model, speculative=speculative)
     except ValueError as e:
-        raise CLIError(f"cannot accelerate with --draft-model {args.draft_model}: {e}") from None
+        raise CLIError(f"cannot accelerate the model: {e}") from None
     model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     print(f"\n[{device}, {dtype}] hf-accel answer:\n", flush=True)
     ours = measure_generate(model, inputs, streamer=TextStreamer(tokenizer, skip_prompt=True,
@@ -140,31 +152,42 @@ def _run_generate(args) -> int:
     return 0
 
 
-def _add_optional(sub, name, module, help_text):
-    """Subcommands whose implementation lives in its own module (imported when used)."""
+def _add_optional(sub, name, module, help_text, load: bool):
+    """A subcommand whose implementation lives in its own module, imported only when ``load`` (the command
+    line names it): its imports (torch) then wait until it runs."""
     import importlib
 
+    p = sub.add_parser(name, help=help_text)
+    if not load:
+        return
     try:
         mod = importlib.import_module(module)
-    except ImportError:
+    except ImportError as e:
+        def missing(_args, error=e):
+            raise CLIError(f"{name} is not available: {error}")
+        p.set_defaults(func=missing)
         return
-    p = sub.add_parser(name, help=help_text)
     mod.add_arguments(p)
     p.set_defaults(func=mod.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The ``hf-accel`` parser for ``argv`` (default ``sys.argv[1:]``): only the subcommand it names loads
+    its module."""
+    chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="hf-accel", description="Fast LLM inference for Hugging Face transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what hf-accel patches and which path runs")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    _add_optional(sub, "convert-gqa", "hf_accel.conversion.cli", "convert an MHA/GQA checkpoint to fewer KV heads")
-    _add_optional(sub, "demo", "hf_accel.demo_launch", "start the Gradio demo (stock HF vs hf-accel side by side)")
+    _add_optional(sub, "convert-gqa", "hf_accel.conversion.cli", "convert an MHA/GQA checkpoint to fewer KV heads",
+                  load=chosen == "convert-gqa")
+    _add_optional(sub, "demo", "hf_accel.demo_launch", "start the Gradio demo (stock HF vs hf-accel side by side)",
+                  load=chosen == "demo")
     return parser
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if args.verbose:

@@ -26,6 +26,50 @@ def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["generate", "--prompt", " "], ["generate", "--prompt", "hi", "--dtype", "float64"],
+                                  ["generate", "--prompt", "hi", "--model", "/nonexistent-model"], ["--help"]])
+def test_argument_errors_are_answered_before_torch_loads(argv):
+    """A mistyped option is answered at once: nothing imports torch (seconds) before the arguments are checked."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom hf_accel.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')")
+    run = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip().endswith("torch not loaded"), (run.stdout, run.stderr)
+    assert argv == ["--help"] or "error:" in run.stderr
+
+
+@pytest.mark.parametrize(("which", "message"), [
+    ("model", "--model {model}: hf-accel does not support model_type 'gpt2'; supported: llama"),
+    ("draft", "--draft-model {draft}: the draft model's vocab_size (50) differs from the target's"),
+])
+def test_models_hf_accel_cannot_run_are_refused_before_the_stock_run(which, message, tiny, tmp_path, capsys,
+                                                                     monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import hf_accel
+    import hf_accel.models as models
+
+    paths = {"model": tmp_path / "model", "draft": tmp_path / "draft"}
+    for path in paths.values():
+        path.mkdir()
+    target = (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)) if which == "model"
+              else tiny.model("llama"))
+    loaded = {str(paths["model"]): target, str(paths["draft"]): tiny.model("llama", vocab_size=50)}
+    monkeypatch.setattr(models, "load_model", lambda path, **k: (loaded[str(path)], None))
+
+    def no_stock_run(*a, **k):
+        raise AssertionError("the stock run started")
+
+    monkeypatch.setattr(hf_accel, "measure_generate", no_stock_run)
+    argv = ["generate", "--prompt", "hi", "--device", "cpu", "--model", str(paths["model"])]
+    if which == "draft":
+        argv += ["--draft-model", str(paths["draft"])]
+    assert main(argv) == EXIT_USAGE
+    assert message.format(**paths) in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("port", ["99999", "0", "http"])
 def test_demo_port_out_of_range_is_a_usage_error(port, capsys):
     with pytest.raises(SystemExit) as exc:
