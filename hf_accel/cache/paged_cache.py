@@ -55,6 +55,33 @@ class PagedStep:
         return keys, values
 
 
+# Share of a GPU's free memory (PyTorch's cached but unused memory counted as free) that a pool sized to
+# "what fits" may take; the rest is left for activations, logits and captured graphs.
+KV_MEMORY_FRACTION = 0.9
+
+
+def kv_block_bytes(config, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Bytes of one cache block over all layers: K and V, ``block_size`` tokens, ``num_key_value_heads`` x
+    ``head_dim`` each (``num_layers`` defaults to ``config.num_hidden_layers``)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    layers = config.num_hidden_layers if num_layers is None else num_layers
+    return 2 * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size() * layers
+
+
+def blocks_that_fit(device, block_bytes: int, fraction: float = KV_MEMORY_FRACTION) -> int | None:
+    """Cache blocks of ``block_bytes`` that fit in ``fraction`` of CUDA ``device``'s free memory, counting
+    what PyTorch's caching allocator holds unused as free. None for other devices: their memory is not
+    checked (a CPU pool's untouched pages are not backed by memory)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free * fraction) // block_bytes
+
+
 def active_step(key: torch.Tensor) -> PagedStep | None:
     """The paged step whose key pool is ``key`` (the tensor a PagedCache layer just returned), else None."""
     step = getattr(_active, "step", None)

@@ -26,6 +26,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.decode_step import DecodeStep
 from hf_accel.engine.merged_weights import merge_projections, unmerge_projections
@@ -40,6 +41,8 @@ _HANDLED = {
 }
 _MODEL_KWARGS = {"input_ids", "attention_mask", "streamer", "synced_gpus"}
 _ROPE_OK = {"default", "linear", "llama3", "yarn"}
+# Tokens per row reserved past prompt + max_new_tokens at most (a speculative round's drafts: k_max + 1).
+MAX_LOOKAHEAD = 33
 
 
 def call_inputs(gc, model_kwargs, input_ids):
@@ -215,7 +218,27 @@ class FastEngine:
         sw = getattr(self.model.config, "sliding_window", None)
         if sw is not None and ids.shape[1] + self._max_new(gc, ids.shape[1]) > sw:
             return f"the sequence would exceed the sliding window ({sw})"
+        need = ids.shape[0] * -(-(ids.shape[1] + self._max_new(gc, ids.shape[1]) + MAX_LOOKAHEAD) // self.block_size) + 1
+        if need > self._pool_blocks():
+            fit = self._blocks_that_fit()
+            if fit is not None and need > fit:  # the fast path reserves the whole answer up front
+                gib = need * self._block_bytes() / 2**30
+                return (f"the KV cache of prompt + max_new_tokens ({need} blocks, {gib:.1f} GiB) does not fit in "
+                        f"free device memory ({fit} blocks)")
         return None
+
+    def _block_bytes(self) -> int:
+        return paged_cache.kv_block_bytes(self.model.config, self.block_size, next(self.model.parameters()).dtype,
+                                          num_layers=len(self.model.model.layers))
+
+    def _pool_blocks(self) -> int:
+        return self.cache.manager.num_blocks if self.cache is not None and self.cache.manager is not None else 0
+
+    def _blocks_that_fit(self) -> int | None:
+        """Blocks a new pool may have: this engine's pool (freed before a new one is made) plus what fits in
+        free device memory (None on CPU: not checked)."""
+        fit = paged_cache.blocks_that_fit(self.model.device, self._block_bytes())
+        return None if fit is None else fit + self._pool_blocks()
 
     @staticmethod
     def _max_new(gc, prompt_len: int) -> int:
@@ -226,12 +249,14 @@ class FastEngine:
     # -- cache / steps ----------------------------------------------------------------------------
     def _ensure_cache(self, num_blocks: int) -> PagedCache:
         if self.cache is None or self.cache.manager is None or self.cache.manager.num_blocks < num_blocks:
-            old = self.cache.manager.num_blocks if (self.cache and self.cache.manager) else 0
+            old = self._pool_blocks()
+            fit = self._blocks_that_fit()
+            grown = 2 * old if fit is None else min(2 * old, fit)  # doubling, within free memory
             self.steps.clear()  # graphs point at the old pools
             self.cache = None
             if self.model.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self.cache = PagedCache(self.model.config, num_blocks=max(num_blocks, 2 * old), block_size=self.block_size)
+            self.cache = PagedCache(self.model.config, num_blocks=max(num_blocks, grown), block_size=self.block_size)
         return self.cache
 
     def _step_for(self, batch: int, max_blocks: int, q_len: int = 1, num_layers: int | None = None) -> DecodeStep:

@@ -23,6 +23,7 @@ import torch
 from transformers.generation import utils as _gen_utils
 
 from hf_accel._logging import log_once
+from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.speculative.config import SpeculativeConfig
 
@@ -215,8 +216,15 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         out = _try_fast(model, engine, args, kwargs)
         if out is not None:
             return out
-    cache = PagedCache(model.config, num_blocks=_blocks_needed(model, args, kwargs, block_size),
-                       block_size=block_size)
+    num_blocks = _blocks_needed(model, args, kwargs, block_size)
+    fit = paged_cache.blocks_that_fit(model.device, paged_cache.kv_block_bytes(
+        model.config, block_size, next(model.parameters()).dtype))
+    if fit is not None and num_blocks > fit:
+        log_once(f"pool-fit:{fit}", f"hf-accel: the KV cache of prompt + max_new_tokens ({num_blocks} blocks) does "
+                 f"not fit in free device memory: the PagedCache gets {max(fit, 1)} blocks, and an answer that "
+                 "outgrows them raises OutOfBlocksError")
+        num_blocks = max(fit, 1)
+    cache = PagedCache(model.config, num_blocks=num_blocks, block_size=block_size)
     log_once("generate-paged", f"hf-accel: generate uses PagedCache (block_size {block_size})")
     try:
         return original_generate(*args, **{CACHE_KWARG: cache}, **kwargs)

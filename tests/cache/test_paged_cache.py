@@ -525,6 +525,12 @@ def test_memory_stats_fields(tiny):
     assert (stats["blocks_allocated"], stats["tokens_stored"], stats["bytes_allocated"]) == (0, 0, 0)
     assert stats["bytes_reserved"] == 30 * per_block  # the pools stay allocated
     assert cache.get_seq_length() == 0
+    # the sizing helper counts the same bytes; free memory is only checked on CUDA devices
+    from hf_accel.cache.paged_cache import blocks_that_fit, kv_block_bytes
+
+    assert kv_block_bytes(model.config, 4, torch.float32) == per_block
+    assert kv_block_bytes(model.config, 4, torch.bfloat16, num_layers=1) == per_block // 4
+    assert blocks_that_fit("cpu", per_block) is None
 
 
 def test_memory_stats_with_shared_blocks(tiny):

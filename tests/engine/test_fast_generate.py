@@ -378,6 +378,30 @@ def test_smollm2_text_streamer_and_pipeline(smollm2, decode_steps, hf_log, capsy
     assert reply == stock_reply and reply.strip()
 
 
+def test_an_answer_whose_cache_does_not_fit_runs_on_a_pool_of_what_fits(tiny, decode_steps, hf_log, monkeypatch):
+    """max_new_tokens far beyond what device memory holds (free memory is only checked on a GPU; here it is
+    set to 40 blocks): the fast path, which reserves the whole answer, declines; transformers' loop runs on a
+    pool of the blocks that fit, with stock's tokens where the rows stop in time, and a clear OutOfBlocksError
+    where they do not."""
+    import hf_accel.cache.paged_cache as paged_cache
+    from hf_accel.cache.block_manager import OutOfBlocksError
+    from hf_accel.integrations.generate import last_cache_stats
+
+    model, ids, mask, kwargs, stock = _case(tiny, "llama", "all_rows_finish")
+    ours = _accelerated(model)
+    monkeypatch.setattr(paged_cache, "blocks_that_fit", lambda device, block_bytes, fraction=0.9: 40)
+    kwargs["max_new_tokens"] = 100_000
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), stock)
+    assert _messages(hf_log, "does not fit in free device memory (40 blocks)") and not decode_steps
+    assert _messages(hf_log, "the PagedCache gets 40 blocks")
+    assert last_cache_stats(ours)["num_blocks"] == 40
+    with pytest.raises(OutOfBlocksError, match="out of blocks"):
+        _generate(ours, ids, mask, tiny.PAD, max_new_tokens=1000, eos_token_id=None)
+    # an answer that fits takes the fast path again
+    kwargs["max_new_tokens"] = 20
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), stock) and decode_steps
+
+
 def test_inputs_keyword_takes_the_fast_path(tiny, decode_steps, hf_log):
     """``inputs=`` (transformers' name of generate's first parameter) is the token ids, as positionally."""
     model = tiny.model("llama")
