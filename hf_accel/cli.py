@@ -89,13 +89,13 @@ def _run_generate(args) -> int:
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model, tokenizer = _load(args.model, dtype, device, "model")
     # What accelerate_model would refuse is refused before the stock run, naming the option at fault.
-    from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES
+    from hf_accel.integrations.patch import check_model_type
     from hf_accel.speculative.engine import check_draft
 
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CLIError(f"--model {args.model}: hf-accel does not support model_type {model_type!r}; supported: "
-                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        check_model_type(model)
+    except ValueError as e:
+        raise CLIError(f"--model {args.model}: {e}") from None
     speculative = args.speculative
     if args.draft_model:
         speculative, _ = _load(args.draft_model, dtype, device, "draft model")

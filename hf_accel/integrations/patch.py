@@ -53,6 +53,15 @@ def _merge_lora(peft_model) -> None:
     peft_model.merge_adapter()
 
 
+def check_model_type(hf_model) -> None:
+    """Raise ValueError (listing the supported types) if ``hf_model.config.model_type`` is not one hf-accel runs."""
+    model_type = getattr(hf_model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"hf-accel does not support model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
 def accelerate_model(
     model,
     *,
@@ -113,11 +122,8 @@ def accelerate_model(
             f"accelerate_model expects a transformers PreTrainedModel (or a peft PeftModel); "
             f"got {type(model).__module__}.{type(model).__qualname__}"
         )
-    model_type = getattr(hf_model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"hf-accel does not support model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    check_model_type(hf_model)
+    model_type = hf_model.config.model_type
     if peft_model is not None and not merge_lora:
         raise ValueError("a PeftModel needs merge_lora=True (unmerged LoRA layers are not accelerated)")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
