@@ -297,6 +297,7 @@ class DecodeStep:
         self.graph = None
         self.graph_greedy = None
         self.greedy = None
+        self._host_flags = None  # host_flags: page-locked rows + events of the greedy loop's EOS check
         self.graphs: dict = {}  # extra captured programs (DecodeStep.replay), keyed by their owner
         self.prefill_buffers: dict = {}  # static inputs of the bucketed prefill, keyed by padded length
         self._rotary_rows = None  # fused step: the rotary table (_rotary_table)
@@ -584,6 +585,15 @@ class DecodeStep:
         if eos_ids:
             self.greedy["eos"][: len(eos_ids)] = torch.tensor(eos_ids, dtype=torch.long)
         return self.greedy
+
+    def host_flags(self, ring: int):
+        """``ring`` page-locked host rows of ``batch`` bools for the greedy loop's unfinished flags, their numpy
+        view and one CUDA event per row (made once per step and ring size)."""
+        cached = getattr(self, "_host_flags", None)
+        if cached is None or cached[0].shape[0] != ring:
+            rows = torch.zeros(ring, self.batch, dtype=torch.bool, pin_memory=True)
+            cached = self._host_flags = (rows, rows.numpy(), [torch.cuda.Event() for _ in range(ring)])
+        return cached
 
     @torch.inference_mode()
     def run_greedy(self) -> None:

@@ -8,8 +8,11 @@ rows emit ``pad_token_id``; the call stops when every row has finished), so gree
 token-for-token what transformers produces from the same logits. Everything else returns ``None`` with
 a reason and the caller falls back to transformers' loop (still on hf-accel's kernels and cache).
 
-Host syncs: none per token without a streamer (EOS is checked every ``sync_every`` steps; surplus
-steps only add padding that is trimmed), one per token with a streamer (it needs the token on the host).
+Host syncs: without a streamer, greedy decoding in CUDA graphs copies each step's unfinished flags to
+page-locked memory without blocking and reads those of the step :data:`EOS_LAG` back, so the call stops at
+most that many steps after the last row's EOS while the GPU always has steps queued; elsewhere EOS is
+checked every ``sync_every`` steps. Surplus steps only add padding that is trimmed. A streamer needs
+each token on the host: one sync per token.
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ _MODEL_KWARGS = {"input_ids", "attention_mask", "streamer", "synced_gpus"}
 _ROPE_OK = {"default", "linear", "llama3", "yarn"}
 # Tokens per row reserved past prompt + max_new_tokens at most (a speculative round's drafts: k_max + 1).
 MAX_LOOKAHEAD = 33
+
+
+#: Greedy steps in CUDA graphs: the host reads each step's end-of-sequence flags this many steps later (its
+#: copy lands in page-locked memory meanwhile); a call stops at most this many steps after every row has
+#: finished. It replaced a blocking check every ``sync_every`` steps, which ran up to ``sync_every - 1``
+#: surplus steps after the last EOS. 0: that blocking check.
+EOS_LAG = 2
 
 
 def call_inputs(gc, model_kwargs, input_ids):
@@ -300,9 +310,25 @@ class FastEngine:
             g["unfinished"][:batch] &= ~torch.isin(first, g["eos"])
         step.input_ids[:batch, 0].copy_(first)
         g["cur"].fill_(prompt_len + 1)
+        lagged = eos_list and step.use_graph and EOS_LAG > 0
+        if lagged:
+            flags, flags_np, events = step.host_flags(EOS_LAG + 1)
         for i in range(1, max_new):
             step.run_greedy()
-            if eos_list and i % self.sync_every == 0 and not bool(g["unfinished"].any()):
+            if not eos_list:
+                continue
+            if lagged:
+                # each step's unfinished flags go to page-locked memory without blocking; the host reads those of
+                # the step EOS_LAG back, so that many steps stay queued while it waits (the GPU never idles)
+                slot = i % (EOS_LAG + 1)
+                flags[slot].copy_(g["unfinished"], non_blocking=True)
+                events[slot].record()
+                if i > EOS_LAG:
+                    back = (i - EOS_LAG) % (EOS_LAG + 1)
+                    events[back].synchronize()
+                    if not flags_np[back].any():
+                        break
+            elif i % self.sync_every == 0 and not bool(g["unfinished"].any()):
                 break
         n = int(g["steps_run"])
         return n, g["tokens"][:batch].clone()

@@ -85,6 +85,15 @@ class _State:
         self.valid.zero_()
         self.eos.fill_(-1)
 
+    def host_counters(self, pinned: bool):
+        """Three host rows of ``info``'s size (page-locked when ``pinned``: the rounds' counters are copied
+        there without blocking) and their numpy view, made once per state: the host reads a few counters per
+        round, and numpy indexing is cheaper than tensor indexing."""
+        if getattr(self, "_host", None) is None or self._host[0].is_pinned() != pinned:
+            rows = torch.zeros(3, self.info.numel(), dtype=torch.long, pin_memory=pinned)
+            self._host = (rows, rows.numpy())
+        return self._host
+
     def snapshot(self):
         return [getattr(self, n).clone() for n in self.NAMES]
 
@@ -389,7 +398,6 @@ class SpeculativeEngine:
             counts = None
             if gated:  # the first round's lookup; then each round looks up the next one's drafts at its end
                 self._lookup_next(st, ctx)
-                counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
                 chooser = _GatedChooser(k_max, self._draft_cost())
             else:
                 chooser = _KChooser(k_max, cfg.adaptive, self._draft_cost())
@@ -403,13 +411,15 @@ class SpeculativeEngine:
             # tokens (+ 2) and is caught up before the next round that drafts
             plain_run = 0
             ks: dict[int, int] = {}
-            running, max_remaining = bool(st.active.any()), max_new - 1
             # On the GPU the host queues the next round before reading the previous one's counters (one
             # round in flight), so the GPU never waits for the host; the adaptive k uses counters one round old.
             # Match-gated rounds need the previous round's lookup, so none is in flight while choosing.
             ahead = 1 if (ctx["use_graph"] and streamer is None and not gated) else 0
-            pinned = torch.zeros(3, st.info.numel(), dtype=torch.long, pin_memory=ctx["use_graph"])
-            pinned_np = pinned.numpy()  # the host reads a few counters per round: numpy indexing is cheaper
+            pinned, pinned_np = st.host_counters(ctx["use_graph"])
+            if gated:
+                # The first read of the device: the host work above ran while the prefill was on the GPU.
+                counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
+            running, max_remaining = bool(st.active.any()), max_new - 1
             inflight: list = []
             deferred = None  # match-gated: the chooser's update for the last round read, run after the next launch
             last_done = None

@@ -36,3 +36,37 @@ def test_fast_path_matches_stock_fp32(kind):
         assert torch.equal(ref, out)
     steps = list(model._hf_accel_engine.steps.values())
     assert steps and all(s.fused and s.use_graph for s in steps)
+
+
+@pytest.mark.parametrize("lag", [2, 0])
+def test_greedy_stops_within_the_eos_lag(lag, monkeypatch):
+    """The in-graph greedy loop stops at most ``EOS_LAG`` steps after every row has emitted EOS (the blocking
+    check every ``sync_every`` steps that it replaced ran up to 15 surplus steps); the output is stock's."""
+    import hf_accel.engine.fast_generate as fg
+
+    monkeypatch.setattr(fg, "EOS_LAG", lag)
+    model = _tiny("llama")
+    ids = torch.randint(8, 256, (1, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    mask = torch.ones_like(ids)
+    model.generation_config.eos_token_id = None  # the EOS-free continuation first
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    new = free[0, ids.shape[1]:].tolist()
+    # an EOS id the greedy output first emits as its 4th new token (the 1st comes from the prefill)
+    at = next(i for i in range(3, 30) if new[i] not in new[:i])
+    eos = new[at]
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+    hf_accel.accelerate_model(model)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+    assert torch.equal(ref, out)
+    engine = model._hf_accel_engine
+    (step,) = [s for s in engine.steps.values() if s.graph_greedy is not None]
+    calls = []
+    real = step.run_greedy
+    monkeypatch.setattr(step, "run_greedy", lambda: (calls.append(1), real())[1])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+    assert torch.equal(ref, out)
+    # EOS is the (at + 1)-th new token: the prefill gives the first, step s gives new token s + 1
+    if lag:
+        assert at <= len(calls) <= at + lag
+    else:
+        assert len(calls) == engine.sync_every * -(-at // engine.sync_every)
