@@ -589,7 +589,7 @@ class DecodeStep:
     def host_flags(self, ring: int):
         """``ring`` page-locked host rows of ``batch`` bools for the greedy loop's unfinished flags, their numpy
         view and one CUDA event per row (made once per step and ring size)."""
-        cached = getattr(self, "_host_flags", None)
+        cached = self._host_flags
         if cached is None or cached[0].shape[0] != ring:
             rows = torch.zeros(ring, self.batch, dtype=torch.bool, pin_memory=True)
             cached = self._host_flags = (rows, rows.numpy(), [torch.cuda.Event() for _ in range(ring)])

@@ -310,7 +310,7 @@ class FastEngine:
             g["unfinished"][:batch] &= ~torch.isin(first, g["eos"])
         step.input_ids[:batch, 0].copy_(first)
         g["cur"].fill_(prompt_len + 1)
-        lagged = eos_list and step.use_graph and EOS_LAG > 0
+        lagged = bool(eos_list) and step.use_graph and EOS_LAG > 0
         if lagged:
             flags, flags_np, events = step.host_flags(EOS_LAG + 1)
         for i in range(1, max_new):

@@ -51,7 +51,7 @@ def test_greedy_stops_within_the_eos_lag(lag, monkeypatch):
     model.generation_config.eos_token_id = None  # the EOS-free continuation first
     free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
     new = free[0, ids.shape[1]:].tolist()
-    # an EOS id the greedy output first emits as its 4th new token (the 1st comes from the prefill)
+    # as EOS: the first token, from the 4th new one on (index 3), that the output has not emitted before
     at = next(i for i in range(3, 30) if new[i] not in new[:i])
     eos = new[at]
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos)
