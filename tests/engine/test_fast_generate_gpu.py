@@ -38,35 +38,41 @@ def test_fast_path_matches_stock_fp32(kind):
     assert steps and all(s.fused and s.use_graph for s in steps)
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("lag", [2, 0])
-def test_greedy_stops_within_the_eos_lag(lag, monkeypatch):
-    """The in-graph greedy loop stops at most ``EOS_LAG`` steps after every row has emitted EOS (the blocking
-    check every ``sync_every`` steps that it replaced ran up to 15 surplus steps); the output is stock's."""
+def test_decoding_stops_within_the_eos_lag(lag, sampled, monkeypatch):
+    """Decoding in CUDA graphs stops at most ``EOS_LAG`` steps after every row has emitted EOS (the blocking
+    check every ``sync_every`` steps that it replaced ran up to 15 surplus steps); the output is stock's.
+    ``sampled``: top-k 1 sampling, which takes the host loop with logits processors instead of the greedy graph."""
     import hf_accel.engine.fast_generate as fg
 
     monkeypatch.setattr(fg, "EOS_LAG", lag)
     model = _tiny("llama")
     ids = torch.randint(8, 256, (1, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
     mask = torch.ones_like(ids)
+    kw = {"do_sample": True, "top_k": 1} if sampled else {"do_sample": False}
     model.generation_config.eos_token_id = None  # the EOS-free continuation first
-    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, **kw)
     new = free[0, ids.shape[1]:].tolist()
     # as EOS: the first token, from the 4th new one on (index 3), that the output has not emitted before
     at = next(i for i in range(3, 30) if new[i] not in new[:i])
     eos = new[at]
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, **kw)
     hf_accel.accelerate_model(model)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, **kw)
     assert torch.equal(ref, out)
     engine = model._hf_accel_engine
-    (step,) = [s for s in engine.steps.values() if s.graph_greedy is not None]
+    (step,) = [s for s in engine.steps.values() if (s.graph if sampled else s.graph_greedy) is not None]
     calls = []
-    real = step.run_greedy
-    monkeypatch.setattr(step, "run_greedy", lambda: (calls.append(1), real())[1])
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+    name = "run" if sampled else "run_greedy"
+    real = getattr(step, name)
+    monkeypatch.setattr(step, name, lambda: (calls.append(1), real())[1])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, eos_token_id=eos, **kw)
     assert torch.equal(ref, out)
-    # EOS is the (at + 1)-th new token: the prefill gives the first, step s gives new token s + 1
+    # EOS is new token ``at`` (0-based): the prefill gives new token 0, the s-th step new token s
     if lag:
         assert at <= len(calls) <= at + lag
-    else:
+    elif sampled:  # checked after new tokens 15, 31, ...
+        assert len(calls) == engine.sync_every * -(-(at + 1) // engine.sync_every) - 1
+    else:  # checked after steps 16, 32, ...
         assert len(calls) == engine.sync_every * -(-at // engine.sync_every)
