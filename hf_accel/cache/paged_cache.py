@@ -70,16 +70,23 @@ def kv_block_bytes(config, block_size: int, dtype: torch.dtype, num_layers: int 
     return 2 * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size() * layers
 
 
-def blocks_that_fit(device, block_bytes: int, fraction: float = KV_MEMORY_FRACTION) -> int | None:
-    """Cache blocks of ``block_bytes`` that fit in ``fraction`` of CUDA ``device``'s free memory, counting
-    what PyTorch's caching allocator holds unused as free. None for other devices: their memory is not
-    checked (a CPU pool's untouched pages are not backed by memory)."""
+def free_kv_bytes(device, fraction: float = KV_MEMORY_FRACTION) -> int | None:
+    """Bytes of KV cache that fit in ``fraction`` of CUDA ``device``'s free memory, counting what PyTorch's
+    caching allocator holds unused as free. None for other devices: their memory is not checked (a CPU
+    pool's untouched pages are not backed by memory)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(free * fraction) // block_bytes
+    return int(free * fraction)
+
+
+def blocks_that_fit(device, block_bytes: int, fraction: float = KV_MEMORY_FRACTION) -> int | None:
+    """Cache blocks of ``block_bytes`` that fit in ``fraction`` of ``device``'s free memory
+    (:func:`free_kv_bytes`); None where memory is not checked."""
+    free = free_kv_bytes(device, fraction)
+    return None if free is None else free // block_bytes
 
 
 def active_step(key: torch.Tensor) -> PagedStep | None:

@@ -256,7 +256,7 @@ class FastEngine:
         sw = getattr(self.model.config, "sliding_window", None)
         if sw is not None and ids.shape[1] + self._max_new(gc, ids.shape[1]) > sw:
             return f"the sequence would exceed the sliding window ({sw})"
-        need = ids.shape[0] * -(-(ids.shape[1] + self._max_new(gc, ids.shape[1]) + MAX_LOOKAHEAD) // self.block_size) + 1
+        need = self.blocks_needed(gc, ids)
         if need > self._pool_blocks():
             fit = self._blocks_that_fit()
             if fit is not None and need > fit:  # the fast path reserves the whole answer up front
@@ -264,6 +264,12 @@ class FastEngine:
                 return (f"the KV cache of prompt + max_new_tokens ({need} blocks, {gib:.1f} GiB) does not fit in "
                         f"free device memory ({fit} blocks)")
         return None
+
+    def blocks_needed(self, gc, input_ids: torch.Tensor) -> int:
+        """Cache blocks a call reserves at most: every row's prompt + max new tokens + the largest lookahead of
+        a speculative call, plus the scratch block."""
+        batch, prompt_len = input_ids.shape
+        return batch * -(-(prompt_len + self._max_new(gc, prompt_len) + MAX_LOOKAHEAD) // self.block_size) + 1
 
     def _block_bytes(self) -> int:
         return paged_cache.kv_block_bytes(self.model.config, self.block_size, next(self.model.parameters()).dtype,

@@ -39,7 +39,9 @@ import functools
 import time
 
 import torch
+
 from hf_accel._logging import log_once
+from hf_accel.cache import paged_cache
 from hf_accel.engine.fast_generate import call_inputs, sampling_warpers
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.speculative.config import SpeculativeConfig
@@ -163,6 +165,26 @@ class SpeculativeEngine:
         eos = gc.eos_token_id
         if eos is not None and not isinstance(eos, int) and len(eos) > 8:
             return "more than 8 EOS ids"
+        if self.draft_fast is not None:
+            return self._pools_reason(gc, model_kwargs["input_ids"])
+        return None
+
+    def _pools_reason(self, gc, input_ids) -> str | None:
+        """Why the target's and the draft model's KV pools of this call do not fit together in free device
+        memory (None where they do, or where memory is not checked: CPU). ``FastEngine.check`` checked the
+        target's alone; a pool that must grow is replaced, so its old bytes count as free."""
+        free = paged_cache.free_kv_bytes(self.model.device)
+        if free is None:
+            return None
+        grown = freed = 0
+        for engine in (self.fast, self.draft_fast):
+            need, have = engine.blocks_needed(gc, input_ids), engine._pool_blocks()
+            if need > have:
+                grown += need * engine._block_bytes()
+                freed += have * engine._block_bytes()
+        if grown > free + freed:
+            return (f"the target's and the draft model's KV caches of prompt + max_new_tokens ({grown / 2**30:.1f} GiB "
+                    f"to allocate) do not fit in free device memory ({(free + freed) / 2**30:.1f} GiB)")
         return None
 
     # -- one round --------------------------------------------------------------------------------------

@@ -292,6 +292,31 @@ def test_streamer_with_several_rows_takes_the_plain_fast_path(tiny, hf_log):
     assert torch.equal(torch.stack(rec.puts[1:], 1), out[:, ids.shape[1]:])
 
 
+def test_draft_model_whose_cache_does_not_fit_takes_the_plain_fast_path(tiny, hf_log, monkeypatch):
+    """Free device memory (only checked on a GPU; here it is set) that holds the target's KV cache of the call
+    but not the draft model's as well: the call decodes without speculation (logged, GiB named), with the
+    plain path's tokens; with room for both it decodes speculatively."""
+    import hf_accel.cache.paged_cache as paged_cache
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    spec = spec_arg("draft_model-copy", model)
+    ours = accelerate_model(copy.deepcopy(model), speculative=spec)
+    target = ours._hf_accel_engine
+    blocks = target.blocks_needed(ours.generation_config.__class__(max_new_tokens=20), ids)  # the draft's too
+    need_target = blocks * target._block_bytes()
+    need_both = need_target + blocks * paged_cache.kv_block_bytes(spec.draft_model.config, target.block_size,
+                                                                  torch.float32)
+    monkeypatch.setattr(paged_cache, "free_kv_bytes", lambda device, fraction=0.9: need_target)
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), stock)
+    assert speculative_stats(ours) is None
+    assert _messages(hf_log, "speculative decoding not used: the target's and the draft model's KV caches")
+    monkeypatch.setattr(paged_cache, "free_kv_bytes", lambda device, fraction=0.9: need_both)
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), stock)
+    assert speculative_stats(ours)["method"] == "draft_model"
+
+
 def test_negative_assistant_early_exit_raises(tiny):
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny)
