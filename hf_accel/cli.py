@@ -59,6 +59,23 @@ def _load(path, dtype, device, what):
         raise CLIError(f"could not load {what} {path or '(default)'}: {type(e).__name__}: {e}") from None
 
 
+def _within_context(max_new: int, prompt_len: int, config) -> int:
+    """``--max-new-tokens``, capped (with a note on stderr) where prompt + answer would run past the model's
+    ``max_position_embeddings``: both sides of the comparison would generate that long unless an EOS comes.
+
+    Raises:
+        CLIError: the prompt alone fills the context."""
+    context = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                      "max_position_embeddings", None)
+    if not context or prompt_len + max_new <= context:
+        return max_new
+    if prompt_len >= context:
+        raise CLIError(f"the prompt ({prompt_len} tokens) fills the model's context ({context} positions)")
+    print(f"hf-accel: --max-new-tokens {max_new} runs past the model's context of {context} positions with this "
+          f"{prompt_len}-token prompt; capped to {context - prompt_len}", file=sys.stderr)
+    return context - prompt_len
+
+
 def _run_generate(args) -> int:
     prompt = args.prompt.strip()
     if not prompt:
@@ -111,10 +128,13 @@ def _run_generate(args) -> int:
     else:
         text = prompt
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    max_new = _within_context(args.max_new_tokens, inputs["input_ids"].shape[1], model.config)
+    gen = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
 
     # Warm-up (one short call each) so neither side pays one-time start costs in its numbers.
     model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    print(f"[{device}, {dtype}] stock transformers generate, up to {max_new} new tokens (not streamed) ...",
+          flush=True)
     stock = measure_generate(model, inputs, **gen)
     try:
         accelerate_model(model, speculative=speculative)

@@ -97,3 +97,24 @@ def test_generate_with_prompt_lookup_on_the_embedded_model(smollm2, tmp_path, ca
     data = json.loads(out.read_text())
     assert data["identical"] is True and data["speculative"]["method"] == "prompt_lookup"
     assert data["speculative"]["verify_steps"] + data["speculative"]["backed_off_steps"] > 0
+
+
+def test_max_new_tokens_past_the_context_is_capped_with_a_note(capsys):
+    """``--max-new-tokens 100000`` on a model of 8192 positions: both sides would generate far past the
+    context (for hours on a CPU) unless an EOS comes; the CLI caps the answer at the context and says so."""
+    from transformers import LlamaConfig
+
+    from hf_accel.cli import CLIError, _within_context
+
+    cfg = LlamaConfig(max_position_embeddings=8192)
+    assert _within_context(100_000, 30, cfg) == 8162
+    assert "--max-new-tokens 100000 runs past the model's context of 8192 positions" in capsys.readouterr().err
+    assert _within_context(16, 30, cfg) == 16 and _within_context(8162, 30, cfg) == 8162
+    assert capsys.readouterr().err == ""
+    with pytest.raises(CLIError, match=r"the prompt \(8192 tokens\) fills the model's context \(8192 positions\)"):
+        _within_context(1, 8192, cfg)
+    assert _within_context(100_000, 30, type("NoContext", (), {})()) == 100_000  # nothing to cap at
+    from transformers import GPT2Config
+
+    # GPT-2 names it n_positions (max_position_embeddings through its attribute map)
+    assert _within_context(100_000, 30, GPT2Config(n_positions=1024)) == 994
