@@ -17,6 +17,7 @@ Beam search works by forking block tables (copy-on-write), ``crop`` rolls back (
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -71,15 +72,36 @@ def kv_block_bytes(config, block_size: int, dtype: torch.dtype, num_layers: int 
 
 
 def free_kv_bytes(device, fraction: float = KV_MEMORY_FRACTION) -> int | None:
-    """Bytes of KV cache that fit in ``fraction`` of CUDA ``device``'s free memory, counting what PyTorch's
-    caching allocator holds unused as free. None for other devices: their memory is not checked (a CPU
-    pool's untouched pages are not backed by memory)."""
+    """Bytes of KV cache that fit in ``fraction`` of ``device``'s free memory: on CUDA the device's free
+    memory, counting what PyTorch's caching allocator holds unused as free; on CPU the system's available
+    memory (Linux ``/proc/meminfo`` MemAvailable, else the free physical pages). A CPU pool's untouched
+    pages cost no memory, but an allocation larger than the machine's memory is refused, and an answer
+    cannot use more KV cache than the machine holds. None where it cannot be read (other devices, other
+    systems): not checked."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free * fraction)
+    if device.type == "cpu":
+        free = _available_system_memory()
+        return None if free is None else int(free * fraction)
+    return None
+
+
+def _available_system_memory() -> int | None:
+    """Bytes of memory available to a new allocation on this machine, or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
         return None
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(free * fraction)
 
 
 def blocks_that_fit(device, block_bytes: int, fraction: float = KV_MEMORY_FRACTION) -> int | None:

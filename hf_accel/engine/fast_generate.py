@@ -280,7 +280,7 @@ class FastEngine:
 
     def _blocks_that_fit(self) -> int | None:
         """Blocks a new pool may have: this engine's pool (freed before a new one is made) plus what fits in
-        free device memory (None on CPU: not checked)."""
+        free device memory (None where free memory cannot be read: not checked)."""
         fit = paged_cache.blocks_that_fit(self.model.device, self._block_bytes())
         return None if fit is None else fit + self._pool_blocks()
 

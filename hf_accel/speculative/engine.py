@@ -171,7 +171,7 @@ class SpeculativeEngine:
 
     def _pools_reason(self, gc, input_ids) -> str | None:
         """Why the target's and the draft model's KV pools of this call do not fit together in free device
-        memory (None where they do, or where memory is not checked: CPU). ``FastEngine.check`` checked the
+        memory (None where they do, or where free memory cannot be read). ``FastEngine.check`` checked the
         target's alone; a pool that must grow is replaced, so its old bytes count as free."""
         free = paged_cache.free_kv_bytes(self.model.device)
         if free is None:

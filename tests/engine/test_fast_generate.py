@@ -379,8 +379,7 @@ def test_smollm2_text_streamer_and_pipeline(smollm2, decode_steps, hf_log, capsy
 
 
 def test_an_answer_whose_cache_does_not_fit_runs_on_a_pool_of_what_fits(tiny, decode_steps, hf_log, monkeypatch):
-    """max_new_tokens far beyond what device memory holds (free memory is only checked on a GPU; here it is
-    set to 40 blocks): the fast path, which reserves the whole answer, declines; transformers' loop runs on a
+    """max_new_tokens far beyond what device memory holds (here free memory is set to 40 blocks): the fast path, which reserves the whole answer, declines; transformers' loop runs on a
     pool of the blocks that fit, with stock's tokens where the rows stop in time, and a clear OutOfBlocksError
     where they do not."""
     import hf_accel.cache.paged_cache as paged_cache
@@ -400,6 +399,23 @@ def test_an_answer_whose_cache_does_not_fit_runs_on_a_pool_of_what_fits(tiny, de
     # an answer that fits takes the fast path again
     kwargs["max_new_tokens"] = 20
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), stock) and decode_steps
+
+
+def test_cpu_memory_bounds_the_reservation(tiny, decode_steps, hf_log, monkeypatch):
+    """On a CPU the reservation is checked against the system's available memory (here set to 64 MiB): a
+    max_new_tokens of 10**12 (stock generate stops at EOS; the fast path used to try to allocate the whole
+    answer and failed) declines the fast path and runs transformers' loop on the blocks that fit, with
+    stock's tokens."""
+    import hf_accel.cache.paged_cache as paged_cache
+
+    assert paged_cache.free_kv_bytes("cpu") > 0  # read from this machine (Linux /proc/meminfo)
+    monkeypatch.setattr(paged_cache, "_available_system_memory", lambda: 64 * 2**20)
+    assert paged_cache.free_kv_bytes("cpu") == int(0.9 * 64 * 2**20)
+    model, ids, mask, kwargs, stock = _case(tiny, "llama", "all_rows_finish")
+    ours = _accelerated(model)
+    kwargs["max_new_tokens"] = 10**12
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), stock)
+    assert _messages(hf_log, "does not fit in free device memory") and not decode_steps
 
 
 def test_inputs_keyword_takes_the_fast_path(tiny, decode_steps, hf_log):

@@ -293,7 +293,7 @@ def test_streamer_with_several_rows_takes_the_plain_fast_path(tiny, hf_log):
 
 
 def test_draft_model_whose_cache_does_not_fit_takes_the_plain_fast_path(tiny, hf_log, monkeypatch):
-    """Free device memory (only checked on a GPU; here it is set) that holds the target's KV cache of the call
+    """Free device memory (here it is set) that holds the target's KV cache of the call
     but not the draft model's as well: the call decodes without speculation (logged, GiB named), with the
     plain path's tokens; with room for both it decodes speculatively."""
     import hf_accel.cache.paged_cache as paged_cache
