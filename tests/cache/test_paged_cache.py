@@ -525,12 +525,24 @@ def test_memory_stats_fields(tiny):
     assert (stats["blocks_allocated"], stats["tokens_stored"], stats["bytes_allocated"]) == (0, 0, 0)
     assert stats["bytes_reserved"] == 30 * per_block  # the pools stay allocated
     assert cache.get_seq_length() == 0
-    # the sizing helper counts the same bytes; free memory is only checked on CUDA devices
-    from hf_accel.cache.paged_cache import blocks_that_fit, kv_block_bytes
+    # the sizing helper counts the same bytes
+    from hf_accel.cache.paged_cache import kv_block_bytes
 
     assert kv_block_bytes(model.config, 4, torch.float32) == per_block
     assert kv_block_bytes(model.config, 4, torch.bfloat16, num_layers=1) == per_block // 4
-    assert blocks_that_fit("cpu", per_block) is None
+
+
+def test_blocks_that_fit_in_cpu_memory(monkeypatch):
+    """On a CPU free memory is the system's available memory (90% of it); where it cannot be read, and on
+    devices other than CPU and CUDA, nothing is checked (None)."""
+    import hf_accel.cache.paged_cache as pc
+
+    assert pc.blocks_that_fit("cpu", 2048) == pc.free_kv_bytes("cpu") // 2048 > 0  # this machine's
+    monkeypatch.setattr(pc, "_available_system_memory", lambda: 10 * 2**20)
+    assert pc.free_kv_bytes("cpu") == 9 * 2**20 and pc.blocks_that_fit("cpu", 2**20) == 9
+    monkeypatch.setattr(pc, "_available_system_memory", lambda: None)
+    assert pc.free_kv_bytes("cpu") is None and pc.blocks_that_fit("cpu", 2048) is None
+    assert pc.free_kv_bytes("meta") is None
 
 
 def test_memory_stats_with_shared_blocks(tiny):
