@@ -537,7 +537,7 @@ def test_blocks_that_fit_in_cpu_memory(monkeypatch):
     devices other than CPU and CUDA, nothing is checked (None)."""
     import hf_accel.cache.paged_cache as pc
 
-    assert pc.blocks_that_fit("cpu", 2048) == pc.free_kv_bytes("cpu") // 2048 > 0  # this machine's
+    assert pc.blocks_that_fit("cpu", 2048) > 0 and pc.free_kv_bytes("cpu") > 0  # this machine's (it changes)
     monkeypatch.setattr(pc, "_available_system_memory", lambda: 10 * 2**20)
     assert pc.free_kv_bytes("cpu") == 9 * 2**20 and pc.blocks_that_fit("cpu", 2**20) == 9
     monkeypatch.setattr(pc, "_available_system_memory", lambda: None)
