@@ -77,6 +77,7 @@ class _State:
         self.drafts = torch.zeros(batch, k_max, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
         self.ngram = torch.zeros(batch, dtype=torch.long, device=device)
+        self._host = None  # host_counters: (host rows, their numpy view)
 
     def reset(self, pad: int) -> None:
         self.tokens.fill_(pad)
@@ -91,7 +92,7 @@ class _State:
         """Three host rows of ``info``'s size (page-locked when ``pinned``: the rounds' counters are copied
         there without blocking) and their numpy view, made once per state: the host reads a few counters per
         round, and numpy indexing is cheaper than tensor indexing."""
-        if getattr(self, "_host", None) is None or self._host[0].is_pinned() != pinned:
+        if self._host is None or self._host[0].is_pinned() != pinned:
             rows = torch.zeros(3, self.info.numel(), dtype=torch.long, pin_memory=pinned)
             self._host = (rows, rows.numpy())
         return self._host
