@@ -32,6 +32,7 @@ import torch
 import triton
 
 from hf_accel.engine.graphs import capture as capture_graph
+from hf_accel.kernels.argmax import greedy_tail, scratch_for
 from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
 from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope, split_k_for
 from hf_accel.kernels.gemv import gemv, gemv_rope
@@ -206,6 +207,11 @@ FUSED_LINEAR_PRELOAD = False
 #: :data:`FUSED_LINEAR_PRELOAD` as well 0.860 / 0.739 / 0.922.
 MULTI_ROW_ATTENTION_OVERLAP = False
 
+#: The in-graph greedy loop's pick + bookkeeping (argmax, pad for finished rows, token write, EOS check,
+#: next-step inputs, counters) runs as one :func:`~hf_accel.kernels.argmax.greedy_tail` launch on CUDA
+#: instead of ~10 PyTorch kernels (``torch.argmax`` of a 49k-entry row alone is a multi-block reduction).
+GREEDY_TAIL_KERNEL = True
+
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
@@ -297,6 +303,7 @@ class DecodeStep:
         self.graph = None
         self.graph_greedy = None
         self.greedy = None
+        self._argmax_scratch = None  # (logits shape, greedy_tail's scratch)
         self._host_flags = None  # host_flags: page-locked rows + events of the greedy loop's EOS check
         self.graphs: dict = {}  # extra captured programs (DecodeStep.replay), keyed by their owner
         self.prefill_buffers: dict = {}  # static inputs of the bucketed prefill, keyed by padded length
@@ -554,9 +561,15 @@ class DecodeStep:
     # -- greedy decoding inside the graph ------------------------------------------------------------
     def _greedy_tail(self, logits: torch.Tensor) -> None:
         """Greedy pick + transformers' end-of-sequence bookkeeping, on the device (no host sync):
-        finished rows emit ``pad``; ``steps_run`` counts steps taken while a row was unfinished."""
+        finished rows emit ``pad``; ``steps_run`` counts steps taken while a row was unfinished. One
+        :func:`~hf_accel.kernels.argmax.greedy_tail` launch on CUDA (:data:`GREEDY_TAIL_KERNEL`)."""
         g = self.greedy
-        nxt = logits[:, -1].argmax(dim=-1)
+        last = logits[:, -1]
+        if GREEDY_TAIL_KERNEL and last.is_cuda:
+            greedy_tail(last, g["tokens"], g["unfinished"], g["pad"], g["eos"], self.input_ids, self.position_ids,
+                        self.cache_lens, g["cur"], g["steps_run"], self._tail_scratch(last))
+            return
+        nxt = last.argmax(dim=-1)
         g["steps_run"] += g["unfinished"].any()
         nxt = torch.where(g["unfinished"], nxt, g["pad"])
         g["tokens"].scatter_(1, g["cur"].expand(self.batch, 1), nxt[:, None])
@@ -565,6 +578,21 @@ class DecodeStep:
         self.position_ids += 1
         self.cache_lens += 1
         g["cur"] += 1
+
+    def _tail_scratch(self, last: torch.Tensor):
+        if self._argmax_scratch is None or self._argmax_scratch[0] != tuple(last.shape):
+            self._argmax_scratch = (tuple(last.shape), scratch_for(*last.shape, last.device))
+        return self._argmax_scratch[1]
+
+    def _warm_up_greedy(self) -> None:
+        """The forward and :func:`greedy_tail` once on copies of the greedy state (the kernel compiles and
+        its scratch is made before the capture; the step's own state is left as it was)."""
+        logits = self._forward()
+        if GREEDY_TAIL_KERNEL and logits.is_cuda:
+            g = {k: v.clone() for k, v in self.greedy.items()}
+            greedy_tail(logits[:, -1], g["tokens"], g["unfinished"], g["pad"], g["eos"], self.input_ids.clone(),
+                        self.position_ids.clone(), self.cache_lens.clone(), g["cur"], g["steps_run"],
+                        self._tail_scratch(logits[:, -1]))
 
     def init_greedy(self, eos_ids: list[int]) -> dict:
         """Static buffers of the in-graph greedy loop: tokens [batch, capacity] int64 (prompt + output),
@@ -602,7 +630,7 @@ class DecodeStep:
             self._greedy_tail(self._forward())
             return
         if self.graph_greedy is None:
-            self._warm_up()
+            self._warm_up(self._warm_up_greedy)
             self.graph_greedy = torch.cuda.CUDAGraph()
             with capture_graph(self.graph_greedy):
                 self._greedy_tail(self._forward())

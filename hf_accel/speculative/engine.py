@@ -46,6 +46,7 @@ from hf_accel.engine.fast_generate import call_inputs, sampling_warpers
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
+from hf_accel.kernels.argmax import argmax_rows, scratch_for
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
                                             TOTALS_SIZE, commit_tokens, commit_tokens_ref)
 from hf_accel.speculative.verify import rejection_sample, sample
@@ -78,6 +79,14 @@ class _State:
         self.valid = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
         self.ngram = torch.zeros(batch, dtype=torch.long, device=device)
         self._host = None  # host_counters: (host rows, their numpy view)
+        self._argmax = None  # argmax_scratch: argmax_rows' scratch for every k of this state
+
+    def argmax_scratch(self, vocab: int):
+        """:func:`~hf_accel.kernels.argmax.argmax_rows`' scratch for ``batch x (k + 1)`` rows of any k <=
+        ``MAX_DRAFT``, made once (the rounds' captured graphs all use these tensors)."""
+        if self._argmax is None or self._argmax[0] != vocab:
+            self._argmax = (vocab, scratch_for(self.tokens.shape[0] * (MAX_DRAFT + 1), vocab, self.tokens.device))
+        return self._argmax[1]
 
     def reset(self, pad: int) -> None:
         self.tokens.fill_(pad)
@@ -223,7 +232,13 @@ class SpeculativeEngine:
             probs = torch.softmax(ctx["warp"](logits.flatten(0, 1)), dim=-1).view_as(logits)
             out, n = rejection_sample(drafts, valid, draft_probs, probs)
         else:
-            out, n = logits.argmax(dim=-1), None  # greedy: the commit counts the matching prefix
+            # greedy: the commit counts the matching prefix
+            if ctx["kernels"] and logits.is_cuda:
+                vocab = logits.shape[-1]
+                out = argmax_rows(logits.view(-1, vocab), scratch=st.argmax_scratch(vocab)).view(b, k + 1)
+            else:
+                out = logits.argmax(dim=-1)
+            n = None
         commit = commit_tokens if ctx["kernels"] and b <= 256 else commit_tokens_ref  # one program: <= 256 rows
         commit(out, n, drafts, valid, st.tokens, st.lengths, st.remaining, st.active, st.eos, st.info, st.totals,
                count_step=k > 0, classes=st.ngram if ctx["gated"] else None)
