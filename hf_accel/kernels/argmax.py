@@ -23,7 +23,7 @@ from hf_accel.kernels.device import check_launch_device
 #: Columns per program: 24 programs per row for a 49152-entry vocabulary, 63 for 128256.
 BLOCK = 2048
 _NUM_WARPS = 4
-_INT64_MIN = -9223372036854775807  # (the most negative int64 + 1: a literal Triton takes as int64)
+_INT64_MIN = tl.constexpr(-9223372036854775807)  # (the most negative int64 + 1: a literal Triton takes as int64)
 
 
 @triton.jit
