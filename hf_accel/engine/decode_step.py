@@ -303,7 +303,7 @@ class DecodeStep:
         self.graph = None
         self.graph_greedy = None
         self.greedy = None
-        self._argmax_scratch = None  # (logits shape, greedy_tail's scratch)
+        self._argmax_scratch = {}  # argmax_scratch: logits shape -> greedy_tail / argmax_rows scratch
         self._host_flags = None  # host_flags: page-locked rows + events of the greedy loop's EOS check
         self.graphs: dict = {}  # extra captured programs (DecodeStep.replay), keyed by their owner
         self.prefill_buffers: dict = {}  # static inputs of the bucketed prefill, keyed by padded length
@@ -567,7 +567,7 @@ class DecodeStep:
         last = logits[:, -1]
         if GREEDY_TAIL_KERNEL and last.is_cuda:
             greedy_tail(last, g["tokens"], g["unfinished"], g["pad"], g["eos"], self.input_ids, self.position_ids,
-                        self.cache_lens, g["cur"], g["steps_run"], self._tail_scratch(last))
+                        self.cache_lens, g["cur"], g["steps_run"], self.argmax_scratch(last))
             return
         nxt = last.argmax(dim=-1)
         g["steps_run"] += g["unfinished"].any()
@@ -579,10 +579,14 @@ class DecodeStep:
         self.cache_lens += 1
         g["cur"] += 1
 
-    def _tail_scratch(self, last: torch.Tensor):
-        if self._argmax_scratch is None or self._argmax_scratch[0] != tuple(last.shape):
-            self._argmax_scratch = (tuple(last.shape), scratch_for(*last.shape, last.device))
-        return self._argmax_scratch[1]
+    def argmax_scratch(self, last: torch.Tensor):
+        """The (partials, counters) scratch of :func:`~hf_accel.kernels.argmax.greedy_tail` / ``argmax_rows``
+        over ``last`` [rows, vocab] logits of this step: made at the first (warm-up) call per shape and kept
+        for the step's life, since captured graphs hold its addresses."""
+        key = tuple(last.shape)
+        if key not in self._argmax_scratch:
+            self._argmax_scratch[key] = scratch_for(*key, last.device)
+        return self._argmax_scratch[key]
 
     def _warm_up_greedy(self) -> None:
         """The forward and :func:`greedy_tail` once on copies of the greedy state (the kernel compiles and
@@ -592,7 +596,7 @@ class DecodeStep:
             g = {k: v.clone() for k, v in self.greedy.items()}
             greedy_tail(logits[:, -1], g["tokens"], g["unfinished"], g["pad"], g["eos"], self.input_ids.clone(),
                         self.position_ids.clone(), self.cache_lens.clone(), g["cur"], g["steps_run"],
-                        self._tail_scratch(logits[:, -1]))
+                        self.argmax_scratch(logits[:, -1]))
 
     def init_greedy(self, eos_ids: list[int]) -> dict:
         """Static buffers of the in-graph greedy loop: tokens [batch, capacity] int64 (prompt + output),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_accel.kernels.argmax import argmax_rows
 from hf_accel.kernels.ngram_lookup import ngram_lookup, ngram_lookup_ref
 from hf_accel.speculative.verify import sample
 
@@ -44,10 +45,12 @@ def prompt_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Ten
     return out
 
 
-def _pick(logits: torch.Tensor, warp, do_sample: bool):
-    """Next draft token from draft logits [b, vocab]: argmax, or a sample of the warped distribution
-    (returned too, [b, vocab] float32)."""
+def _pick(logits: torch.Tensor, warp, do_sample: bool, step=None):
+    """Next draft token from draft logits [b, vocab]: argmax (one :func:`argmax_rows` launch on CUDA with the
+    step's scratch), or a sample of the warped distribution (returned too, [b, vocab] float32)."""
     if not do_sample:
+        if step is not None and logits.is_cuda:
+            return argmax_rows(logits, scratch=step.argmax_scratch(logits)), None
         return logits.argmax(dim=-1), None
     probs = torch.softmax(warp(logits), dim=-1)
     return sample(probs), probs
@@ -70,7 +73,7 @@ def draft_chain(step, first_ids, first_pos, first_cache_lens, block_table, key_m
     next_step = next_step or step
     t = first_ids.shape[1]
     logits = step.forward_tokens(first_ids, first_pos, first_cache_lens, block_table, key_mask, last_only=True)
-    tok, prob = _pick(logits, warp, do_sample)
+    tok, prob = _pick(logits, warp, do_sample, step)
     drafts, probs = [tok], [prob]
     pos = first_pos[:, -1:]
     lens = first_cache_lens + t
@@ -78,7 +81,7 @@ def draft_chain(step, first_ids, first_pos, first_cache_lens, block_table, key_m
         pos = pos + 1
         logits = next_step.forward_tokens(tok[:, None], pos, lens, block_table, key_mask, last_only=True)
         lens = lens + 1
-        tok, prob = _pick(logits, warp, do_sample)
+        tok, prob = _pick(logits, warp, do_sample, next_step)
         drafts.append(tok)
         probs.append(prob)
     return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if do_sample else None)
