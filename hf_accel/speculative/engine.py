@@ -47,10 +47,16 @@ from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.kernels.argmax import argmax_rows, scratch_for
+from hf_accel.kernels.verify_inputs import verify_inputs, verify_inputs_ref
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
                                             TOTALS_SIZE, commit_tokens, commit_tokens_ref)
 from hf_accel.speculative.verify import rejection_sample, sample
 from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates
+
+#: A round's verify inputs (last committed token + drafts, positions, cache lengths) from one
+#: :func:`~hf_accel.kernels.verify_inputs.verify_inputs` launch where the round runs Triton kernels, instead of
+#: ~9 small PyTorch kernels inside the round's graph.
+VERIFY_INPUTS_KERNEL = True
 
 
 class _State:
@@ -202,20 +208,19 @@ class SpeculativeEngine:
         """Draft ``k`` tokens, verify, commit (updates ``st``; device work only)."""
         b = st.lengths.shape[0]
         dev = st.tokens.device
-        cache_lens = (st.lengths - 1).to(torch.int32)
-        pos0 = st.lengths - 1 - st.starts
-        x0 = st.tokens.gather(1, (st.lengths - 1)[:, None])
+        inputs = verify_inputs if ctx["kernels"] and VERIFY_INPUTS_KERNEL else verify_inputs_ref
         draft_probs = None
         if k == 0:  # plain round; a draft model's cache lags until _catch_up_draft
-            drafts = torch.zeros(b, 0, dtype=torch.long, device=dev)
-            valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)
+            drafts = st.drafts[:, :0]
+            valid = st.valid[:, :0]
         elif ctx["gated"]:  # looked up at the end of the previous round
             drafts, valid = st.drafts[:, :k], st.valid[:, :k]
         elif self.config.method == "prompt_lookup":
             drafts, valid = prompt_lookup(st.tokens, st.lengths, st.starts, k, self.config.max_ngram,
                                           self.config.min_ngram, use_kernel=ctx["kernels"])
         elif self.config.method == "early_exit":
-            drafts, draft_probs = draft_chain(ctx["early"], x0, pos0[:, None], cache_lens, ctx["block_table"],
+            x0, pos0, cache_lens = inputs(st.tokens, st.lengths, st.starts, st.drafts[:, :0])
+            drafts, draft_probs = draft_chain(ctx["early"], x0, pos0, cache_lens, ctx["block_table"],
                                               ctx["key_mask"], k, ctx["warp"], ctx["do_sample"])
             valid = torch.ones_like(drafts, dtype=torch.bool)
         else:  # draft model: re-feed the last two committed tokens (fills the gap after k accepted drafts)
@@ -224,10 +229,8 @@ class SpeculativeEngine:
                                               ctx["draft_key_mask"], k, ctx["warp"], ctx["do_sample"],
                                               next_step=ctx["draft1"])
             valid = torch.ones_like(drafts, dtype=torch.bool)
-        ids = torch.cat([x0, drafts], dim=1)
-        j = torch.arange(k + 1, device=dev)
-        logits = ctx["verify"][k].forward_tokens(ids, pos0[:, None] + j, cache_lens, ctx["block_table"],
-                                                 ctx["key_mask"])
+        ids, positions, cache_lens = inputs(st.tokens, st.lengths, st.starts, drafts)
+        logits = ctx["verify"][k].forward_tokens(ids, positions, cache_lens, ctx["block_table"], ctx["key_mask"])
         if ctx["do_sample"]:
             probs = torch.softmax(ctx["warp"](logits.flatten(0, 1)), dim=-1).view_as(logits)
             out, n = rejection_sample(drafts, valid, draft_probs, probs)
