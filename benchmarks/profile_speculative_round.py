@@ -7,6 +7,7 @@ torch.profiler tables of the kernels of the k = 15 round, the match-gated plain 
 Writes ``profile_speculative_round-<date>.json``.
 
     python benchmarks/profile_speculative_round.py [--set NAME=VALUE+...]   # decode_step switches (A/B)
+    python benchmarks/profile_speculative_round.py --ab-verify-inputs     # + rounds with PyTorch verify inputs
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--set", default="", help="switches of hf_accel.engine.decode_step (NAME=VALUE+...)")
-    with decode_step_overrides(ap.parse_args().set):
-        _main()
+    ap.add_argument("--ab-verify-inputs", action="store_true",
+                    help="also time the rounds with VERIFY_INPUTS_KERNEL off (metrics suffixed _torch_inputs)")
+    args = ap.parse_args()
+    with decode_step_overrides(args.set):
+        _main(args.ab_verify_inputs)
 
 
-def _main():
+def _main(ab_verify_inputs: bool = False):
     from pydoc_data.topics import topics
 
     from hf_accel import SpeculativeConfig, accelerate_model
@@ -105,6 +109,14 @@ def _main():
         for k in (0, 15):  # match-gated: the next round's lookup and class counts at the end of the round
             res[f"round_gated_k{k}_ms"], g = time_graph(lambda: round_k(k, gated_ctx))
             graphs[f"gated_k{k}"] = g
+        if ab_verify_inputs:  # the same rounds with the PyTorch verify inputs, then the default again
+            from hf_accel.speculative import engine as spec_engine
+
+            for flag, suffix in ((False, "_torch_inputs"), (True, "_again")):
+                spec_engine.VERIFY_INPUTS_KERNEL = flag
+                for k in (0, 15):
+                    res[f"round_k{k}_ms{suffix}"], _ = time_graph(lambda: round_k(k))
+                    res[f"round_gated_k{k}_ms{suffix}"], _ = time_graph(lambda: round_k(k, gated_ctx))
         _, graphs["k15"] = time_graph(lambda: round_k(15), reps=1)
         graphs["plain_step"] = g_plain
         from torch.profiler import ProfilerActivity, profile
