@@ -565,7 +565,7 @@ class DecodeStep:
         :func:`~hf_accel.kernels.argmax.greedy_tail` launch on CUDA (:data:`GREEDY_TAIL_KERNEL`)."""
         g = self.greedy
         last = logits[:, -1]
-        if GREEDY_TAIL_KERNEL and last.is_cuda:
+        if GREEDY_TAIL_KERNEL and last.is_cuda and self.q_len == 1:
             greedy_tail(last, g["tokens"], g["unfinished"], g["pad"], g["eos"], self.input_ids, self.position_ids,
                         self.cache_lens, g["cur"], g["steps_run"], self.argmax_scratch(last))
             return
@@ -592,7 +592,7 @@ class DecodeStep:
         """The forward and :func:`greedy_tail` once on copies of the greedy state (the kernel compiles and
         its scratch is made before the capture; the step's own state is left as it was)."""
         logits = self._forward()
-        if GREEDY_TAIL_KERNEL and logits.is_cuda:
+        if GREEDY_TAIL_KERNEL and logits.is_cuda and self.q_len == 1:
             g = {k: v.clone() for k, v in self.greedy.items()}
             greedy_tail(logits[:, -1], g["tokens"], g["unfinished"], g["pad"], g["eos"], self.input_ids.clone(),
                         self.position_ids.clone(), self.cache_lens.clone(), g["cur"], g["steps_run"],

@@ -175,6 +175,9 @@ def greedy_tail(logits: torch.Tensor, tokens: torch.Tensor, unfinished: torch.Te
     for name in ("tokens", "unfinished", "input_ids", "position_ids", "cache_lens"):
         if want[name][0].shape[0] != batch:
             raise ValueError(f"greedy_tail: {name} has {want[name][0].shape[0]} rows, logits {batch}")
+    if input_ids.shape[1] != 1 or position_ids.shape[1] != 1:
+        raise ValueError(f"greedy_tail: one-token steps only: input_ids {tuple(input_ids.shape)}, position_ids "
+                         f"{tuple(position_ids.shape)} must be [batch, 1]")
     if tokens.stride(1) != 1 or not unfinished.is_contiguous() or not cache_lens.is_contiguous():
         raise ValueError("greedy_tail: tokens needs contiguous rows; unfinished and cache_lens must be contiguous")
     partials, counters = scratch

@@ -116,3 +116,7 @@ def test_greedy_tail_rejects_mismatched_state():
     st["tokens"] = st["tokens"][:1]
     with pytest.raises(ValueError, match="tokens has 1 rows"):
         greedy_tail(**st, scratch=scratch_for(2, 40, DEV))
+    st = _greedy_state(1, 2, 40)
+    st["position_ids"] = st["position_ids"].repeat(1, 3)
+    with pytest.raises(ValueError, match="one-token steps only"):
+        greedy_tail(**st, scratch=scratch_for(2, 40, DEV))
