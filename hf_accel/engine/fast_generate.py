@@ -250,6 +250,8 @@ class FastEngine:
         mask = model_kwargs.get("attention_mask")
         if mask is not None and mask.dim() == 2 and mask.shape == ids.shape and not bool(mask[:, -1].all()):
             # transformers warns about it in its own loop; the fast path assumes left padding
+            if not bool(mask.any(dim=1).all()):
+                return "a row of the batch is all padding (its attention_mask is all zeros)"
             return "right-padded batch (decoder-only models need padding_side='left')"
         if self._max_new(gc, ids.shape[1]) <= 0:
             return "the prompt is not shorter than max_length"  # transformers raises its own error

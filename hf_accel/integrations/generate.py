@@ -142,7 +142,7 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
         try:
             gc, model_kwargs = model._prepare_generation_config(user_config, **call)
         except Exception as e:  # transformers raises the same error again on its own path
-            reason = f"generation config not understood ({type(e).__name__})"
+            reason = f"generation config not understood ({type(e).__name__}: {e})"
         else:
             ids = model_kwargs.get("input_ids")
             if (gc.max_new_tokens is None and call.get("max_length") is None and ids is not None

@@ -451,6 +451,20 @@ def test_right_padded_batch_falls_back_to_stock(tiny, hf_log):
     assert _messages(hf_log, "right-padded batch")
 
 
+def test_all_padding_row_falls_back_with_its_own_reason(tiny, hf_log):
+    """A row whose attention_mask is all zeros is not called right padding in the logged reason; the call
+    still matches stock transformers."""
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=4)
+    mask = mask.clone()
+    mask[0] = 0
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=4)
+    ours = _accelerated(model)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), stock)
+    assert _messages(hf_log, "is all padding")
+    assert not _messages(hf_log, "right-padded batch")
+
+
 @pytest.mark.parametrize("gemv_rope,head_norm", [(False, True), (True, True), (False, False)],
                          ids=["rope-kernel", "rope-in-gemv", "lm-head-norm-kernel"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
