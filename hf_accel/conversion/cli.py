@@ -123,6 +123,8 @@ def _run(args) -> int:
     for name in ("calibration_tokens", "context_length", "decode_tokens"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.num_kv_heads < 1:  # before the model loads (its own head count is checked after)
+        raise CliError(f"--num-kv-heads must be >= 1; got {args.num_kv_heads}")
     if args.eval_tokens < 0 or args.recovery_steps < 0:
         raise CliError("--eval-tokens and --recovery-steps must be >= 0")
     if 0 < args.eval_tokens < 2:

@@ -53,7 +53,7 @@ def test_convert_writes_a_stock_loadable_checkpoint_and_a_table(model_dir, tmp_p
 
 @pytest.mark.parametrize("argv, message", [
     (["--num-kv-heads", "3"], "valid choices"),
-    (["--num-kv-heads", "0"], "valid choices"),
+    (["--num-kv-heads", "0"], "--num-kv-heads must be >= 1"),
     (["--num-kv-heads", "2", "--calibration-file", "/nonexistent/file.txt"], "is not a file"),
     (["--num-kv-heads", "2", "--eval-tokens", "-1"], "must be >= 0"),
 ])
@@ -63,6 +63,13 @@ def test_user_errors_are_one_line_and_exit_2(model_dir, tmp_path, capsys, argv, 
     assert rc == 2
     assert err[-1].startswith("hf-accel convert-gqa: error:") and message in err[-1]
     assert not any("Traceback" in line for line in err)
+
+
+def test_bad_num_kv_heads_is_refused_before_the_model_loads(tmp_path, capsys):
+    """A count below 1 needs no model to refuse: the nonexistent --model is never looked at."""
+    assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "-2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--num-kv-heads must be >= 1" in err and "does not exist" not in err
 
 
 def test_missing_model_and_busy_out_dir(model_dir, tmp_path, capsys):
