@@ -65,7 +65,8 @@ ds.GREEDY_TAIL_KERNEL = True; se.argmax_rows = orig
 for (variant, prov, c), v in sorted(res.items()):
     walls = [w for w, _, _ in v]; tokens = v[0][1]
     same = all(o == res[("torch", prov, c)][0][2] for _, _, o in v)
-    print(f"{prov:20s} {c:14s} {variant:6s} ms {walls} tok/s best {tokens / min(walls):.1f} outputs==torch-variant {same}")
+    print(f"{prov:20s} {c:14s} {variant:6s} ms {walls} tok/s best {tokens / min(walls):.1f} "
+          f"outputs==torch-variant {same}")
     out_rows.append({"bench": "greedy_tail_ab", "provider": prov, "shape": {"category": c, "variant": variant, "bs": 1,
                      "calls": 8, "max_new_tokens": 128, "model": "smollm2-135m-instruct", "dtype": "bfloat16"},
                      "metric": "wall_ms_per_pass", "unit": "ms", "value": [w * 1e3 for w in walls], "tokens": tokens,

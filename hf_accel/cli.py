@@ -133,7 +133,8 @@ def _run_generate(args) -> int:
 
     # Warm-up (one short call each) so neither side pays one-time start costs in its numbers.
     model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    print(f"[{device}, {dtype}] stock transformers generate, up to {max_new} new token{'' if max_new == 1 else 's'} (not streamed) ...",
+    tokens_word = "token" if max_new == 1 else "tokens"
+    print(f"[{device}, {dtype}] stock transformers generate, up to {max_new} new {tokens_word} (not streamed) ...",
           flush=True)
     stock = measure_generate(model, inputs, **gen)
     try:

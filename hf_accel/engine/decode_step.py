@@ -565,7 +565,7 @@ class DecodeStep:
         :func:`~hf_accel.kernels.argmax.greedy_tail` launch on CUDA (:data:`GREEDY_TAIL_KERNEL`)."""
         g = self.greedy
         last = logits[:, -1]
-        if GREEDY_TAIL_KERNEL and last.is_cuda and self.q_len == 1:
+        if self._tail_kernel(last):
             greedy_tail(last, g["tokens"], g["unfinished"], g["pad"], g["eos"], self.input_ids, self.position_ids,
                         self.cache_lens, g["cur"], g["steps_run"], self.argmax_scratch(last))
             return
@@ -579,6 +579,9 @@ class DecodeStep:
         self.cache_lens += 1
         g["cur"] += 1
 
+    def _tail_kernel(self, last: torch.Tensor) -> bool:
+        return GREEDY_TAIL_KERNEL and last.is_cuda and self.q_len == 1
+
     def argmax_scratch(self, last: torch.Tensor):
         """The (partials, counters) scratch of :func:`~hf_accel.kernels.argmax.greedy_tail` / ``argmax_rows``
         over ``last`` [rows, vocab] logits of this step: made at the first (warm-up) call per shape and kept
@@ -591,12 +594,12 @@ class DecodeStep:
     def _warm_up_greedy(self) -> None:
         """The forward and :func:`greedy_tail` once on copies of the greedy state (the kernel compiles and
         its scratch is made before the capture; the step's own state is left as it was)."""
-        logits = self._forward()
-        if GREEDY_TAIL_KERNEL and logits.is_cuda and self.q_len == 1:
+        last = self._forward()[:, -1]
+        if self._tail_kernel(last):
             g = {k: v.clone() for k, v in self.greedy.items()}
-            greedy_tail(logits[:, -1], g["tokens"], g["unfinished"], g["pad"], g["eos"], self.input_ids.clone(),
+            greedy_tail(last, g["tokens"], g["unfinished"], g["pad"], g["eos"], self.input_ids.clone(),
                         self.position_ids.clone(), self.cache_lens.clone(), g["cur"], g["steps_run"],
-                        self.argmax_scratch(logits[:, -1]))
+                        self.argmax_scratch(last))
 
     def init_greedy(self, eos_ids: list[int]) -> dict:
         """Static buffers of the in-graph greedy loop: tokens [batch, capacity] int64 (prompt + output),
