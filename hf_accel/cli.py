@@ -76,6 +76,18 @@ def _within_context(max_new: int, prompt_len: int, config) -> int:
     return context - prompt_len
 
 
+def backoff_hint(spec: dict) -> str | None:
+    """Why a speculative call ran mostly plain steps, from its ``speculative_stats`` (None if it did not):
+    the measured round times (ms, host turnaround included) of a plain step and of the verify rounds."""
+    times = spec.get("round_ms") or {}
+    plain = times.get("0")
+    verify = [t for k, t in times.items() if k != "0"]
+    if spec.get("backed_off_steps", 0) <= spec.get("verify_steps", 0) or plain is None or not verify:
+        return None
+    return (f"  mostly plain steps: here a verify round took {min(verify):.2f}-{max(verify):.2f} ms against "
+            f"{plain:.2f} ms for a plain step, so the adaptive draft length drafts only where enough is accepted")
+
+
 def _run_generate(args) -> int:
     prompt = args.prompt.strip()
     if not prompt:
@@ -164,6 +176,9 @@ def _run_generate(args) -> int:
         per_step = "n/a" if spec["mean_tokens_per_step"] is None else f"{spec['mean_tokens_per_step']:.2f}"
         print(f"speculative ({spec['method']}): {spec['verify_steps']} verify steps, {spec['backed_off_steps']} plain "
               f"(backed off), acceptance {rate}, tokens per verify step {per_step}")
+        hint = backoff_hint(spec)
+        if hint:
+            print(hint)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": device, "dtype": dtype, "prompt": prompt, "identical": identical, "speculative": spec,

@@ -118,3 +118,14 @@ def test_max_new_tokens_past_the_context_is_capped_with_a_note(capsys):
 
     # GPT-2 names it n_positions (max_position_embeddings through its attribute map)
     assert _within_context(100_000, 30, GPT2Config(n_positions=1024)) == 994
+
+
+def test_backoff_hint_names_the_round_times_only_when_mostly_backed_off():
+    from hf_accel.cli import backoff_hint
+
+    spec = {"verify_steps": 1, "backed_off_steps": 17, "round_ms": {"0": 47.0, "1": 217.0, "4": 230.5}}
+    hint = backoff_hint(spec)
+    assert "217.00-230.50 ms" in hint and "47.00 ms for a plain step" in hint
+    assert backoff_hint({**spec, "verify_steps": 20}) is None
+    assert backoff_hint({**spec, "round_ms": {"0": 47.0}}) is None  # no verify round timed
+    assert backoff_hint({"verify_steps": 0, "backed_off_steps": 3, "round_ms": {}}) is None
