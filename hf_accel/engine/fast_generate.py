@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -40,7 +41,7 @@ _HANDLED = {
     "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature", "top_k",
     "top_p", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "transformers_version",
     "_from_model_config", "output_attentions", "output_hidden_states", "num_beams", "num_return_sequences",
-    "cache_implementation", "decoder_start_token_id",
+    "cache_implementation", "decoder_start_token_id", "repetition_penalty",
 }
 _MODEL_KWARGS = {"input_ids", "attention_mask", "streamer", "synced_gpus"}
 _ROPE_OK = {"default", "linear", "llama3", "yarn"}
@@ -96,6 +97,12 @@ def call_inputs(gc, model_kwargs, input_ids):
             (input_ids == gc.pad_token_id).any())
         attention_mask = input_ids.ne(gc.pad_token_id).long() if infer else torch.ones_like(input_ids)
     return attention_mask.to(input_ids.device), eos_list, pad
+
+
+def _repetition_penalty(gc) -> float | None:
+    """The call's repetition penalty (CTRL, Keskar et al. 2019, §4.1), or None when it is off (None or 1.0)."""
+    penalty = getattr(gc, "repetition_penalty", None)
+    return None if penalty is None or penalty == 1.0 else float(penalty)
 
 
 def sampling_warpers(gc) -> LogitsProcessorList:
@@ -255,6 +262,9 @@ class FastEngine:
             return "right-padded batch (decoder-only models need padding_side='left')"
         if self._max_new(gc, ids.shape[1]) <= 0:
             return "the prompt is not shorter than max_length"  # transformers raises its own error
+        if _repetition_penalty(gc) is not None and not bool(call_inputs(gc, model_kwargs, ids)[0].bool().all()):
+            # transformers 5.x versions differ on whether left padding counts as seen tokens (pad = EOS often)
+            return "repetition_penalty with a padded batch"
         sw = getattr(self.model.config, "sliding_window", None)
         if sw is not None and ids.shape[1] + self._max_new(gc, ids.shape[1]) > sw:
             return f"the sequence would exceed the sliding window ({sw})"
@@ -471,6 +481,8 @@ class FastEngine:
         eos_t = torch.tensor(eos_list, dtype=torch.long, device=model.device)
 
         processors = LogitsProcessorList()
+        if _repetition_penalty(gc) is not None:  # first, as in transformers' processor list
+            processors.append(RepetitionPenaltyLogitsProcessor(_repetition_penalty(gc)))
         if eos_list and (gc.min_length or 0) > 0:
             processors.append(MinLengthLogitsProcessor(gc.min_length, eos_t, device=model.device))
         if eos_list and (gc.min_new_tokens or 0) > 0:

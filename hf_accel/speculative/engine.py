@@ -178,6 +178,8 @@ class SpeculativeEngine:
                     "row; a streamer takes one token per row at a time)")
         if (gc.min_length or 0) > 0 or (gc.min_new_tokens or 0) > 0:
             return "min_length / min_new_tokens (their logits processor depends on each position's length)"
+        if getattr(gc, "repetition_penalty", None) not in (None, 1.0):
+            return "repetition_penalty (each verified position's penalty depends on the drafts before it)"
         eos = gc.eos_token_id
         if eos is not None and not isinstance(eos, int) and len(eos) > 8:
             return "more than 8 EOS ids"

@@ -209,7 +209,8 @@ class _BanToken(LogitsProcessor):
 FALLBACKS = {
     # name -> (generate options, logged reason)
     "beams": (dict(num_beams=2), "generate keeps transformers' cache: beam search"),
-    "repetition_penalty": (dict(repetition_penalty=1.3), "not used: generation option repetition_penalty=1.3"),
+    # (a left-padded batch: transformers versions differ on whether padding counts as seen tokens)
+    "repetition_penalty": (dict(repetition_penalty=1.3), "not used: repetition_penalty with a padded batch"),
     "no_repeat_ngram": (dict(no_repeat_ngram_size=2), "not used: generation option no_repeat_ngram_size=2"),
     "logits_processor": (dict(logits_processor=LogitsProcessorList([_BanToken()])),
                          "not used: unsupported generate arguments: logits_processor"),
@@ -249,6 +250,32 @@ def test_fallback_gives_stock_tokens_and_logs_why(name, tiny, hf_log, decode_ste
         assert torch.equal(out, stock), f"{name}\nstock:\n{stock}\nours:\n{out}"
     assert _messages(hf_log, reason), [r.getMessage() for r in hf_log.records]
     assert not _messages(hf_log, FAST_MSG) and decode_steps == []
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_repetition_penalty_on_the_fast_path_matches_stock(do_sample, tiny, hf_log, decode_steps):
+    """Unpadded rows with repetition_penalty decode on the fast path (the penalty as transformers' processor,
+    first in the list), token-identical to stock: greedy, and sampling with the same seed."""
+    model = tiny.model("llama")
+    ids, _ = tiny.batch(seed=5, lengths=(9, 9))
+    mask = torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=10, eos_token_id=None, repetition_penalty=1.8)
+    if do_sample:
+        kwargs.update(do_sample=True, top_k=8, temperature=0.9)
+
+    def run(m):
+        torch.manual_seed(0)
+        return _generate(m, ids, mask, tiny.PAD, **kwargs)
+
+    stock = run(model)
+    ours = _accelerated(model)
+    out = run(ours)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    assert _messages(hf_log, FAST_MSG) and decode_steps
+    # the penalty changed the answer: the call without it differs
+    torch.manual_seed(0)
+    no_penalty = _generate(model, ids, mask, tiny.PAD, **{**kwargs, "repetition_penalty": 1.0})
+    assert not torch.equal(no_penalty, stock)
 
 
 # --- streamers ---------------------------------------------------------------------------------------------

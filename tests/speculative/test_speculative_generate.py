@@ -252,6 +252,22 @@ def test_min_new_tokens_falls_back_to_the_plain_fast_path(tiny, hf_log):
     assert speculative_stats(ours) is None
 
 
+def test_repetition_penalty_falls_back_to_the_plain_fast_path(tiny, hf_log):
+    """The speculative rounds do not apply a repetition penalty: such a call decodes on the plain fast path
+    (unpadded rows), with the penalty, token-identical to stock."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ids, mask = ids[mask.all(dim=1)], mask[mask.all(dim=1)]
+    assert ids.shape[0] >= 1
+    stock = greedy(model, ids, mask, tiny.PAD, eos_token_id=None, repetition_penalty=1.5)
+    ours = accelerate_model(copy.deepcopy(model), speculative="prompt_lookup")
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, repetition_penalty=1.5), stock)
+    assert _messages(hf_log, "speculative decoding not used: repetition_penalty")
+    assert _messages(hf_log, "generate runs the fast decode path")
+    assert speculative_stats(ours) is None
+    assert not torch.equal(stock, greedy(model, ids, mask, tiny.PAD, eos_token_id=None))
+
+
 class _Recorder(BaseStreamer):
     def __init__(self):
         self.puts, self.ends = [], 0
