@@ -26,11 +26,9 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
-from study_prompt_lookup import _hits, commit_count  # noqa: E402
+from study_prompt_lookup import _hits, replay  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "results" / "study_prompt_lookup-cpu-20261201.json"
 CATEGORIES = ("grounded-text", "grounded-code", "open-ended")
@@ -44,37 +42,42 @@ def _accept(drafts, out) -> int:
     return m
 
 
-def replay(prompt, cont, policy: str, max_ngram: int) -> tuple[int, int]:
-    """(verify steps, accepted drafts) of one row."""
-    p = len(prompt)
-    row = np.array(prompt + cont, dtype=np.int64)
-    length, remaining = p + 1, MAX_NEW - 1
-    active = remaining > 0 and cont[0] not in EOS
-    steps = accepted = 0
-    prefer, pointer = "first", None
-    while active:
-        seq = row[:length]
+class _Proposer:
+    """One row's drafts under ``policy``, called as ``study_prompt_lookup.replay`` calls a proposer:
+    ``(row, length, prompt_len, k)``. ``row`` holds the target's whole greedy continuation, so the tokens a
+    step will see (``row[length:]``) are known to the policies that use them (``winner`` after the fact,
+    ``best2`` as a bound), and the previous step's accepted count is read back from the committed tokens."""
+
+    def __init__(self, policy: str, max_ngram: int):
+        self.policy, self.max_ngram = policy, max_ngram
+        self.prefer, self.last = "first", None  # last: (start, drafts, length) of the previous step
+
+    def __call__(self, row, length, p, k):
+        policy, seq = self.policy, row[:length]
+        pointer = None
+        if self.last is not None and self.last[0] is not None:
+            start0, drafts0, length0 = self.last
+            pointer = start0 + _accept(drafts0, row[length0:].tolist())
         n, hits = 0, None
-        for nn in range(max_ngram, 0, -1):
+        for nn in range(self.max_ngram, 0, -1):
             h = _hits(seq, length, nn)
             if h.size:
                 n, hits = nn, h
                 break
-        j = length - p
-        out = cont[j: j + K + 1]
+        out = row[length: length + k + 1].tolist()
         start = None
         if hits is not None:
             first, last = int(hits[0]) + n, int(hits[-1]) + n
-            d_first, d_last = row[first: min(first + K, length)].tolist(), row[last: min(last + K, length)].tolist()
+            d_first, d_last = row[first: min(first + k, length)].tolist(), row[last: min(last + k, length)].tolist()
             start = first
             if policy == "last":
                 start = last
             elif policy == "out_last":
                 start = last if int(hits[-1]) >= p else first
             elif policy == "winner":
-                start = first if prefer == "first" else last
+                start = first if self.prefer == "first" else last
                 if d_first != d_last and _accept(d_first, out) != _accept(d_last, out):
-                    prefer = "first" if _accept(d_first, out) > _accept(d_last, out) else "last"
+                    self.prefer = "first" if _accept(d_first, out) > _accept(d_last, out) else "last"
             elif policy == "best2":
                 start = first if _accept(d_first, out) >= _accept(d_last, out) else last
         if policy.startswith("pointer") and pointer is not None and n < 2:
@@ -83,16 +86,9 @@ def replay(prompt, cont, policy: str, max_ngram: int) -> tuple[int, int]:
                 start = pointer + 2
             elif policy == "pointer_sub" and pointer + 1 < length - 1:
                 start = pointer + 1
-        drafts = row[start: min(start + K, length)].tolist() if start is not None else []
-        m = _accept(drafts, out)
-        pointer = start + m if start is not None else None
-        count, finished = commit_count(out, m, remaining, EOS)
-        length += count
-        remaining -= count
-        active = not finished and remaining > 0
-        steps += 1
-        accepted += m
-    return steps, accepted
+        drafts = row[start: min(start + k, length)].tolist() if start is not None else []
+        self.last = (start, drafts, length)
+        return drafts
 
 
 def main() -> int:
@@ -105,9 +101,9 @@ def main() -> int:
                 steps = acc = 0
                 for i in range(8):
                     c = data[f"{cat}/{i}"]
-                    s, a = replay(c["prompt"], c["continuation"], policy, max_ngram)
-                    steps += s
-                    acc += a
+                    r = replay(c["prompt"], c["continuation"], MAX_NEW, EOS, K, _Proposer(policy, max_ngram))
+                    steps += r["verify_steps"]
+                    acc += r["accepted"]
                 tps = (acc + steps) / steps
                 rows.append({"bench": "study_copy_positions", "provider": policy,
                              "shape": {"model": "smollm2-135m-instruct", "dtype": "float32", "category": cat, "bs": 1,
