@@ -99,7 +99,7 @@ def call_inputs(gc, model_kwargs, input_ids):
     return attention_mask.to(input_ids.device), eos_list, pad
 
 
-def _repetition_penalty(gc) -> float | None:
+def repetition_penalty(gc) -> float | None:
     """The call's repetition penalty (CTRL, Keskar et al. 2019, §4.1), or None when it is off (None or 1.0)."""
     penalty = getattr(gc, "repetition_penalty", None)
     return None if penalty is None or penalty == 1.0 else float(penalty)
@@ -262,7 +262,7 @@ class FastEngine:
             return "right-padded batch (decoder-only models need padding_side='left')"
         if self._max_new(gc, ids.shape[1]) <= 0:
             return "the prompt is not shorter than max_length"  # transformers raises its own error
-        if _repetition_penalty(gc) is not None and not bool(call_inputs(gc, model_kwargs, ids)[0].bool().all()):
+        if repetition_penalty(gc) is not None and not bool(call_inputs(gc, model_kwargs, ids)[0].bool().all()):
             # transformers 5.x versions differ on whether left padding counts as seen tokens (pad = EOS often)
             return "repetition_penalty with a padded batch"
         sw = getattr(self.model.config, "sliding_window", None)
@@ -481,8 +481,8 @@ class FastEngine:
         eos_t = torch.tensor(eos_list, dtype=torch.long, device=model.device)
 
         processors = LogitsProcessorList()
-        if _repetition_penalty(gc) is not None:  # first, as in transformers' processor list
-            processors.append(RepetitionPenaltyLogitsProcessor(_repetition_penalty(gc)))
+        if repetition_penalty(gc) is not None:  # first, as in transformers' processor list
+            processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty(gc)))
         if eos_list and (gc.min_length or 0) > 0:
             processors.append(MinLengthLogitsProcessor(gc.min_length, eos_t, device=model.device))
         if eos_list and (gc.min_new_tokens or 0) > 0:

@@ -42,14 +42,14 @@ import torch
 
 from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
-from hf_accel.engine.fast_generate import call_inputs, sampling_warpers
+from hf_accel.engine.fast_generate import call_inputs, repetition_penalty, sampling_warpers
 from hf_accel.engine.graphs import capture as capture_graph
-from hf_accel.speculative.config import SpeculativeConfig
-from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.kernels.argmax import argmax_rows, scratch_for
-from hf_accel.kernels.verify_inputs import verify_inputs, verify_inputs_ref
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
                                             TOTALS_SIZE, commit_tokens, commit_tokens_ref)
+from hf_accel.kernels.verify_inputs import verify_inputs, verify_inputs_ref
+from hf_accel.speculative.config import SpeculativeConfig
+from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.speculative.verify import rejection_sample, sample
 from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates
 
@@ -178,7 +178,7 @@ class SpeculativeEngine:
                     "row; a streamer takes one token per row at a time)")
         if (gc.min_length or 0) > 0 or (gc.min_new_tokens or 0) > 0:
             return "min_length / min_new_tokens (their logits processor depends on each position's length)"
-        if getattr(gc, "repetition_penalty", None) not in (None, 1.0):
+        if repetition_penalty(gc) is not None:
             return "repetition_penalty (each verified position's penalty depends on the drafts before it)"
         eos = gc.eos_token_id
         if eos is not None and not isinstance(eos, int) and len(eos) > 8:
@@ -209,7 +209,6 @@ class SpeculativeEngine:
     def _round(self, k: int, st: _State, ctx) -> None:
         """Draft ``k`` tokens, verify, commit (updates ``st``; device work only)."""
         b = st.lengths.shape[0]
-        dev = st.tokens.device
         inputs = verify_inputs if ctx["kernels"] and VERIFY_INPUTS_KERNEL else verify_inputs_ref
         draft_probs = None
         if k == 0:  # plain round; a draft model's cache lags until _catch_up_draft
