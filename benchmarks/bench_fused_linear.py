@@ -23,7 +23,11 @@ sweep's grid.
   tile (the last program to arrive reduces; arrival counters shared by the calls) and with / without the
   weight preload before the PDL wait; per kind and for the whole layer.
 
-    python benchmarks/bench_fused_linear.py [--quick | --split]
+* ``whole-k`` (``--whole-k``): with PDL, the K-loop kernel (default tiles) vs its whole-K path (``whole_k``:
+  all weight columns of a program loaded before the PDL wait) at several output tiles / warps, and at one
+  row the GEMV of the batch-1 step; per kind and for the whole layer.
+
+    python benchmarks/bench_fused_linear.py [--quick | --split | --whole-k]
     python benchmarks/bench_fused_linear.py --pdl --models smollm2-135m --rows 2,16 --grid 16,32:64,128,256:1,2,4:2,3
 """
 
@@ -101,9 +105,12 @@ def main():
     ap.add_argument("--split", action="store_true", help="split-K / PDL / preload variants at default tiles")
     ap.add_argument("--pdl", action="store_true", help="launch every fused call with PDL, as the decode step does")
     ap.add_argument("--grid", default=None, help="tiling grid 'BLOCK_N,..:BLOCK_K,..:WARPS,..:STAGES,..'")
+    ap.add_argument("--whole-k", action="store_true", help="K loop vs whole-K path (and the GEMV at one row)")
     args = ap.parse_args()
     if args.split:
         return split_main(args)
+    if args.whole_k:
+        return whole_k_main(args)
     if args.grid:
         grid = list(itertools.product(*[[int(v) for v in part.split(",")] for part in args.grid.split(":")]))
     elif args.quick:
@@ -227,6 +234,92 @@ def split_main(args):
                 summary.append(line)
                 print(line, flush=True)
     write_results("bench_fused_linear-split", results)
+    print("\n".join(summary))
+
+
+#: Whole-K variants of ``--whole-k``: (name, fused_linear options).
+WHOLE_K_VARIANTS = [("loop", {}), ("whole-n16-w2", dict(whole_k=True, num_warps=2)),
+                    ("whole-n16-w4", dict(whole_k=True, num_warps=4)), ("whole-n16-w8", dict(whole_k=True, num_warps=8)),
+                    ("whole-n16", dict(whole_k=True)), ("whole-n32-w4", dict(whole_k=True, block_n=32, num_warps=4)),
+                    ("whole-n64-w4", dict(whole_k=True, block_n=64, num_warps=4))]
+
+
+def _gemv_kind(kind, w, lm, x, r, o_in, a_in):
+    """The one-row GEMV call of a ``_kinds`` entry (as the batch-1 step makes it, with PDL)."""
+    from hf_accel.kernels.gemv import gemv
+
+    name = kind[0]
+    if name == "qkv_norm":
+        return gemv(x, w["qkv"], norm_weight=w["n1"], residual=r, pdl=True)
+    if name == "o":
+        return gemv(o_in, w["o"], pdl=True)
+    if name == "gate_up_norm_swiglu":
+        return gemv(x, w["gate_up"], norm_weight=w["n2"], residual=r, swiglu=True, pdl=True)
+    if name == "down":
+        return gemv(a_in, w["down"], pdl=True)
+    return gemv(x, lm["w"], norm_weight=lm["n"], residual=r, out_dtype=torch.float32, pdl=True)
+
+
+def whole_k_main(args):
+    results, summary = [], []
+    models = args.models.split(",") if args.models != ",".join(MODELS) else ["smollm2-135m"]
+    rows_list = [int(v) for v in args.rows.split(",")] if args.rows != "1,8,16,32" else [1, 2, 4, 8, 16]
+    for model in models:
+        cfg = MODELS[model]
+        ws, lm = _weights(cfg, cfg["copies"]), _lm_head(cfg)
+        for rows in rows_list:
+            shape = dict(model=model, rows=rows, dtype="bfloat16")
+            kinds = _kinds(cfg, rows, ws, lm)
+            g_in = None
+            if rows == 1:
+                torch.manual_seed(0)
+                h = cfg["hidden"]
+                g_in = (torch.randn(1, h, device="cuda", dtype=torch.bfloat16),
+                        torch.randn(1, h, device="cuda", dtype=torch.bfloat16),
+                        torch.randn(1, cfg["q"], device="cuda", dtype=torch.bfloat16),
+                        torch.randn(1, cfg["inter"], device="cuda", dtype=torch.bfloat16))
+            variants = list(WHOLE_K_VARIANTS) + ([("gemv", None)] if rows == 1 else [])
+            layer_calls = {}
+            for name, v in variants:
+                line = f"{model:14s} rows {rows:3d} {name:14s}"
+                per_kind = []
+                for kind in kinds:
+                    sets = [ws[0]] if kind[3] == "lm" else ws
+                    if v is None:
+                        call = (lambda kind: lambda w: _gemv_kind(kind, w, lm, *g_in))(kind)
+                        ref = None
+                    else:
+                        opts = dict(v, pdl=True)
+                        call = (lambda kind, opts: lambda w: kind[1](w, opts))(kind, opts)
+                        ref = kind[2](sets[0])
+                    try:
+                        got = call(sets[0])
+                    except ValueError as e:  # e.g. a block_n that does not fit: record and go on
+                        results.append(dict(bench="fused_linear", provider=f"whole-k-{name}",
+                                            shape={**shape, "kind": kind[0]}, metric="error", unit="text",
+                                            value=str(e)[:200]))
+                        line += f" {kind[0][:7]} {'-':>6s}"
+                        per_kind.append(None)
+                        continue
+                    got = got[0] if isinstance(got, tuple) else got
+                    err = None
+                    if ref is not None:
+                        err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    t = graph_replay_us(lambda: [call(w) for w in sets], len(sets))
+                    results.append(dict(bench="fused_linear", provider=f"whole-k-{name}",
+                                        shape={**shape, "kind": kind[0]}, metric="latency", unit="us", value=t,
+                                        rel_err=err))
+                    line += f" {kind[0][:7]} {t:6.2f}"
+                    per_kind.append(call)
+                if all(c is not None for c in per_kind[:4]):
+                    layer_calls[name] = per_kind[:4]
+                    t = graph_replay_us(lambda: [c(w) for w in ws for c in per_kind[:4]], len(ws))
+                    results.append(dict(bench="fused_linear", provider=f"whole-k-{name}",
+                                        shape={**shape, "kind": "layer"}, metric="latency", unit="us", value=t))
+                    line += f"  LAYER {t:6.2f}"
+                summary.append(line)
+                print(line, flush=True)
+    write_results("bench_fused_linear-whole-k", results)
     print("\n".join(summary))
 
 

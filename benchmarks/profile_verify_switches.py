@@ -38,6 +38,11 @@ VARIANTS = {
     "preload+overlap": {"FUSED_LINEAR_PRELOAD": True, "MULTI_ROW_ATTENTION_OVERLAP": True},
     "preload+overlap+small_tiles": {"FUSED_LINEAR_PRELOAD": True, "MULTI_ROW_ATTENTION_OVERLAP": True,
                                     "FUSED_LINEAR_SMALL_TILES": True},
+    "whole_k": {"FUSED_LINEAR_WHOLE_K": True},
+    "lm_head": {"FUSED_LINEAR_LM_HEAD": True},
+    "whole_k+lm_head": {"FUSED_LINEAR_WHOLE_K": True, "FUSED_LINEAR_LM_HEAD": True},
+    "whole_k+lm_head+overlap": {"FUSED_LINEAR_WHOLE_K": True, "FUSED_LINEAR_LM_HEAD": True,
+                                "MULTI_ROW_ATTENTION_OVERLAP": True},
 }
 
 #: The projections of a SmolLM2 layer as fused_linear's tile function sees them: (norm, swiglu, k, n).
@@ -57,7 +62,7 @@ def build():
         step16.cache_lens[:16] = PROMPT
         ids = ids16[:1]
         verify = {}
-        for q in (2, 16):  # batch 1 on the first row's blocks
+        for q in (1, 2, 16):  # batch 1 on the first row's blocks (q 1: the one-row GEMV step)
             v = fast._step_for(1, step16.max_blocks, q_len=q)
             v.input_ids.copy_(ids[:, :q])
             v.position_ids.copy_(torch.arange(PROMPT, PROMPT + q, device="cuda")[None])
@@ -65,7 +70,8 @@ def build():
             v.block_table.copy_(step16.block_table[: v.block_table.shape[0]])
             v.key_mask.copy_(step16.key_mask[: v.key_mask.shape[0]])
             verify[q] = v
-    return {"verify_q2": verify[2]._forward, "verify_q16": verify[16]._forward, "bs16_step": step16._forward}
+    return {"plain_q1": verify[1]._forward, "verify_q2": verify[2]._forward, "verify_q16": verify[16]._forward,
+            "bs16_step": step16._forward}
 
 
 def measure(fns: dict, reps: int = 2) -> dict:

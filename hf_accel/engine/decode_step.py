@@ -34,7 +34,7 @@ import triton
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.kernels.argmax import greedy_tail, scratch_for
 from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
-from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope, split_k_for
+from hf_accel.kernels.fused_linear import WHOLE_K_MAX, fused_linear, fused_linear_rope, split_k_for
 from hf_accel.kernels.gemv import gemv, gemv_rope
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
@@ -206,6 +206,17 @@ FUSED_LINEAR_PRELOAD = False
 #: the run above 16 tokens 0.881 ms, 2 tokens 0.767, bs16 0.954 (defaults 0.835 / 0.791 / 0.890); with
 #: :data:`FUSED_LINEAR_PRELOAD` as well 0.860 / 0.739 / 0.922.
 MULTI_ROW_ATTENTION_OVERLAP = False
+
+#: The step's fused_linear / fused_linear_rope calls (2-16 rows) take the whole-K path (``whole_k`` of
+#: :func:`~hf_accel.kernels.fused_linear.fused_linear`): each program loads its weight rows over all input
+#: columns before its PDL wait, then the input rows once, as the one-row GEMV does, instead of a K loop whose
+#: every tile is a memory round trip after the wait. Inputs wider than
+#: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX` keep the loop.
+FUSED_LINEAR_WHOLE_K = False
+
+#: Steps of 2-16 token rows run the final norm + LM head as one fused_linear call (norm fused in, float32 out;
+#: the whole-K path with :data:`FUSED_LINEAR_WHOLE_K`) instead of the RMSNorm kernel + cuBLAS.
+FUSED_LINEAR_LM_HEAD = False
 
 #: The in-graph greedy loop's pick + bookkeeping (argmax, pad for finished rows, token write, EOS check,
 #: next-step inputs, counters) runs as one :func:`~hf_accel.kernels.argmax.greedy_tail` launch on CUDA
@@ -409,7 +420,8 @@ class DecodeStep:
             rope_linear = functools.partial(gemv_rope, preload_tiles=GEMV_PRELOAD_TILES, norm_k=GEMV_NORM_K)
         elif small and FUSED_LINEAR_ROPE and (d // 2) % 16 == 0:
             rope_linear = functools.partial(fused_linear_rope, small_tiles=FUSED_LINEAR_SMALL_TILES,
-                                            preload=FUSED_LINEAR_PRELOAD)
+                                            preload=FUSED_LINEAR_PRELOAD,
+                                            whole_k=FUSED_LINEAR_WHOLE_K and hidden.shape[1] <= WHOLE_K_MAX)
         pdl = DECODE_PDL
         overlap = pdl and ATTENTION_PDL and (one_row or (MULTI_ROW_ATTENTION_OVERLAP and rope_linear is not None))
         attn_kw = {"merge_counters": self.merge_counters if FUSED_MERGE else None,
@@ -493,6 +505,12 @@ class DecodeStep:
                 logits = self._gemv(hidden, model.lm_head.weight, bias=model.lm_head.bias, out_dtype=torch.float32,
                                     pdl=pdl)
             return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
+        if small and FUSED_LINEAR_LM_HEAD and type(model.lm_head) is torch.nn.Linear:
+            # Final residual add + RMSNorm + LM head in one kernel; logits rounded to the dtype, then float32.
+            logits, _ = self._split_linear(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
+                                           norm_weight=norm.weight, eps=norm.variance_epsilon,
+                                           residual=residual.contiguous(), out_dtype=torch.float32, pdl=pdl)
+            return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
         hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
         logits = model.lm_head(hidden).float()
         return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
@@ -509,6 +527,8 @@ class DecodeStep:
         if FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM > 0:
             split = split_k_for(weight.shape[0] // (2 if kw.get("swiglu") else 1), weight.shape[1],
                                 FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM * self.sms)
+        if FUSED_LINEAR_WHOLE_K and weight.shape[1] <= WHOLE_K_MAX:
+            return fused_linear(x, weight, whole_k=True, **kw)
         return fused_linear(x, weight, split_k=split, counters=self.linear_counters, norm_k=FUSED_LINEAR_NORM_K,
                             small_tiles=FUSED_LINEAR_SMALL_TILES, preload=FUSED_LINEAR_PRELOAD or None, **kw)
 

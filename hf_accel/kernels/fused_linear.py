@@ -123,6 +123,77 @@ def _rope_epilogue2d(lo, hi, Bias, Y, Cos, Sin, KCache, VCache, SlotMapping, row
 
 
 @triton.jit
+def _load_row_chunk(x_rows, r_rows, offs_k, xm, dt, RESIDUAL: tl.constexpr):
+    """Input rows' columns ``offs_k`` (after the residual add, rounded to the model dtype)."""
+    x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+    if RESIDUAL:
+        r = tl.load(r_rows + offs_k[None, :], mask=xm, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+    return x
+
+
+@triton.jit
+def _normed(x, NormW, offs_k, k_ok, rstd, dt):
+    """transformers' RMSNorm rounding of summed input columns ``offs_k``: weight * (x * rstd)."""
+    nw = tl.load(NormW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    return (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K, up_offset, stride_wn, stride_rom,
+                      eps, store_sum, dt, NORM: tl.constexpr, RESIDUAL: tl.constexpr, TWO: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
+                      IEEE_DOT: tl.constexpr, PDL: tl.constexpr):
+    """The whole-K path of :func:`_fused_linear_kernel`: the program's weights, all of K as two power-of-two
+    column chunks ``[0, BLOCK_K)`` (full) and ``[BLOCK_K, BLOCK_K + BLOCK_K2)`` (masked past K; none when
+    BLOCK_K2 is 0), are loaded before the PDL wait; after it one load of the input rows feeds the norm and
+    both products. No loop: one memory round trip after the wait. Returns the float32 products with the
+    weight rows and (``TWO``) with the rows ``up_offset`` further on."""
+    offs_a = tl.arange(0, BLOCK_K)
+    wa = tl.load(w_rows + offs_a[None, :], mask=n_ok[:, None], other=0.0)
+    if TWO:
+        wua = tl.load(w_rows + up_offset * stride_wn + offs_a[None, :], mask=n_ok[:, None], other=0.0)
+    if BLOCK_K2 > 0:
+        offs_b = BLOCK_K + tl.arange(0, BLOCK_K2)
+        kb_ok = offs_b < K
+        wmb = n_ok[:, None] & kb_ok[None, :]
+        wb = tl.load(w_rows + offs_b[None, :], mask=wmb, other=0.0)
+        if TWO:
+            wub = tl.load(w_rows + up_offset * stride_wn + offs_b[None, :], mask=wmb, other=0.0)
+    if PDL:
+        gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
+    xa = _load_row_chunk(x_rows, r_rows, offs_a, row_ok[:, None], dt, RESIDUAL)
+    if BLOCK_K2 > 0:
+        xmb = row_ok[:, None] & kb_ok[None, :]
+        xb = _load_row_chunk(x_rows, r_rows, offs_b, xmb, dt, RESIDUAL)
+    if RESIDUAL:
+        if store_sum:
+            r_out = ROut + rows[:, None].to(tl.int64) * stride_rom
+            tl.store(r_out + offs_a[None, :], xa, mask=row_ok[:, None])
+            if BLOCK_K2 > 0:
+                tl.store(r_out + offs_b[None, :], xb, mask=xmb)
+    if NORM:
+        xf = xa.to(tl.float32)
+        ss = tl.sum(xf * xf, 1)
+        if BLOCK_K2 > 0:
+            xbf = xb.to(tl.float32)
+            ss += tl.sum(xbf * xbf, 1)
+        rstd = tl.rsqrt(ss / K + eps)
+        xa = _normed(xa, NormW, offs_a, offs_a < K, rstd, dt)
+        if BLOCK_K2 > 0:
+            xb = _normed(xb, NormW, offs_b, kb_ok, rstd, dt)
+    acc = _dot_t(xa, wa, IEEE_DOT)
+    acc_up = tl.zeros_like(acc)
+    if TWO:
+        acc_up = _dot_t(xa, wua, IEEE_DOT)
+    if BLOCK_K2 > 0:
+        acc += _dot_t(xb, wb, IEEE_DOT)
+        if TWO:
+            acc_up += _dot_t(xb, wub, IEEE_DOT)
+    return acc, acc_up
+
+
+@triton.jit
 def _fused_linear_kernel(
     X, R, NormW, W, Bias, Y, ROut, Part, Counters,
     Cos, Sin, KCache, VCache, SlotMapping,
@@ -144,6 +215,8 @@ def _fused_linear_kernel(
     PRELOAD: tl.constexpr,
     NORM_K: tl.constexpr,
     ROPE: tl.constexpr,
+    WHOLE_K: tl.constexpr = False,
+    BLOCK_K2: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -167,86 +240,97 @@ def _fused_linear_kernel(
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if PDL:
         gdc_launch_dependents()
-    if PRELOAD:
-        # The first weight tile(s) of this program's K range before waiting: no kernel writes weights.
-        offs_k0 = k_lo + tl.arange(0, BLOCK_K)
-        wm0 = n_ok[:, None] & (offs_k0[None, :] < k_hi)
-        w0 = tl.load(w_rows + offs_k0[None, :], mask=wm0, other=0.0)
-        if SWIGLU or ROPE:
-            wu0 = tl.load(w_rows + up_offset * stride_wn + offs_k0[None, :], mask=wm0, other=0.0)
-    if PDL:
-        gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
-
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        # Pass 1: mean square of each row over the whole K (of x + residual when given, rounded first).
-        # NORM_K columns per step: the steps' loads wait on one another (an L2 round trip each)
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, NORM_K):
-            offs_k = k0 + tl.arange(0, NORM_K)
-            xm = row_ok[:, None] & (offs_k[None, :] < K)
-            x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
-            if RESIDUAL:
-                r = tl.load(r_rows + offs_k[None, :], mask=xm, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-                if (pid_n == 0) & (pid_k == 0):
-                    tl.store(ROut + rows[:, None].to(tl.int64) * stride_rom + offs_k[None, :], x, mask=xm)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-        rstd = tl.rsqrt(ss / K + eps)
-
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    first = k_lo
-    if PRELOAD:
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < k_hi
-        x = _x_tile2d(x_rows, r_rows, NormW, offs_k, row_ok[:, None] & k_ok[None, :], k_ok, rstd, dt, NORM, RESIDUAL)
-        acc += _dot_t(x, w0, IEEE_DOT)
-        if SWIGLU or ROPE:
-            acc_up += _dot_t(x, wu0, IEEE_DOT)
-        first = k_lo + BLOCK_K
-    for k0 in range(first, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < k_hi
-        if EVEN_K:
-            xm = row_ok[:, None]
-            wm = n_ok[:, None]
+    if WHOLE_K:
+        acc, acc_up = _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K, up_offset,
+                                        stride_wn, stride_rom, eps, pid_n == 0, dt, NORM, RESIDUAL,
+                                        SWIGLU or ROPE, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT, PDL)
+        if ROPE:
+            _rope_epilogue2d(acc, acc_up, Bias, Y, Cos, Sin, KCache, VCache, SlotMapping, rows, row_ok, head, lane,
+                             dt, stride_ym, stride_cm, num_heads, num_kv_heads, head_dim, block_size, stride_kcb,
+                             stride_kcs, stride_kch, HAS_BIAS)
         else:
-            xm = row_ok[:, None] & k_ok[None, :]
-            wm = n_ok[:, None] & k_ok[None, :]
-        x = _x_tile2d(x_rows, r_rows, NormW, offs_k, xm, k_ok, rstd, dt, NORM, RESIDUAL)
-        w = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)
-        acc += _dot_t(x, w, IEEE_DOT)
-        if SWIGLU or ROPE:
-            wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=wm, other=0.0)
-            acc_up += _dot_t(x, wu, IEEE_DOT)
-
-    if SPLIT_K > 1:
-        # Split-K: each program stores its float32 partial sums; the last program of this output tile to
-        # arrive (atomic counter, acquire/release at GPU scope) adds them in split order (deterministic),
-        # resets the counter for the next launch and runs the epilogue.
-        tile = rows[:, None] * N + offs_n[None, :]
-        tmask = row_ok[:, None] & n_ok[None, :]
-        tl.store(Part + pid_k * (BLOCK_M * N) + tile, acc, mask=tmask)
-        if SWIGLU:
-            tl.store(Part + (SPLIT_K + pid_k) * (BLOCK_M * N) + tile, acc_up, mask=tmask)
-        if last_to_arrive(Counters + pid_n, SPLIT_K):
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # unrolled: every split's loads in flight at once
-                acc += tl.load(Part + s * (BLOCK_M * N) + tile, mask=tmask, other=0.0, cache_modifier=".cg")
-                if SWIGLU:
-                    acc_up += tl.load(Part + (SPLIT_K + s) * (BLOCK_M * N) + tile, mask=tmask, other=0.0,
-                                      cache_modifier=".cg")
-            reset_arrivals(Counters + pid_n)
             _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU, HAS_BIAS)
-    elif ROPE:
-        _rope_epilogue2d(acc, acc_up, Bias, Y, Cos, Sin, KCache, VCache, SlotMapping, rows, row_ok, head, lane, dt,
-                         stride_ym, stride_cm, num_heads, num_kv_heads, head_dim, block_size, stride_kcb, stride_kcs,
-                         stride_kch, HAS_BIAS)
     else:
-        _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU, HAS_BIAS)
+        if PRELOAD:
+            # The first weight tile(s) of this program's K range before waiting: no kernel writes weights.
+            offs_k0 = k_lo + tl.arange(0, BLOCK_K)
+            wm0 = n_ok[:, None] & (offs_k0[None, :] < k_hi)
+            w0 = tl.load(w_rows + offs_k0[None, :], mask=wm0, other=0.0)
+            if SWIGLU or ROPE:
+                wu0 = tl.load(w_rows + up_offset * stride_wn + offs_k0[None, :], mask=wm0, other=0.0)
+        if PDL:
+            gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
+
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORM:
+            # Pass 1: mean square of each row over the whole K (of x + residual when given, rounded first).
+            # NORM_K columns per step: the steps' loads wait on one another (an L2 round trip each)
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, NORM_K):
+                offs_k = k0 + tl.arange(0, NORM_K)
+                xm = row_ok[:, None] & (offs_k[None, :] < K)
+                x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
+                if RESIDUAL:
+                    r = tl.load(r_rows + offs_k[None, :], mask=xm, other=0.0)
+                    x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+                    if (pid_n == 0) & (pid_k == 0):
+                        tl.store(ROut + rows[:, None].to(tl.int64) * stride_rom + offs_k[None, :], x, mask=xm)
+                xf = x.to(tl.float32)
+                ss += tl.sum(xf * xf, 1)
+            rstd = tl.rsqrt(ss / K + eps)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        first = k_lo
+        if PRELOAD:
+            offs_k = k_lo + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_hi
+            x = _x_tile2d(x_rows, r_rows, NormW, offs_k, row_ok[:, None] & k_ok[None, :], k_ok, rstd, dt, NORM, RESIDUAL)
+            acc += _dot_t(x, w0, IEEE_DOT)
+            if SWIGLU or ROPE:
+                acc_up += _dot_t(x, wu0, IEEE_DOT)
+            first = k_lo + BLOCK_K
+        for k0 in range(first, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_hi
+            if EVEN_K:
+                xm = row_ok[:, None]
+                wm = n_ok[:, None]
+            else:
+                xm = row_ok[:, None] & k_ok[None, :]
+                wm = n_ok[:, None] & k_ok[None, :]
+            x = _x_tile2d(x_rows, r_rows, NormW, offs_k, xm, k_ok, rstd, dt, NORM, RESIDUAL)
+            w = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0)
+            acc += _dot_t(x, w, IEEE_DOT)
+            if SWIGLU or ROPE:
+                wu = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=wm, other=0.0)
+                acc_up += _dot_t(x, wu, IEEE_DOT)
+
+        if SPLIT_K > 1:
+            # Split-K: each program stores its float32 partial sums; the last program of this output tile to
+            # arrive (atomic counter, acquire/release at GPU scope) adds them in split order (deterministic),
+            # resets the counter for the next launch and runs the epilogue.
+            tile = rows[:, None] * N + offs_n[None, :]
+            tmask = row_ok[:, None] & n_ok[None, :]
+            tl.store(Part + pid_k * (BLOCK_M * N) + tile, acc, mask=tmask)
+            if SWIGLU:
+                tl.store(Part + (SPLIT_K + pid_k) * (BLOCK_M * N) + tile, acc_up, mask=tmask)
+            if last_to_arrive(Counters + pid_n, SPLIT_K):
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # unrolled: every split's loads in flight at once
+                    acc += tl.load(Part + s * (BLOCK_M * N) + tile, mask=tmask, other=0.0, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc_up += tl.load(Part + (SPLIT_K + s) * (BLOCK_M * N) + tile, mask=tmask, other=0.0,
+                                          cache_modifier=".cg")
+                reset_arrivals(Counters + pid_n)
+                _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU, HAS_BIAS)
+        elif ROPE:
+            _rope_epilogue2d(acc, acc_up, Bias, Y, Cos, Sin, KCache, VCache, SlotMapping, rows, row_ok, head, lane, dt,
+                             stride_ym, stride_cm, num_heads, num_kv_heads, head_dim, block_size, stride_kcb, stride_kcs,
+                             stride_kch, HAS_BIAS)
+        else:
+            _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU, HAS_BIAS)
 
 
 def check_linear_args(x, weight, bias, norm_weight, residual, swiglu) -> tuple[int, int, int]:
@@ -382,6 +466,32 @@ def _tiles(rows: int, n: int, k: int, norm: bool, swiglu: bool, block_n: int | N
     return block_m, block_n, block_k, num_warps, num_stages
 
 
+#: Widest input the whole-K path takes (``whole_k`` of :func:`fused_linear`): the program's weight rows and
+#: input rows sit in registers at once.
+WHOLE_K_MAX = 4096
+
+
+def _whole_k_tiles(k: int, block_n: int | None, num_warps: int | None) -> tuple[int, int, int, int, int]:
+    """``(block_n, block_k, block_k2, num_warps, num_stages)`` of the whole-K path (ValueError past
+    :data:`WHOLE_K_MAX`): 16 outputs per program, 4 warps (8 from 1024 columns up) unless given."""
+    if k > WHOLE_K_MAX:
+        raise ValueError(f"whole_k takes at most {WHOLE_K_MAX} input features, got {k}")
+    block_k, block_k2 = whole_k_chunks(k)
+    return (16 if block_n is None else block_n, block_k, block_k2,
+            (8 if k > 1024 else 4) if num_warps is None else num_warps, 1)
+
+
+def whole_k_chunks(k: int) -> tuple[int, int]:
+    """The two power-of-two column chunks ``(BLOCK_K, BLOCK_K2)`` the whole-K path covers ``k`` with: the
+    largest power of two <= k, then the next power of two >= the rest (0 when k is a power of two), each
+    at least 16 (tl.dot's smallest K). 576 -> (512, 64), 1536 -> (1024, 512), 4096 -> (4096, 0)."""
+    if k < 16:
+        return 16, 0
+    a = 1 << (k.bit_length() - 1)
+    rest = k - a
+    return a, (max(16, triton.next_power_of_2(rest)) if rest else 0)
+
+
 def split_k_for(out_features: int, k: int, target_programs: float, rows: int = 16) -> int:
     """A ``split_k`` for :func:`fused_linear` with default tiles: about ``target_programs`` programs in all,
     at least one K tile (``block_k`` columns) per program."""
@@ -410,6 +520,7 @@ def fused_linear(
     preload: bool | None = None,
     norm_k: int | None = None,
     small_tiles: bool = False,
+    whole_k: bool = False,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows, in one kernel.
 
@@ -444,6 +555,11 @@ def fused_linear(
             :data:`hf_accel.engine.decode_step.FUSED_LINEAR_NORM_K`).
         small_tiles: True = the small-layer tiles of :func:`_tiles` (faster alone, slower inside the decode
             step: see there).
+        whole_k: no K loop: each program loads its weight rows over all of ``hidden`` (two power-of-two
+            column chunks, :func:`whole_k_chunks`) before the PDL wait and the input rows once after it, so
+            only one memory round trip follows the wait (the one-row :func:`~.gemv.gemv` works the same way).
+            ``hidden`` <= :data:`WHOLE_K_MAX`; ``block_n`` default 16; not with ``split_k`` > 1; ``block_k``,
+            ``num_stages``, ``preload``, ``norm_k`` and ``small_tiles`` do not apply.
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -463,8 +579,14 @@ def fused_linear(
     r_out = torch.empty_like(x) if residual is not None else y
     if rows == 0:
         return (y, r_out) if residual is not None else y
+    given_n, given_warps = block_n, num_warps
     block_m, block_n, block_k, num_warps, num_stages = _tiles(rows, out_features, k, norm_weight is not None, swiglu,
                                                               block_n, block_k, num_warps, num_stages, small_tiles)
+    block_k2 = 0
+    if whole_k:
+        if split_k != 1:
+            raise ValueError("whole_k does not take split_k > 1")
+        block_n, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(k, given_n, given_warps)
     r_in = residual if residual is not None else x
     norm_k = _norm_k(norm_k, block_k)
     pdl = use_pdl(pdl, x)
@@ -496,6 +618,7 @@ def fused_linear(
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0 and k_per_split % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=split_k, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=False,
+        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (y, r_out) if residual is not None else y
@@ -540,6 +663,7 @@ def fused_linear_rope(
     norm_k: int | None = None,
     small_tiles: bool = False,
     preload: bool = False,
+    whole_k: bool = False,
 ):
     """The merged Q/K/V projection of a few token rows with RoPE and the cache write as its epilogue:
     :func:`fused_linear` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one
@@ -561,9 +685,9 @@ def fused_linear_rope(
             Slots must be below ``num_blocks * block_size``: a device tensor, not checked here (the decode
             step computes them from its block table).
         num_heads: query heads.
-        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload: as :func:`fused_linear`
-            (``preload`` default False); ``block_n`` (default the largest of 32 and 16 that divides it) must divide
-            ``head_dim / 2``.
+        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k: as
+            :func:`fused_linear` (``preload`` default False); ``block_n`` (default the largest of 32 and 16 that
+            divides it; 16 with ``whole_k``) must divide ``head_dim / 2``.
 
     Returns:
         rotated q [rows, num_heads * head_dim], or ``(q, x + residual)`` when ``residual`` is given.
@@ -578,14 +702,18 @@ def fused_linear_rope(
         raise ValueError(f"fused_linear_rope takes at most {MAX_ROWS} rows, got {rows}")
     if block_n is None:
         half = key_cache.shape[3] // 2 if key_cache.dim() == 4 else 0
-        block_n = 32 if half % 32 == 0 else 16
+        block_n = 16 if whole_k or half % 32 else 32
     _check_launch(num_warps, block_n, block_k, eps)
     num_kv_heads, head_dim = check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads,
                                              block_n)
     half = head_dim // 2
+    given_warps = num_warps
     # two products per program, as gate/up: the gate/up tiles (block_n given here)
     block_m, _, block_k, num_warps, num_stages = _tiles(rows, out_features, k, norm_weight is not None, True,
                                                         block_n, block_k, num_warps, num_stages, small_tiles)
+    block_k2 = 0
+    if whole_k:
+        _, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(k, block_n, given_warps)
     norm_k = _norm_k(norm_k, block_k)
     q = torch.empty(rows, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q
@@ -607,6 +735,7 @@ def fused_linear_rope(
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=1, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=True,
+        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (q, r_out) if residual is not None else q

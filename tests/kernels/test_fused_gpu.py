@@ -132,6 +132,15 @@ def test_fused_linear_bf16(rows, hidden, out, mode, split_k):
                        mode)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows,hidden,out", [(2, 576, 960), (16, 576, 3072), (16, 1536, 576), (5, 4096, 1024),
+                                             (16, 576, 49152)])
+def test_fused_linear_whole_k_bf16(rows, hidden, out, mode):
+    from hf_accel.kernels.fused_linear import fused_linear
+
+    _check_linear_bf16(lambda x, w, **kw: fused_linear(x, w, whole_k=True, pdl=True, **kw), rows, hidden, out, mode)
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("hidden,out", [(576, 960), (4096, 6144), (14336, 4096), (4096, 128256)])

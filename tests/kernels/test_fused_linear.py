@@ -167,12 +167,48 @@ def test_preloaded_first_tile_matches_reference_fp32(rows, hidden, block_k, mode
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,preload", [(1, False), (5, False), (16, False), (5, True)])
+@pytest.mark.parametrize("rows,hidden,out", [(1, 64, 48), (3, 96, 80), (16, 333, 40), (20, 576, 32), (2, 16, 16)])
+@pytest.mark.parametrize("mode", MODES)
+def test_whole_k_matches_reference_fp32(rows, hidden, out, mode):
+    """The whole-K path (no K loop): K a power of two (64: one chunk), 96 = 64 + 32, 333 = 256 + a masked
+    128-column chunk, 576 = 512 + 64; 20 rows take the 32-row tile; 48 / 80 / 40 outputs end in a partial
+    16-output tile."""
+    x, r, w, nw, b = linear_inputs(rows, hidden, out * (2 if "swiglu" in mode else 1), torch.float32, seed=hidden)
+    kw = linear_kwargs(mode, r, nw, b)
+    want = fused_linear_ref(x, w, **kw)
+    got = fused_linear(x, w, whole_k=True, **kw)
+    if "residual" in mode:
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        got, want = got[0], want[0]
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_k_chunks_and_bad_arguments():
+    from hf_accel.kernels.fused_linear import WHOLE_K_MAX, whole_k_chunks
+
+    assert [whole_k_chunks(k) for k in (576, 1536, 4096, 333, 40, 8)] == \
+        [(512, 64), (1024, 512), (4096, 0), (256, 128), (32, 16), (16, 0)]
+    for k in range(1, 300):
+        a, b = whole_k_chunks(k)
+        assert a + b >= k and a >= 16 and (b == 0 or b >= 16)
+    x, _, w, _, _ = linear_inputs(2, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match="split_k"):
+        fused_linear(x, w, whole_k=True, split_k=2)
+    xw, _, ww, _, _ = linear_inputs(1, WHOLE_K_MAX + 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="whole_k takes at most"):
+        fused_linear(xw, ww, whole_k=True)
+
+
+@pytest.mark.parametrize("rows,preload,whole_k", [(1, False, False), (5, False, False), (16, False, False),
+                                                  (5, True, False), (3, False, True), (16, False, True)])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden,bias", [(3, 1, 32, 96, False), (2, 1, 64, 80, True)])
-def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preload, heads, kv_heads, d, hidden, bias):
+def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preload, whole_k, heads, kv_heads, d,
+                                                                     hidden, bias):
     """Q/K/V projection of several rows with RoPE + cache write as its epilogue: fused_linear followed by
     rope_and_cache_ref; each row's K/V lands in its own slot (-1: none), the rest of the cache untouched.
-    With ``preload`` the first of several 16-column weight tiles is loaded before the PDL wait."""
+    With ``preload`` the first of several 16-column weight tiles is loaded before the PDL wait; with
+    ``whole_k`` all of K (96 = 64 + 32, 80 = 64 + a masked 16-column chunk) before it."""
     from hf_accel.kernels.fused_linear import fused_linear_rope
     from hf_accel.kernels.rope_cache import rope_and_cache_ref
 
@@ -190,7 +226,7 @@ def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preloa
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     want_q = rope_and_cache_ref(q, k, v, cos, sin, kc1, vc1, slots)
-    tiles = dict(block_k=16, preload=True) if preload else {}
+    tiles = dict(block_k=16, preload=True) if preload else ({"whole_k": True} if whole_k else {})
     got_q, got_res = fused_linear_rope(x, w, cos, sin, kc2, vc2, slots, heads, bias=b, norm_weight=nw, eps=1e-5,
                                        residual=r, **tiles)
     torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
