@@ -39,10 +39,7 @@ VARIANTS = {
     "preload+overlap+small_tiles": {"FUSED_LINEAR_PRELOAD": True, "MULTI_ROW_ATTENTION_OVERLAP": True,
                                     "FUSED_LINEAR_SMALL_TILES": True},
     "whole_k": {"FUSED_LINEAR_WHOLE_K": True},
-    "lm_head": {"FUSED_LINEAR_LM_HEAD": True},
-    "whole_k+lm_head": {"FUSED_LINEAR_WHOLE_K": True, "FUSED_LINEAR_LM_HEAD": True},
-    "whole_k+lm_head+overlap": {"FUSED_LINEAR_WHOLE_K": True, "FUSED_LINEAR_LM_HEAD": True,
-                                "MULTI_ROW_ATTENTION_OVERLAP": True},
+    "whole_k+overlap": {"FUSED_LINEAR_WHOLE_K": True, "MULTI_ROW_ATTENTION_OVERLAP": True},
 }
 
 #: The projections of a SmolLM2 layer as fused_linear's tile function sees them: (norm, swiglu, k, n).

@@ -214,10 +214,6 @@ MULTI_ROW_ATTENTION_OVERLAP = False
 #: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX` keep the loop.
 FUSED_LINEAR_WHOLE_K = False
 
-#: Steps of 2-16 token rows run the final norm + LM head as one fused_linear call (norm fused in, float32 out;
-#: the whole-K path with :data:`FUSED_LINEAR_WHOLE_K`) instead of the RMSNorm kernel + cuBLAS.
-FUSED_LINEAR_LM_HEAD = False
-
 #: The in-graph greedy loop's pick + bookkeeping (argmax, pad for finished rows, token write, EOS check,
 #: next-step inputs, counters) runs as one :func:`~hf_accel.kernels.argmax.greedy_tail` launch on CUDA
 #: instead of ~10 PyTorch kernels (``torch.argmax`` of a 49k-entry row alone is a multi-block reduction).
@@ -504,12 +500,6 @@ class DecodeStep:
                 hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
                 logits = self._gemv(hidden, model.lm_head.weight, bias=model.lm_head.bias, out_dtype=torch.float32,
                                     pdl=pdl)
-            return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
-        if small and FUSED_LINEAR_LM_HEAD and type(model.lm_head) is torch.nn.Linear:
-            # Final residual add + RMSNorm + LM head in one kernel; logits rounded to the dtype, then float32.
-            logits, _ = self._split_linear(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
-                                           norm_weight=norm.weight, eps=norm.variance_epsilon,
-                                           residual=residual.contiguous(), out_dtype=torch.float32, pdl=pdl)
             return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
         hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
         logits = model.lm_head(hidden).float()

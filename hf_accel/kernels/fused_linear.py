@@ -473,12 +473,14 @@ WHOLE_K_MAX = 4096
 
 def _whole_k_tiles(k: int, block_n: int | None, num_warps: int | None) -> tuple[int, int, int, int, int]:
     """``(block_n, block_k, block_k2, num_warps, num_stages)`` of the whole-K path (ValueError past
-    :data:`WHOLE_K_MAX`): 16 outputs per program, 4 warps (8 from 1024 columns up) unless given."""
+    :data:`WHOLE_K_MAX`): 32 outputs per program and 4 warps unless given. H200, bf16, SmolLM2 shapes, 30
+    layers' weights in one graph, with PDL (``bench_fused_linear-whole-k-20261202-0c90d5b.json``): a layer's
+    four matmuls at 16 rows 13.2 us with these tiles vs 21.7 with 16 outputs per program (down 3.8 vs 9.3 us)
+    and 22.6 with the K loop; 64 outputs 19.5."""
     if k > WHOLE_K_MAX:
         raise ValueError(f"whole_k takes at most {WHOLE_K_MAX} input features, got {k}")
     block_k, block_k2 = whole_k_chunks(k)
-    return (16 if block_n is None else block_n, block_k, block_k2,
-            (8 if k > 1024 else 4) if num_warps is None else num_warps, 1)
+    return (32 if block_n is None else block_n, block_k, block_k2, 4 if num_warps is None else num_warps, 1)
 
 
 def whole_k_chunks(k: int) -> tuple[int, int]:
@@ -558,7 +560,7 @@ def fused_linear(
         whole_k: no K loop: each program loads its weight rows over all of ``hidden`` (two power-of-two
             column chunks, :func:`whole_k_chunks`) before the PDL wait and the input rows once after it, so
             only one memory round trip follows the wait (the one-row :func:`~.gemv.gemv` works the same way).
-            ``hidden`` <= :data:`WHOLE_K_MAX`; ``block_n`` default 16; not with ``split_k`` > 1; ``block_k``,
+            ``hidden`` <= :data:`WHOLE_K_MAX`; ``block_n`` default 32; not with ``split_k`` > 1; ``block_k``,
             ``num_stages``, ``preload``, ``norm_k`` and ``small_tiles`` do not apply.
 
     Returns:
@@ -687,7 +689,7 @@ def fused_linear_rope(
         num_heads: query heads.
         pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k: as
             :func:`fused_linear` (``preload`` default False); ``block_n`` (default the largest of 32 and 16 that
-            divides it; 16 with ``whole_k``) must divide ``head_dim / 2``.
+            divides it) must divide ``head_dim / 2``.
 
     Returns:
         rotated q [rows, num_heads * head_dim], or ``(q, x + residual)`` when ``residual`` is given.
@@ -702,7 +704,7 @@ def fused_linear_rope(
         raise ValueError(f"fused_linear_rope takes at most {MAX_ROWS} rows, got {rows}")
     if block_n is None:
         half = key_cache.shape[3] // 2 if key_cache.dim() == 4 else 0
-        block_n = 16 if whole_k or half % 32 else 32
+        block_n = 32 if half % 32 == 0 else 16
     _check_launch(num_warps, block_n, block_k, eps)
     num_kv_heads, head_dim = check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads,
                                              block_n)
