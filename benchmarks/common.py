@@ -73,41 +73,49 @@ def graph_replay_us(fn, per: int, rep_ms: int = 25) -> float:
     return triton.testing.do_bench(g.replay, warmup=5, rep=rep_ms) * 1e3 / per
 
 
+def _switch_modules():
+    from hf_accel.engine import decode_step
+    from hf_accel.speculative import draft_length
+
+    return decode_step, draft_length
+
+
 def parse_overrides(spec: str) -> dict:
     """``"NAME=VALUE+NAME=VALUE"`` -> {NAME: value} for module constants of
-    :mod:`hf_accel.engine.decode_step` (A/B runs of its switches); values are Python literals."""
+    :mod:`hf_accel.engine.decode_step` or :mod:`hf_accel.speculative.draft_length` (A/B runs of their
+    switches); values are Python literals."""
     import ast
-
-    from hf_accel.engine import decode_step
 
     out = {}
     for item in filter(None, spec.split("+")):
         name, _, value = item.partition("=")
-        if not hasattr(decode_step, name) or not name.isupper():
-            raise ValueError(f"{name!r} is not a switch of hf_accel.engine.decode_step")
+        if not name.isupper() or not any(hasattr(m, name) for m in _switch_modules()):
+            raise ValueError(f"{name!r} is not a switch of hf_accel.engine.decode_step or "
+                             f"hf_accel.speculative.draft_length")
         out[name] = ast.literal_eval(value)
     return out
 
 
 class decode_step_overrides:  # noqa: N801 (used as a context manager)
-    """Sets :func:`parse_overrides` values on :mod:`hf_accel.engine.decode_step` and restores them on exit."""
+    """Sets :func:`parse_overrides` values on their modules and restores them on exit."""
 
     def __init__(self, spec: str):
-        from hf_accel.engine import decode_step
-
-        self.module = decode_step
         self.values = parse_overrides(spec)
         self.saved = {}
 
+    @staticmethod
+    def _module(name):
+        return next(m for m in _switch_modules() if hasattr(m, name))
+
     def __enter__(self):
-        self.saved = {k: getattr(self.module, k) for k in self.values}
+        self.saved = {k: getattr(self._module(k), k) for k in self.values}
         for k, v in self.values.items():
-            setattr(self.module, k, v)
+            setattr(self._module(k), k, v)
         return self
 
     def __exit__(self, *exc):
         for k, v in self.saved.items():
-            setattr(self.module, k, v)
+            setattr(self._module(k), k, v)
         return False
 
 

@@ -202,17 +202,24 @@ FUSED_LINEAR_PRELOAD = False
 
 #: Steps of 2-16 token rows launch the paged attention as one-row steps do (:data:`ATTENTION_TRIGGER`,
 #: :data:`ATTENTION_PRELOAD`): the first tile's cached K/V loaded before the wait for the Q/K/V kernel, the
-#: split merge launched early. Needs the Q/K/V kernel to write the cache (:data:`FUSED_LINEAR_ROPE`). Off: in
-#: the run above 16 tokens 0.881 ms, 2 tokens 0.767, bs16 0.954 (defaults 0.835 / 0.791 / 0.890); with
-#: :data:`FUSED_LINEAR_PRELOAD` as well 0.860 / 0.739 / 0.922.
-MULTI_ROW_ATTENTION_OVERLAP = False
+#: split merge launched early. Needs the Q/K/V kernel to write the cache (:data:`FUSED_LINEAR_ROPE`). With
+#: the K-loop matmuls it lost (``profile_verify_switches-20261202-f792bb3.json``: 16 tokens 0.881 ms vs
+#: 0.835, 2 tokens 0.767 vs 0.791, bs16 0.954 vs 0.890); with :data:`FUSED_LINEAR_WHOLE_K` it wins, see there.
+MULTI_ROW_ATTENTION_OVERLAP = True
 
 #: The step's fused_linear / fused_linear_rope calls (2-16 rows) take the whole-K path (``whole_k`` of
 #: :func:`~hf_accel.kernels.fused_linear.fused_linear`): each program loads its weight rows over all input
 #: columns before its PDL wait, then the input rows once, as the one-row GEMV does, instead of a K loop whose
 #: every tile is a memory round trip after the wait. Inputs wider than
-#: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX` keep the loop.
-FUSED_LINEAR_WHOLE_K = False
+#: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX` keep the loop (and :data:`FUSED_LINEAR_PRELOAD`,
+#: :data:`FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM`, :data:`FUSED_LINEAR_NORM_K` apply only to the loop). H200,
+#: SmolLM2-shaped random bf16 weights, 305-token prompt, CUDA graphs, medians of 4 timings in one run
+#: (``profile_verify_switches-whole-k-20261202-c8967fe.json``): verify forward of 16 tokens 0.704 ms vs 0.826
+#: with the loop, 0.673 with :data:`MULTI_ROW_ATTENTION_OVERLAP` too; of 2 tokens 0.642 / 0.545 vs 0.793; a
+#: bs16 step 0.764 / 0.710 vs 0.888. Real SmolLM2 bf16, ``bench_speculative`` in one run
+#: (``bench_speculative-whole-k-on/off-20261202-c8967fe.json``): plain bs8 10953 vs 7933 tok/s on the passage
+#: prompts, 5100 vs 3671 on the code prompts, 13074 vs 9560 open-ended.
+FUSED_LINEAR_WHOLE_K = True
 
 #: The in-graph greedy loop's pick + bookkeeping (argmax, pad for finished rows, token write, EOS check,
 #: next-step inputs, counters) runs as one :func:`~hf_accel.kernels.argmax.greedy_tail` launch on CUDA

@@ -16,6 +16,9 @@ _PROBE_EVERY = 16  # plain rounds between probes while backed off (also the most
 _PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
 #: Match-gated plain rounds in bursts (:class:`_GatedChooser`); False: one plain round per host sync.
 GATED_PLAIN_BURSTS = True
+#: Draft lengths :class:`_GatedChooser` weighs: False = 0, powers of two below k_max and k_max; True = only
+#: 0 and k_max (and, where a row's token budget is below k_max, the longest other one that fits).
+GATED_ALL_OR_NOTHING = False
 _PLAIN_TIMINGS = 2  # plain rounds a chooser runs to time them (a round that captures a graph is not timed)
 _DECAY = 0.9  # weight of the previous rounds in the acceptance estimate
 _SHRINK = 2.0  # pseudo-rounds of the previous position's hazard in each position's estimate
@@ -223,6 +226,8 @@ class _GatedChooser:
         budget."""
         matched = [c for c in range(1, NUM_CLASSES) if counts[c]]
         ks = self.ks if max_remaining is None else [k for k in self.ks if k < max_remaining]
+        if GATED_ALL_OR_NOTHING and len(ks) > 2:
+            ks = [0, ks[-1]]
         if not matched or len(ks) < 2:
             return self._plain(self._burst(max_remaining, burst))
         if 0 not in self.times and any(k > 0 for k in self.times) and self.plain_timings < _PLAIN_TIMINGS:

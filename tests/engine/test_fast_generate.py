@@ -538,6 +538,7 @@ def test_fused_step_split_k_and_in_kernel_merge(tiny, monkeypatch):
     and step): greedy output token-identical to stock in float32, counters back at zero."""
     from hf_accel.engine import decode_step
 
+    monkeypatch.setattr(decode_step, "FUSED_LINEAR_WHOLE_K", False)  # split-K is a K-loop option
     seen = {"split": 0, "merge": 0}
     linear, attention = decode_step.fused_linear, decode_step.paged_attention
 
@@ -596,6 +597,7 @@ def test_small_batch_fused_step_preload_and_attention_overlap(tiny, monkeypatch)
     every 3-row kernel, and greedy output stays token-identical to stock in float32."""
     from hf_accel.engine import decode_step
 
+    monkeypatch.setattr(decode_step, "FUSED_LINEAR_WHOLE_K", False)  # the preload is a K-loop option
     monkeypatch.setattr(decode_step, "FUSED_LINEAR_PRELOAD", True)
     monkeypatch.setattr(decode_step, "MULTI_ROW_ATTENTION_OVERLAP", True)
     seen = {"preload": 0, "rope_preload": 0, "preload_kv": 0, "trigger": 0}

@@ -744,6 +744,22 @@ def test_gated_chooser_verifies_what_holds_and_skips_what_does_not():
     assert chooser.choose(_counts(c3=1)) == (8, 1)  # the 3-gram estimate is untouched by the 1-gram rounds
 
 
+def test_gated_chooser_all_or_nothing_weighs_only_zero_and_k_max(monkeypatch):
+    """Rows that accept 2 drafts: the adaptive chooser takes k = 2 where a round of 2 drafts is much cheaper
+    than one of 8; with GATED_ALL_OR_NOTHING only 0 and k_max are weighed (and a shorter k where the budget
+    is below k_max)."""
+    from hf_accel.speculative import draft_length
+
+    chooser = _GatedChooser(k_max=8, draft_cost=0.03)
+    chooser.times = {0: 1.0, 1: 1.1, 2: 1.1, 4: 1.3, 8: 1.8}
+    for _ in range(30):
+        chooser.update(8, _hists(8, c3=(2, 1)), None)
+    assert chooser.choose(_counts(c3=1)) == (2, 1)
+    monkeypatch.setattr(draft_length, "GATED_ALL_OR_NOTHING", True)
+    assert chooser.choose(_counts(c3=1)) == (8, 1)
+    assert chooser.choose(_counts(c3=1), max_remaining=5) == (4, 1)
+
+
 def test_gated_chooser_weighs_the_rows_of_a_batch():
     """At batch 4 a round verifies when enough rows matched well: one 3-gram row among three unmatched rows
     adds too little for a verify round that costs twice a plain one, three 3-gram rows add enough."""
