@@ -106,6 +106,7 @@ def main():
     ap.add_argument("--pdl", action="store_true", help="launch every fused call with PDL, as the decode step does")
     ap.add_argument("--grid", default=None, help="tiling grid 'BLOCK_N,..:BLOCK_K,..:WARPS,..:STAGES,..'")
     ap.add_argument("--whole-k", action="store_true", help="K loop vs whole-K path (and the GEMV at one row)")
+    ap.add_argument("--variants", default=None, help="--whole-k: comma list of WHOLE_K_VARIANTS names (default all)")
     args = ap.parse_args()
     if args.split:
         return split_main(args)
@@ -241,7 +242,12 @@ def split_main(args):
 WHOLE_K_VARIANTS = [("loop", {}), ("whole-n16-w2", dict(whole_k=True, num_warps=2)),
                     ("whole-n16-w4", dict(whole_k=True, num_warps=4)), ("whole-n16-w8", dict(whole_k=True, num_warps=8)),
                     ("whole-n16", dict(whole_k=True)), ("whole-n32-w4", dict(whole_k=True, block_n=32, num_warps=4)),
-                    ("whole-n64-w4", dict(whole_k=True, block_n=64, num_warps=4))]
+                    ("whole-n64-w4", dict(whole_k=True, block_n=64, num_warps=4)),
+                    ("whole-n32-w2", dict(whole_k=True, block_n=32, num_warps=2)),
+                    ("whole-n32-w8", dict(whole_k=True, block_n=32, num_warps=8)),
+                    ("whole-n64-w8", dict(whole_k=True, block_n=64, num_warps=8)),
+                    ("whole-n16-w1", dict(whole_k=True, block_n=16, num_warps=1)),
+                    ("whole-n128-w8", dict(whole_k=True, block_n=128, num_warps=8))]
 
 
 def _gemv_kind(kind, w, lm, x, r, o_in, a_in):
@@ -278,7 +284,8 @@ def whole_k_main(args):
                         torch.randn(1, h, device="cuda", dtype=torch.bfloat16),
                         torch.randn(1, cfg["q"], device="cuda", dtype=torch.bfloat16),
                         torch.randn(1, cfg["inter"], device="cuda", dtype=torch.bfloat16))
-            variants = list(WHOLE_K_VARIANTS) + ([("gemv", None)] if rows == 1 else [])
+            variants = [v for v in WHOLE_K_VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
+            variants += [("gemv", None)] if rows == 1 else []
             layer_calls = {}
             for name, v in variants:
                 line = f"{model:14s} rows {rows:3d} {name:14s}"
