@@ -473,14 +473,16 @@ WHOLE_K_MAX = 4096
 
 def _whole_k_tiles(k: int, block_n: int | None, num_warps: int | None) -> tuple[int, int, int, int, int]:
     """``(block_n, block_k, block_k2, num_warps, num_stages)`` of the whole-K path (ValueError past
-    :data:`WHOLE_K_MAX`): 32 outputs per program and 4 warps unless given. H200, bf16, SmolLM2 shapes, 30
+    :data:`WHOLE_K_MAX`): 32 outputs per program and 8 warps unless given. H200, bf16, SmolLM2 shapes, 30
     layers' weights in one graph, with PDL (``bench_fused_linear-whole-k-20261202-0c90d5b.json``): a layer's
-    four matmuls at 16 rows 13.2 us with these tiles vs 21.7 with 16 outputs per program (down 3.8 vs 9.3 us)
-    and 22.6 with the K loop; 64 outputs 19.5."""
+    four matmuls at 16 rows 13.2 us with 32 outputs and 4 warps vs 21.7 with 16 outputs per program (down 3.8
+    vs 9.3 us) and 22.6 with the K loop; 64 outputs 19.5. Second sweep
+    (``bench_fused_linear-whole-k-warps-20261202-55561cc.json``): 32 outputs and 8 warps 11.5 us at 16 rows
+    (10.3 at 2), 4 warps 13.1 (12.4), 2 warps 78.7, 64 outputs and 8 warps 11.9."""
     if k > WHOLE_K_MAX:
         raise ValueError(f"whole_k takes at most {WHOLE_K_MAX} input features, got {k}")
     block_k, block_k2 = whole_k_chunks(k)
-    return (32 if block_n is None else block_n, block_k, block_k2, 4 if num_warps is None else num_warps, 1)
+    return (32 if block_n is None else block_n, block_k, block_k2, 8 if num_warps is None else num_warps, 1)
 
 
 def whole_k_chunks(k: int) -> tuple[int, int]:
