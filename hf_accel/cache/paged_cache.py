@@ -349,7 +349,9 @@ class PagedCache(Cache):
             return {"blocks_allocated": 0, "num_blocks": self._num_blocks or 0, "tokens_stored": 0,
                     "slots_allocated": 0, "waste_pct": 0.0, "bytes_allocated": 0, "bytes_reserved": 0}
         layers = [layer for layer in self.layers if layer.is_initialized]
-        per_block = sum(2 * layer.keys[0].numel() * layer.keys.element_size() for layer in layers)
+        # one block's K + V bytes per layer, from the shape (no tensor view per layer: this runs once per call)
+        per_block = sum(2 * (layer.keys.numel() // layer.keys.shape[0]) * layer.keys.element_size()
+                        for layer in layers)
         slots = m.num_allocated_blocks * self.block_size
         tokens = m.tokens_stored()  # per sequence (a shared prefix counts once per sequence)
         fill: dict[int, int] = {}  # physical fill of each block, for the waste figure

@@ -32,6 +32,7 @@ import torch
 import triton
 
 from hf_accel.engine.graphs import capture as capture_graph
+from hf_accel.engine.transfers import copy_from_host
 from hf_accel.kernels.argmax import greedy_tail, scratch_for
 from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
 from hf_accel.kernels.fused_linear import WHOLE_K_MAX, fused_linear, fused_linear_rope, split_k_for
@@ -226,6 +227,13 @@ FUSED_LINEAR_WHOLE_K = True
 #: instead of ~10 PyTorch kernels (``torch.argmax`` of a 49k-entry row alone is a multi-block reduction).
 GREEDY_TAIL_KERNEL = True
 
+#: KV splits of the paged attention in forwards over more token rows than the step's own (the bucketed
+#: prompt prefill, chunked prefill): None = the kernel's default (~2 programs per SM: a 512-token SmolLM2
+#: prompt got 4 splits and a merge kernel per layer), or a fixed count. 1: the causal row blocks of a
+#: prompt already give the grid its programs, and no merge kernel runs (measured in
+#: ``profile_call_overhead``).
+PREFILL_NUM_SPLITS = 1
+
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
@@ -410,7 +418,7 @@ class DecodeStep:
             slot_mapping = self._slots(cache_lens, block_table, t)
             seq_lens = cache_lens + t
         max_seq = block_table.shape[1] * self.block_size
-        splits = num_splits if num_splits is not None else (self.num_splits if t == self.q_len else None)
+        splits = num_splits if num_splits is not None else (self.num_splits if t == self.q_len else PREFILL_NUM_SPLITS)
         residual, delta = hidden, None
         one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
         small = not one_row and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
@@ -633,9 +641,8 @@ class DecodeStep:
                 "pad": torch.zeros((), dtype=torch.long, device=dev),
                 "eos": torch.full((8,), -1, dtype=torch.long, device=dev),
             }
-        self.greedy["eos"].fill_(-1)
-        if eos_ids:
-            self.greedy["eos"][: len(eos_ids)] = torch.tensor(eos_ids, dtype=torch.long)
+        # one copy, not a blocking one: it is queued right after the prefill (transfers.copy_from_host)
+        copy_from_host(self.greedy["eos"], list(eos_ids) + [-1] * (8 - len(eos_ids)))
         return self.greedy
 
     def host_flags(self, ring: int):

@@ -44,6 +44,7 @@ from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.engine.fast_generate import call_inputs, repetition_penalty, sampling_warpers
 from hf_accel.engine.graphs import capture as capture_graph
+from hf_accel.engine.transfers import copy_from_host
 from hf_accel.kernels.argmax import argmax_rows, scratch_for
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
                                             TOTALS_SIZE, commit_tokens, commit_tokens_ref)
@@ -425,8 +426,8 @@ class SpeculativeEngine:
                 st = self.states[key] = _State(rows, nb * step.block_size + 1, model.device, k_max)
             st.reset(pad)
             st.tokens[:batch, :prompt_len] = input_ids
-            if eos_list:
-                st.eos[: len(eos_list)] = torch.tensor(eos_list, dtype=torch.long)
+            if eos_list:  # not a blocking copy: the prefill is queued (transfers.copy_from_host)
+                copy_from_host(st.eos[: len(eos_list)], eos_list)
             first = sample(torch.softmax(warp_fn(logits), dim=-1)) if gc.do_sample else logits.argmax(dim=-1)
             st.tokens[:batch, prompt_len] = first
             st.lengths[:batch] = prompt_len + 1
