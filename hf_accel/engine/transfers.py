@@ -23,6 +23,7 @@ def copy_from_host(dst: torch.Tensor, src) -> torch.Tensor:
     Raises:
         ValueError: ``src`` does not have ``dst``'s number of elements (shapes are otherwise broadcast as by
             ``copy_``).
+        RuntimeError: called while the current CUDA stream is capturing a graph.
     """
     if not isinstance(src, torch.Tensor):
         src = torch.tensor(list(src) if not isinstance(src, Sequence) else src, dtype=dst.dtype)
@@ -31,6 +32,9 @@ def copy_from_host(dst: torch.Tensor, src) -> torch.Tensor:
     if dst.numel() == 0:
         return dst
     if dst.is_cuda and src.device.type == "cpu":
+        if torch.cuda.is_current_stream_capturing():
+            # a captured copy would read the staging buffer again at every replay, after it was reused
+            raise RuntimeError("copy_from_host inside a CUDA-graph capture: copy into a static buffer before capturing")
         dst.copy_(src.to(dst.dtype).pin_memory(), non_blocking=True)
     else:
         dst.copy_(src)

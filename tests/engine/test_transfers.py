@@ -45,3 +45,12 @@ def test_cuda_copy_is_ordered_after_queued_work():
     dst.fill_(-3)
     copy_from_host(dst, [11, 12, 13, 14, 15, 16, 17, 18])
     assert dst.tolist() == [11, 12, 13, 14, 15, 16, 17, 18]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_refused_inside_a_graph_capture():
+    dst = torch.zeros(4, dtype=torch.long, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
+        with torch.cuda.graph(g):
+            copy_from_host(dst, [1, 2, 3, 4])
