@@ -14,9 +14,9 @@ Also writes, under ``$OUT`` (or a temporary folder), cProfile dumps of 20 one-to
 (``trace_<provider>.json``, torch.profiler, CPU + CUDA) for reading offline.
 
 Also: the prefill graph's GPU time and the host time of its ``replay()`` for ``PREFILL_NUM_SPLITS`` None / 1 / 2,
-the host time of a decode step's replay, and with ``--ab-copies`` the call timings again with the blocking
-host-to-device copies of before ``hf_accel.engine.transfers`` (providers ``*-blocking-copies``; the four
-providers interleaved, two passes, ``shape['pass']``).
+the host time of a decode step's replay, and with ``--ab-copies`` the call timings again with the EOS ids
+copied from pageable host memory at every call, as before ``hf_accel.engine.transfers`` (providers
+``*-blocking-copies``; the four providers interleaved, two passes, ``shape['pass']``).
 
     python benchmarks/profile_call_overhead.py [--ab-copies]
 """
@@ -54,19 +54,30 @@ def median_ms(fn, reps):
     return 1e3 * statistics.median(ts)
 
 
-def blocking_copy(dst, src):
-    """The copies as before ``transfers.copy_from_host``: a pageable host tensor, so PyTorch syncs the stream."""
-    dst.copy_(src if isinstance(src, torch.Tensor) else torch.tensor(list(src), dtype=dst.dtype))
+def blocking_fill(dst, values, pad):
+    """The EOS write as before ``transfers.fill_from_host``: from a pageable host tensor, so PyTorch syncs the
+    stream (the host waits for the queued prefill)."""
+    values = list(values)
+    dst.copy_(torch.tensor(values + [pad] * (dst.numel() - len(values)), dtype=dst.dtype))
     return dst
 
 
 def set_blocking_copies(on: bool):
     import hf_accel.engine.decode_step as ds
-    import hf_accel.engine.fast_generate as fg
     import hf_accel.speculative.engine as se
-    from hf_accel.engine.transfers import copy_from_host
-    for mod in (ds, fg, se):
-        mod.copy_from_host = blocking_copy if on else copy_from_host
+    from hf_accel.engine.transfers import fill_from_host
+    for mod in (ds, se):
+        mod.fill_from_host = blocking_fill if on else fill_from_host
+
+
+def forget_eos(model):
+    """Make the next call write its EOS ids again (they are kept while unchanged): the blocking variant then
+    pays its copy every call, as before."""
+    for step in model._hf_accel_engine.steps.values():
+        step._greedy_eos = None
+    for engine in model.__dict__.get("_hf_accel_spec_engines", {}).values():
+        for st in engine.states.values():
+            st.eos_ids = None
 
 
 def prefill_variants(model, batches, rows, base):
@@ -130,7 +141,11 @@ def main():
     rows = []
     base = {"model": "smollm2-135m", "dtype": "bfloat16", "bs": 1}
 
+    blocking_now = [False]
+
     def gen(ids, mask, n):
+        if blocking_now[0]:
+            forget_eos(model)
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
 
     prefill_variants(model, batches, rows, base)
@@ -144,6 +159,7 @@ def main():
         repeat = provider in seen
         seen.add(provider)
         set_blocking_copies(blocking)
+        blocking_now[0] = blocking
         hf_accel.accelerate_model(model, **({"speculative": spec} if spec else {}))
         fast = model._hf_accel_engine
         for ids, mask in batches:  # warm-up: graph captures, Triton compilation
@@ -216,6 +232,7 @@ def main():
         prof.export_chrome_trace(str(out_dir / f"trace_{provider}.json"))
         hf_accel.revert_model(model)
     set_blocking_copies(False)
+    blocking_now[0] = False
     write_results("profile_call_overhead", rows)
 
 

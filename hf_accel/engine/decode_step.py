@@ -32,7 +32,7 @@ import torch
 import triton
 
 from hf_accel.engine.graphs import capture as capture_graph
-from hf_accel.engine.transfers import copy_from_host
+from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import greedy_tail, scratch_for
 from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
 from hf_accel.kernels.fused_linear import WHOLE_K_MAX, fused_linear, fused_linear_rope, split_k_for
@@ -325,6 +325,7 @@ class DecodeStep:
         self.graph = None
         self.graph_greedy = None
         self.greedy = None
+        self._greedy_eos = None  # the EOS ids in greedy["eos"] (init_greedy)
         self._argmax_scratch = {}  # argmax_scratch: logits shape -> greedy_tail / argmax_rows scratch
         self._host_flags = None  # host_flags: page-locked rows + events of the greedy loop's EOS check
         self.graphs: dict = {}  # extra captured programs (DecodeStep.replay), keyed by their owner
@@ -641,8 +642,11 @@ class DecodeStep:
                 "pad": torch.zeros((), dtype=torch.long, device=dev),
                 "eos": torch.full((8,), -1, dtype=torch.long, device=dev),
             }
-        # one copy, not a blocking one: it is queued right after the prefill (transfers.copy_from_host)
-        copy_from_host(self.greedy["eos"], list(eos_ids) + [-1] * (8 - len(eos_ids)))
+        # Written only when they change (the same ids every call, as a rule), and by fill kernels: this runs right
+        # after the prefill is queued, and a copy from pageable host memory would wait for it (transfers.py).
+        if self._greedy_eos != tuple(eos_ids):
+            fill_from_host(self.greedy["eos"], eos_ids, -1)
+            self._greedy_eos = tuple(eos_ids)
         return self.greedy
 
     def host_flags(self, ring: int):

@@ -34,7 +34,6 @@ from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.decode_step import DecodeStep
 from hf_accel.engine.merged_weights import merge_projections, unmerge_projections
-from hf_accel.engine.transfers import copy_from_host
 from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 # GenerationConfig fields the fast path implements (others must keep their default values).
@@ -410,7 +409,7 @@ class FastEngine:
             for b, s in enumerate(cache.seq_ids):
                 t = m.block_table(s)
                 table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
-            copy_from_host(step.block_table, table)  # no host sync (transfers.py)
+            step.block_table.copy_(table)
             step.key_mask.zero_()
             step.key_mask[:batch, :prompt_len] = attention_mask.to(torch.uint8)
             step.key_mask[:batch, prompt_len:] = 1
@@ -479,7 +478,7 @@ class FastEngine:
         if max_new <= 0:
             return input_ids
         attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids)
-        eos_t = copy_from_host(torch.empty(len(eos_list), dtype=torch.long, device=model.device), eos_list)
+        eos_t = torch.tensor(eos_list, dtype=torch.long, device=model.device)
 
         processors = LogitsProcessorList()
         if repetition_penalty(gc) is not None:  # first, as in transformers' processor list

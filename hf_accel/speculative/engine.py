@@ -44,7 +44,7 @@ from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.engine.fast_generate import call_inputs, repetition_penalty, sampling_warpers
 from hf_accel.engine.graphs import capture as capture_graph
-from hf_accel.engine.transfers import copy_from_host
+from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import argmax_rows, scratch_for
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
                                             TOTALS_SIZE, commit_tokens, commit_tokens_ref)
@@ -82,6 +82,7 @@ class _State:
         self.info = torch.zeros(INFO_SIZE, dtype=torch.long, device=device)
         self.totals = torch.zeros(TOTALS_SIZE, dtype=torch.long, device=device)
         self.eos = torch.full((8,), -1, dtype=torch.long, device=device)
+        self.eos_ids: tuple = ()  # the EOS ids in eos (-1 after them); kept across calls, rewritten when they change
         self.drafts = torch.zeros(batch, k_max, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
         self.ngram = torch.zeros(batch, dtype=torch.long, device=device)
@@ -102,7 +103,6 @@ class _State:
             t.zero_()
         self.active.zero_()
         self.valid.zero_()
-        self.eos.fill_(-1)
 
     def host_counters(self, pinned: bool):
         """Three host rows of ``info``'s size (page-locked when ``pinned``: the rounds' counters are copied
@@ -426,8 +426,9 @@ class SpeculativeEngine:
                 st = self.states[key] = _State(rows, nb * step.block_size + 1, model.device, k_max)
             st.reset(pad)
             st.tokens[:batch, :prompt_len] = input_ids
-            if eos_list:  # not a blocking copy: the prefill is queued (transfers.copy_from_host)
-                copy_from_host(st.eos[: len(eos_list)], eos_list)
+            if st.eos_ids != tuple(eos_list):  # fill kernels: the prefill is queued, a copy would wait (transfers.py)
+                fill_from_host(st.eos, eos_list, -1)
+                st.eos_ids = tuple(eos_list)
             first = sample(torch.softmax(warp_fn(logits), dim=-1)) if gc.do_sample else logits.argmax(dim=-1)
             st.tokens[:batch, prompt_len] = first
             st.lengths[:batch] = prompt_len + 1

@@ -179,6 +179,18 @@ def test_many_eos_ids_identical_to_stock(tiny):
                        stock)
 
 
+def test_eos_ids_changing_between_calls_identical_to_stock(tiny):
+    # the decode step keeps the EOS ids it wrote while they stay the same: calls with other ids, fewer ids and
+    # none at all on one accelerated model must each see their own
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    free = tiny.greedy(model, ids, mask, 12)[:, ids.shape[1]:]
+    ours = _accelerated(model)
+    for eos in ([int(free[0, 2])], [int(free[1, 4]), int(free[2, 1])], [int(free[1, 4])], None, [int(free[0, 2])]):
+        stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=eos)
+        assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=eos), stock), eos
+
+
 def test_prompt_longer_than_max_length_raises_like_stock(tiny):
     model = tiny.model("llama")
     ids, mask = tiny.batch(seed=1)

@@ -102,3 +102,21 @@ def test_match_gated_rounds_in_graphs(burst, tiny, monkeypatch):
     (st,) = engine.states.values()
     drafts, valid, ngram = ngram_lookup_ref(st.tokens, st.lengths, st.starts, 3, with_ngram=True)
     assert torch.equal(st.drafts, drafts) and torch.equal(st.valid, valid) and torch.equal(st.ngram, ngram)
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "early_exit"])
+def test_eos_ids_changing_between_calls_in_graphs(method, tiny):
+    # the speculative state keeps the EOS ids it wrote while they stay the same (graphs replay it): calls with
+    # other ids, fewer and none must each stop where the plain fast path stops with the same ids
+    model = tiny.model("llama", num_hidden_layers=LAYERS).cuda()
+    ids, mask = _batch(tiny)
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=tiny.PAD)
+    plain_model = accelerate_model(copy.deepcopy(model))
+    with torch.no_grad():
+        free = plain_model.generate(input_ids=ids, attention_mask=mask, eos_token_id=None, **kwargs)[:, ids.shape[1]:]
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig(method, num_draft_tokens=3))
+    for eos in ([int(free[0, 5])], [int(free[1, 3]), int(free[2, 7])], [int(free[1, 3])], None, [int(free[0, 5])]):
+        with torch.no_grad():
+            plain = plain_model.generate(input_ids=ids, attention_mask=mask, eos_token_id=eos, **kwargs)
+            out = ours.generate(input_ids=ids, attention_mask=mask, eos_token_id=eos, **kwargs)
+        assert torch.equal(out, plain), eos
