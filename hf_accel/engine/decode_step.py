@@ -419,7 +419,10 @@ class DecodeStep:
             slot_mapping = self._slots(cache_lens, block_table, t)
             seq_lens = cache_lens + t
         max_seq = block_table.shape[1] * self.block_size
-        splits = num_splits if num_splits is not None else (self.num_splits if t == self.q_len else PREFILL_NUM_SPLITS)
+        if num_splits is not None:
+            splits = num_splits
+        else:  # the step's own rows, or a prefill over more rows
+            splits = self.num_splits if t == self.q_len else PREFILL_NUM_SPLITS
         residual, delta = hidden, None
         one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
         small = not one_row and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
