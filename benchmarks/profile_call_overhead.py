@@ -54,6 +54,23 @@ def median_ms(fn, reps):
     return 1e3 * statistics.median(ts)
 
 
+def time_replay(graph, reps):
+    """(GPU ms, host ms): medians over ``reps`` replays of a captured graph, synced before each; the GPU time from
+    CUDA events around the replay, the host time of the ``replay()`` call itself."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    gpu, host = [], []
+    for _ in range(reps):
+        sync()
+        ev[0].record()
+        t = time.perf_counter()
+        graph.replay()
+        host.append(1e3 * (time.perf_counter() - t))
+        ev[1].record()
+        sync()
+        gpu.append(ev[0].elapsed_time(ev[1]))
+    return statistics.median(gpu), statistics.median(host)
+
+
 def blocking_fill(dst, values, pad):
     """The EOS write as before ``transfers.fill_from_host``: from a pageable host tensor, so PyTorch syncs the
     stream (the host waits for the queued prefill)."""
@@ -97,21 +114,11 @@ def prefill_variants(model, batches, rows, base):
             with torch.inference_mode():
                 step, _ = fast.start(ids, mask, 128)  # captures this variant's prefill graph
                 graph, _ = step.graphs[("prefill", _bucket(ids.shape[1], 16))]
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                gpu, host = [], []
-                for _ in range(20):
-                    sync()
-                    ev[0].record()
-                    t = time.perf_counter()
-                    graph.replay()
-                    host.append(1e3 * (time.perf_counter() - t))
-                    ev[1].record()
-                    sync()
-                    gpu.append(ev[0].elapsed_time(ev[1]))
+                gpu, host = time_replay(graph, 20)
                 fast.cache.release()
             shape = {**base, "prompt_len": ids.shape[1], "prompt_index": i,
                      "prefill_len": _bucket(ids.shape[1], 16), "prefill_num_splits": splits}
-            vals = {"prefill_gpu_ms": statistics.median(gpu), "prefill_replay_host_ms": statistics.median(host)}
+            vals = {"prefill_gpu_ms": gpu, "prefill_replay_host_ms": host}
             print("prefill splits", splits, i, {k: round(v, 4) for k, v in vals.items()}, flush=True)
             for metric, value in vals.items():
                 rows.append({"bench": "profile_call_overhead", "provider": "ours", "shape": shape, "metric": metric,
@@ -194,19 +201,8 @@ def main():
                 vals["start_ms"] = median_ms(start, 9)
                 with torch.inference_mode():
                     step, _ = fast.start(ids, mask, 128)
-                    length = _bucket(ids.shape[1], 16)
-                    graph = step.graphs.get(("prefill", length))
-                    if graph is not None:
-                        g = graph if isinstance(graph, torch.cuda.CUDAGraph) else graph[0]
-                        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                        times = []
-                        for _ in range(9):
-                            ev[0].record()
-                            g.replay()
-                            ev[1].record()
-                            sync()
-                            times.append(ev[0].elapsed_time(ev[1]))
-                        vals["prefill_gpu_ms"] = statistics.median(times)
+                    graph, _ = step.graphs[("prefill", _bucket(ids.shape[1], 16))]
+                    vals["prefill_gpu_ms"] = time_replay(graph, 9)[0]
                     fast.cache.release()
             print(provider, i, {k: round(v, 3) for k, v in vals.items()}, flush=True)
             for metric, value in vals.items():
