@@ -1,0 +1,131 @@
+"""How busy the GPU is during a batch-1 ``generate`` call (real SmolLM2 bf16, CUDA): the GPU timeline of
+whole calls, plain fast path vs prompt lookup, on the grounded-text prompts of ``bench_speculative``.
+
+Each of the 8 prompts runs ``generate`` (128 new tokens, greedy) after warm-up calls, once without a
+profiler (``wall_ms``, CUDA-synced) and once under ``torch.profiler`` recording CUDA activity only (no CPU
+ops). From the profiled call's GPU activities (kernels, copies, fills):
+
+* ``busy_ms``: the union of their intervals; ``span_ms``: first start to last end; ``profiled_wall_ms``;
+* ``gap_ms[<bucket>]`` / ``gaps[<bucket>]``: total length and number of idle gaps between consecutive
+  activities, by length in µs (``<2``, ``2-5``, ``5-10``, ``10-20``, ``20-50``, ``50-100``, ``>=100``). Gaps
+  inside a CUDA graph are a few µs; a gap of tens of µs is the GPU waiting for the host (a round's choice,
+  a graph launch, the call's set-up).
+
+The profiler adds host time to every launch, so ``profiled_wall_ms`` exceeds ``wall_ms``; the gaps are
+upper bounds of the unprofiled ones. Writes ``profile_call_timeline-<date>.json``.
+
+    python benchmarks/profile_call_timeline.py
+"""
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_speculative as bs  # noqa: E402
+from common import write_results  # noqa: E402
+
+import hf_accel  # noqa: E402
+from hf_accel.models import load_default_model  # noqa: E402
+
+BUCKETS = ((0, 2), (2, 5), (5, 10), (10, 20), (20, 50), (50, 100), (100, float("inf")))
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def bucket_name(lo, hi) -> str:
+    return f"<{hi}" if lo == 0 else (f">={lo}" if hi == float("inf") else f"{lo}-{hi}")
+
+
+def gpu_intervals(trace_path: Path) -> list[tuple[float, float]]:
+    """(start, end) in µs of every GPU activity of a Chrome trace, sorted by start."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+           if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    return sorted(out)
+
+
+def timeline_stats(intervals: list[tuple[float, float]]) -> dict:
+    """Busy time, span and idle gaps (µs) of sorted intervals."""
+    busy, gaps = 0.0, []
+    cur_s, cur_e = intervals[0]
+    for s, e in intervals[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(s - cur_e)
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    stats = {"busy_ms": busy / 1e3, "span_ms": (intervals[-1][1] - intervals[0][0]) / 1e3,
+             "activities": len(intervals)}
+    for lo, hi in BUCKETS:
+        sel = [g for g in gaps if lo <= g < hi]
+        stats[f"gap_ms[{bucket_name(lo, hi)}]"] = sum(sel) / 1e3
+        stats[f"gaps[{bucket_name(lo, hi)}]"] = len(sel)
+    return stats
+
+
+def main():
+    from torch.profiler import ProfilerActivity, profile
+
+    tmp = Path(tempfile.mkdtemp())
+    model, tok = load_default_model(dtype="bfloat16", device="cuda")
+    batches = [bs.encode(tok, [t], "cuda") for t in bs.chat_texts(tok, "grounded-text")]
+    base = {"model": "smollm2-135m", "dtype": "bfloat16", "bs": 1, "category": "grounded-text",
+            "max_new_tokens": 128}
+    rows, totals = [], {}
+    for provider, spec in (("ours", None), ("ours-prompt_lookup", "prompt_lookup")):
+        hf_accel.accelerate_model(model, **({"speculative": spec} if spec else {}))
+
+        def gen(ids, mask):
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=128, do_sample=False)
+
+        for ids, mask in batches:  # warm-up: graph captures, Triton compilation, round times
+            gen(ids, mask)
+            gen(ids, mask)
+        agg = {}
+        for i, (ids, mask) in enumerate(batches):
+            walls = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                out = gen(ids, mask)
+                torch.cuda.synchronize()
+                walls.append(1e3 * (time.perf_counter() - t))
+            new = int(out.shape[1] - ids.shape[1])
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                gen(ids, mask)
+                torch.cuda.synchronize()
+                pwall = 1e3 * (time.perf_counter() - t)
+            path = tmp / f"{provider}-{i}.json"
+            prof.export_chrome_trace(str(path))
+            vals = {"wall_ms": statistics.median(walls), "profiled_wall_ms": pwall, "new_tokens": new,
+                    **timeline_stats(gpu_intervals(path))}
+            for k, v in vals.items():
+                agg[k] = agg.get(k, 0) + v
+            print(provider, i, {k: round(v, 3) for k, v in vals.items()}, flush=True)
+            shape = {**base, "prompt_len": int(ids.shape[1]), "prompt_index": i}
+            for metric, value in vals.items():
+                rows.append({"bench": "profile_call_timeline", "provider": provider, "shape": shape,
+                             "metric": metric, "unit": "ms" if metric.endswith("ms") or "_ms[" in metric
+                             else "count", "value": value})
+        totals[provider] = agg
+        rows.append({"bench": "profile_call_timeline", "provider": provider, "shape": {**base, "prompts": len(batches)},
+                     "metric": "sum_over_prompts", "unit": "ms / count", "value": agg})
+        hf_accel.revert_model(model)
+    print("\nsum over the 8 prompts")
+    keys = list(next(iter(totals.values())))
+    print(f"{'':24s}" + "".join(f"{p:>22s}" for p in totals))
+    for k in keys:
+        print(f"{k:24s}" + "".join(f"{totals[p][k]:22.3f}" for p in totals))
+    write_results("profile_call_timeline", rows, {"profiler": "torch.profiler, CUDA activity only"})
+
+
+if __name__ == "__main__":
+    main()
