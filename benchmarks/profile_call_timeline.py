@@ -14,8 +14,15 @@ ops). From the profiled call's GPU activities (kernels, copies, fills):
 The profiler adds host time to every launch, so ``profiled_wall_ms`` exceeds ``wall_ms``; the gaps are
 upper bounds of the unprofiled ones. Writes ``profile_call_timeline-<date>.json``.
 
-    python benchmarks/profile_call_timeline.py
+With ``--cprofile``, the 8 calls of each provider also run once under cProfile: the top functions by own
+and by cumulative time are printed, and the dumps are written to ``$OUT`` (``calls_<provider>.prof``).
+
+    python benchmarks/profile_call_timeline.py [--cprofile]
 """
+import cProfile
+import io
+import os
+import pstats
 import json
 import statistics
 import sys
@@ -115,6 +122,20 @@ def main():
                 rows.append({"bench": "profile_call_timeline", "provider": provider, "shape": shape,
                              "metric": metric, "unit": "ms" if metric.endswith("ms") or "_ms[" in metric
                              else "count", "value": value})
+        if "--cprofile" in sys.argv:
+            pr = cProfile.Profile()
+            torch.cuda.synchronize()
+            pr.enable()
+            for ids, mask in batches:
+                gen(ids, mask)
+            torch.cuda.synchronize()
+            pr.disable()
+            if os.environ.get("OUT"):
+                pr.dump_stats(str(Path(os.environ["OUT"]) / f"calls_{provider}.prof"))
+            for order in ("tottime", "cumulative"):
+                text = io.StringIO()
+                pstats.Stats(pr, stream=text).sort_stats(order).print_stats(30)
+                print(f"-- {provider}: cProfile of the 8 calls by {order}\n" + text.getvalue().split("\n\n", 1)[-1])
         totals[provider] = agg
         rows.append({"bench": "profile_call_timeline", "provider": provider, "shape": {**base, "prompts": len(batches)},
                      "metric": "sum_over_prompts", "unit": "ms / count", "value": agg})

@@ -237,7 +237,8 @@ class FastEngine:
         if extra:
             return f"unsupported generate arguments: {', '.join(sorted(extra))}"
         defaults = type(gc)._get_default_generation_params() if hasattr(type(gc), "_get_default_generation_params") else {}
-        for key, value in gc.to_dict().items():
+        # the attributes themselves: GenerationConfig.to_dict deep-copies them (~0.5 ms per call)
+        for key, value in vars(gc).items():
             if key in _HANDLED or key.startswith("_"):
                 continue
             default = defaults.get(key, None)
