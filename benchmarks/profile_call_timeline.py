@@ -6,6 +6,9 @@ profiler (``wall_ms``, CUDA-synced) and once under ``torch.profiler`` recording 
 ops). From the profiled call's GPU activities (kernels, copies, fills):
 
 * ``busy_ms``: the union of their intervals; ``span_ms``: first start to last end; ``profiled_wall_ms``;
+* ``pre_ms`` / ``post_ms``: idle time on the GPU from the call's start to its first activity, and from its last
+  activity to the call's return (marker kernels launched right before and after the call);
+* ``longest_gaps``: the 8 longest idle gaps (where in the call, how long, the activities around them);
 * ``gap_ms[<bucket>]`` / ``gaps[<bucket>]``: total length and number of idle gaps between consecutive
   activities, by length in µs (``<2``, ``2-5``, ``5-10``, ``10-20``, ``20-50``, ``50-100``, ``>=100``). Gaps
   inside a CUDA graph are a few µs; a gap of tens of µs is the GPU waiting for the host (a round's choice,
@@ -47,32 +50,45 @@ def bucket_name(lo, hi) -> str:
     return f"<{hi}" if lo == 0 else (f">={lo}" if hi == float("inf") else f"{lo}-{hi}")
 
 
-def gpu_intervals(trace_path: Path) -> list[tuple[float, float]]:
-    """(start, end) in µs of every GPU activity of a Chrome trace, sorted by start."""
+def gpu_intervals(trace_path: Path) -> list[tuple[float, float, str]]:
+    """(start, end, name), times in µs, of every GPU activity of a Chrome trace, sorted by start."""
     events = json.loads(trace_path.read_text())["traceEvents"]
-    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "")) for e in events
            if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     return sorted(out)
 
 
-def timeline_stats(intervals: list[tuple[float, float]]) -> dict:
-    """Busy time, span and idle gaps (µs) of sorted intervals."""
+def timeline_stats(intervals: list[tuple[float, float, str]], top: int = 0) -> dict:
+    """Busy time, span and idle gaps (µs) of sorted intervals. Intervals named ``spin_kernel``
+    (``torch.cuda._sleep``) are call markers: the first and the last bound the call on the GPU's clock and
+    give ``pre_ms`` (marker to the call's first activity) and ``post_ms`` (its last activity to the closing
+    marker); with ``top``, the ``top`` longest gaps as (ms from the first marker, µs, activity before, after)."""
+    markers = [iv for iv in intervals if "spin_kernel" in iv[2]]
+    intervals = [iv for iv in intervals if "spin_kernel" not in iv[2]]
     busy, gaps = 0.0, []
-    cur_s, cur_e = intervals[0]
-    for s, e in intervals[1:]:
+    cur_s, cur_e, cur_name = intervals[0]
+    for s, e, name in intervals[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
-            gaps.append(s - cur_e)
+            gaps.append((s - cur_e, cur_e, cur_name, name))
             cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
+        elif e > cur_e:
+            cur_e = e
+        cur_name = name if e >= cur_e else cur_name
     busy += cur_e - cur_s
     stats = {"busy_ms": busy / 1e3, "span_ms": (intervals[-1][1] - intervals[0][0]) / 1e3,
              "activities": len(intervals)}
+    if len(markers) >= 2:
+        stats["pre_ms"] = (intervals[0][0] - markers[0][1]) / 1e3
+        stats["post_ms"] = (markers[-1][0] - max(e for _, e, _ in intervals)) / 1e3
     for lo, hi in BUCKETS:
-        sel = [g for g in gaps if lo <= g < hi]
+        sel = [g for g, *_ in gaps if lo <= g < hi]
         stats[f"gap_ms[{bucket_name(lo, hi)}]"] = sum(sel) / 1e3
         stats[f"gaps[{bucket_name(lo, hi)}]"] = len(sel)
+    if top:
+        origin = markers[0][1] if markers else intervals[0][0]
+        stats["longest_gaps"] = [(round((at - origin) / 1e3, 3), round(g, 1), before[:60], after[:60])
+                                 for g, at, before, after in sorted(gaps, reverse=True)[:top]]
     return stats
 
 
@@ -107,21 +123,29 @@ def main():
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 torch.cuda.synchronize()
                 t = time.perf_counter()
+                torch.cuda._sleep(1)  # markers of the call's start and end on the GPU's clock
                 gen(ids, mask)
+                torch.cuda._sleep(1)
                 torch.cuda.synchronize()
                 pwall = 1e3 * (time.perf_counter() - t)
             path = tmp / f"{provider}-{i}.json"
             prof.export_chrome_trace(str(path))
             vals = {"wall_ms": statistics.median(walls), "profiled_wall_ms": pwall, "new_tokens": new,
-                    **timeline_stats(gpu_intervals(path))}
+                    **timeline_stats(gpu_intervals(path), top=8)}
+            longest = vals.pop("longest_gaps")
             for k, v in vals.items():
                 agg[k] = agg.get(k, 0) + v
             print(provider, i, {k: round(v, 3) for k, v in vals.items()}, flush=True)
+            if i < 2:
+                for gap in longest:
+                    print("   gap", gap)
+            vals["longest_gaps"] = longest
             shape = {**base, "prompt_len": int(ids.shape[1]), "prompt_index": i}
             for metric, value in vals.items():
                 rows.append({"bench": "profile_call_timeline", "provider": provider, "shape": shape,
-                             "metric": metric, "unit": "ms" if metric.endswith("ms") or "_ms[" in metric
-                             else "count", "value": value})
+                             "metric": metric, "unit": ("ms" if metric.endswith("ms") or "_ms[" in metric else
+                                                        "(ms from call start, µs, before, after)" if metric ==
+                                                        "longest_gaps" else "count"), "value": value})
         if "--cprofile" in sys.argv:
             pr = cProfile.Profile()
             torch.cuda.synchronize()
