@@ -260,4 +260,5 @@ class _GatedChooser:
         if k > 0:
             for c in range(1, NUM_CLASSES):
                 self.classes[c].update_acceptance(k, class_hists[c])
+                self.classes[c].expected_curve()  # now (the engine updates after the next launch), not in choose
         _record_time(self.times, k, seconds)
