@@ -81,11 +81,17 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     is left to transformers).
 
     Raises:
-        ValueError: a negative ``assistant_early_exit``.
+        ValueError: a negative ``assistant_early_exit``; a ``prompt_lookup_num_tokens`` int below 1 (stock
+            transformers refuses it too, with a less specific message).
     """
     gen_config = kwargs.get("generation_config") or model.generation_config
     assistant = kwargs.get("assistant_model")
-    lookup = kwargs.get("prompt_lookup_num_tokens") or getattr(gen_config, "prompt_lookup_num_tokens", None)
+    lookup = kwargs.get("prompt_lookup_num_tokens")
+    if lookup is None:
+        lookup = getattr(gen_config, "prompt_lookup_num_tokens", None)
+    if isinstance(lookup, int) and not isinstance(lookup, bool) and lookup < 1:
+        # 0 would otherwise read as "not asked for" and run without it, where transformers raises
+        raise ValueError(f"prompt_lookup_num_tokens must be a positive number of draft tokens, got {lookup}")
     early = kwargs.get("assistant_early_exit") or getattr(gen_config, "assistant_early_exit", None)
     if assistant is None and not lookup and not early:
         return None, kwargs, None

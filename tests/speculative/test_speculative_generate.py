@@ -946,3 +946,18 @@ def test_sampling_with_a_fixed_k_repeats_under_a_seed(tiny):
                                       pad_token_id=tiny.PAD))
     assert torch.equal(outs[0], outs[1])
     assert speculative_stats(ours)["verify_steps"] > 0
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_prompt_lookup_num_tokens_below_one_raises(tiny, bad):
+    """0 is not "no prompt lookup": stock transformers refuses it (and negatives) with an unspecific message; the
+    accelerated model raises naming the argument, from the call's kwargs or the generation config."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ours = accelerate_model(copy.deepcopy(model), speculative="prompt_lookup")
+    with pytest.raises(ValueError, match=f"prompt_lookup_num_tokens must be a positive number of draft tokens, got {bad}"):
+        greedy(ours, ids[:1], mask[:1], tiny.PAD, prompt_lookup_num_tokens=bad)
+    config = copy.deepcopy(ours.generation_config)
+    config.prompt_lookup_num_tokens = bad
+    with pytest.raises(ValueError, match=f"got {bad}"):
+        greedy(ours, ids[:1], mask[:1], tiny.PAD, generation_config=config)
