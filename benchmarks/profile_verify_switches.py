@@ -40,6 +40,7 @@ VARIANTS = {
                                     "FUSED_LINEAR_SMALL_TILES": True},
     "whole_k": {"FUSED_LINEAR_WHOLE_K": True},
     "whole_k+overlap": {"FUSED_LINEAR_WHOLE_K": True, "MULTI_ROW_ATTENTION_OVERLAP": True},
+    "embedding_gather": {"GATHER_BY_INDEX": False},
 }
 
 #: The projections of a SmolLM2 layer as fused_linear's tile function sees them: (norm, swiglu, k, n).

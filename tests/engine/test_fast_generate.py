@@ -544,6 +544,31 @@ def _fused_five_tokens_match_stock(tiny, seed: int, *model_args, **model_kwargs)
     return model, ours
 
 
+@pytest.mark.parametrize("gather_by_index", [True, False], ids=["index", "embedding"])
+def test_fused_step_gathers_embeddings_and_rotary_rows(gather_by_index, tiny, monkeypatch):
+    """The fused step's token-embedding and rotary-row gathers (by indexing, or through the embedding
+    function) give greedy output token-identical to stock (float32, batch 3); a subclass of nn.Embedding
+    (which may scale its rows) is called as the module even with gathering by index."""
+    from hf_accel.engine import decode_step
+
+    monkeypatch.setattr(decode_step, "GATHER_BY_INDEX", gather_by_index)
+    _fused_five_tokens_match_stock(tiny, 2, "llama")
+
+    class Scaled(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 2.0
+
+    model = tiny.model("llama")
+    old = model.model.embed_tokens
+    scaled = Scaled(old.num_embeddings, old.embedding_dim, padding_idx=old.padding_idx)
+    scaled.weight = old.weight  # tied to the LM head as before
+    model.model.embed_tokens = scaled
+    ids, mask = tiny.batch(seed=3)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None)
+    out = _generate(_accelerated(model, fused=True), ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+
+
 def test_fused_step_split_k_and_in_kernel_merge(tiny, monkeypatch):
     """Batch-3 fused decode steps with fused_linear split into 2 K shares per output tile and 3 KV splits
     merged inside the attention kernel (both through the step's arrival counters, reused by every layer
