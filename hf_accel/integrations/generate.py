@@ -25,6 +25,7 @@ from transformers.generation import utils as _gen_utils
 from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
+from hf_accel.integrations.generation_config import prepare_generation_config
 from hf_accel.speculative.config import SpeculativeConfig
 
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
@@ -146,7 +147,7 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
             call["input_ids"] = call.pop("inputs")
         user_config = call.pop("generation_config", None)
         try:
-            gc, model_kwargs = model._prepare_generation_config(user_config, **call)
+            gc, model_kwargs = prepare_generation_config(model, user_config, call)
         except Exception as e:  # transformers raises the same error again on its own path
             reason = f"generation config not understood ({type(e).__name__}: {e})"
         else:
