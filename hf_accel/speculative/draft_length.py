@@ -199,6 +199,19 @@ class _GatedChooser:
         self.skipped = [0] * NUM_CLASSES  # plain rounds in a row in which the class occurred
         self.plain_timings = 0
         self.plain_run = 0  # plain rounds since the last round that drafted
+        self._version = 0  # changes with every choice and update (and with the round times assigned)
+        self._prepared = None  # (version, burst, [(k, rounds, effect) for a single row of each class])
+        # the budget above which it does not limit a choice: more than every k, at least a full plain burst
+        self._budget_free = max(max(self.ks), _PLAIN_BURST - 1)
+
+    @property
+    def times(self) -> dict:
+        return self._times
+
+    @times.setter
+    def times(self, value: dict) -> None:
+        self._times = value
+        self._version = getattr(self, "_version", 0) + 1
 
     def time(self, k: int) -> float:
         return _round_time(self.times, k, self.draft_cost)
@@ -223,37 +236,68 @@ class _GatedChooser:
         of class c), and how many rounds of it to queue before the next host sync (more than one only for
         plain rounds, and only with ``burst``). With ``max_remaining`` (the largest token budget left in a
         row) never more drafts than a row can commit besides the target's token, nor plain rounds past the
-        budget."""
-        matched = [c for c in range(1, NUM_CLASSES) if counts[c]]
+        budget.
+
+        Uses the decision :meth:`prepare` made for a single row of that class where it still holds (nothing
+        changed the estimates since, and the budget does not limit the choice)."""
+        prepared = self._prepared
+        if (prepared is not None and prepared[0] == self._version and prepared[1] == burst
+                and (max_remaining is None or max_remaining > self._budget_free) and sum(counts) == 1):
+            k, rounds, effect = prepared[2][counts.index(1)]
+        else:
+            k, rounds, effect = self._decide(counts, max_remaining, burst)
+        self._apply(effect, rounds)
+        return k, rounds
+
+    def prepare(self, burst: bool = True) -> None:
+        """Make :meth:`choose`'s decision for one row of each class now (batch 1), so that the choice after the
+        next round's counts arrive is a lookup: the engine calls this while a round runs on the GPU, and the
+        GPU waits for the host's choice between match-gated rounds."""
+        one = [0] * NUM_CLASSES
+        table = []
+        for c in range(NUM_CLASSES):
+            one[c] = 1
+            table.append(self._decide(one, None, burst))
+            one[c] = 0
+        self._prepared = (self._version, burst, table)
+
+    def _decide(self, counts: list[int], max_remaining: int | None, burst: bool):
+        """:meth:`choose` without changing the chooser: (k, rounds, effect) where ``effect`` (applied by
+        :meth:`_apply`) is ``("timing", ())``, ``("plain", ())``, ``("skip", matched)`` or ``("draft", matched)``."""
+        matched = tuple(c for c in range(1, NUM_CLASSES) if counts[c])
         ks = self.ks if max_remaining is None else [k for k in self.ks if k < max_remaining]
         if GATED_ALL_OR_NOTHING and len(ks) > 2:
             ks = [0, ks[-1]]
         if not matched or len(ks) < 2:
-            return self._plain(self._burst(max_remaining, burst))
+            return 0, self._burst(max_remaining, burst), ("plain", ())
         if 0 not in self.times and any(k > 0 for k in self.times) and self.plain_timings < _PLAIN_TIMINGS:
-            self.plain_timings += 1
-            return self._plain(1)
+            return 0, 1, ("timing", ())
         best = self._best(ks, counts)
         if best == 0:
             skipped = max(self.skipped[c] for c in matched)
             if skipped < _PROBE_EVERY:  # a burst that ends at the probe at the latest
-                rounds = min(self._burst(max_remaining, burst), _PROBE_EVERY - skipped)
-                for c in matched:
-                    self.skipped[c] += rounds
-                return self._plain(rounds)
+                return 0, min(self._burst(max_remaining, burst), _PROBE_EVERY - skipped), ("skip", matched)
             best = self._best(ks[1:], counts)
-        for c in matched:
-            self.skipped[c] = 0
-        self.plain_run = 0
-        return best, 1
+        return best, 1, ("draft", matched)
+
+    def _apply(self, effect, rounds: int) -> None:
+        kind, matched = effect
+        self._version += 1
+        if kind == "draft":
+            for c in matched:
+                self.skipped[c] = 0
+            self.plain_run = 0
+            return
+        if kind == "timing":
+            self.plain_timings += 1
+        elif kind == "skip":
+            for c in matched:
+                self.skipped[c] += rounds
+        self.plain_run += rounds
 
     def _burst(self, max_remaining: int | None, burst: bool) -> int:
         n = min(_PLAIN_BURST, 1 + self.plain_run // 4) if burst and GATED_PLAIN_BURSTS else 1
         return n if max_remaining is None else max(1, min(n, max_remaining))
-
-    def _plain(self, rounds: int) -> tuple[int, int]:
-        self.plain_run += rounds
-        return 0, rounds
 
     def update(self, k: int, class_hists: list[list[int]], seconds: float | None) -> None:
         """``class_hists[c][v]``: rows of class c that accepted exactly v of the round's k drafts."""
@@ -262,3 +306,4 @@ class _GatedChooser:
                 self.classes[c].update_acceptance(k, class_hists[c])
                 self.classes[c].expected_curve()  # now (the engine updates after the next launch), not in choose
         _record_time(self.times, k, seconds)
+        self._version += 1

@@ -35,7 +35,6 @@ is exact).
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
@@ -446,11 +445,14 @@ class SpeculativeEngine:
             else:
                 chooser = _KChooser(k_max, cfg.adaptive, self._draft_cost())
             chooser.times = dict(self.round_times.get(key, {}))  # round times are the machine's, kept per shape
+            replays = {}  # k -> its round graph's replay (match-gated: the host launches it the moment it chose)
             if ctx["use_graph"]:  # capture every draft length the chooser may pick now, not mid-generation
                 for k in chooser.ks:
                     self._run_round(k, st, ctx, key, replay=False)
                 if catch_up and 0 in chooser.ks:
                     self._run_catch_up(st, ctx, key, replay=False)
+                if gated:
+                    replays = {k: self.graphs[(*key, k)].replay for k in chooser.ks}
             # plain rounds since the last round that drafted; a draft model's cache lags by at most that many
             # tokens (+ 2) and is caught up before the next round that drafts
             plain_run = 0
@@ -471,8 +473,13 @@ class SpeculativeEngine:
             while running:
                 if gated:
                     k, rounds = chooser.choose(counts, max_remaining, burst=streamer is None)
+                    replay = replays.get(k) if streamer is None else None
+                    if replay is not None:  # the GPU waits for this launch: nothing else before it
+                        for _ in range(rounds):
+                            replay()
                 else:
                     k, rounds = chooser.choose(max_remaining if streamer is None else 1)
+                    replay = None
                 ks[k] = ks.get(k, 0) + rounds
                 before = st.lengths[:batch].clone() if streamer is not None else None
                 t0 = time.perf_counter()
@@ -485,8 +492,9 @@ class SpeculativeEngine:
                     if catch_up and plain_run:  # counted in this round's time
                         captured |= self._run_catch_up(st, ctx, key)
                     plain_run = 0
-                for _ in range(rounds):
-                    captured |= self._run_round(k, st, ctx, key)
+                if replay is None:
+                    for _ in range(rounds):
+                        captured |= self._run_round(k, st, ctx, key)
                 pinned[slot].copy_(st.info, non_blocking=ctx["use_graph"])
                 event = None
                 if ctx["use_graph"]:
@@ -495,11 +503,29 @@ class SpeculativeEngine:
                 inflight.append((event, slot, k, rounds, captured, t0))
                 slot = (slot + 1) % 3
                 if deferred is not None:  # the previous round's counters, while this round runs
-                    deferred()
+                    self._update_gated(chooser, *deferred)
                     deferred = None
+                if gated and batch == 1:  # the next choice for each match class, while this round runs
+                    chooser.prepare(burst=streamer is None)
                 if len(inflight) <= ahead:
                     continue
                 event, done_slot, k, rounds, captured, t0 = inflight.pop(0)
+                if gated:  # only what the next choice needs before the next launch; the rest after it
+                    if event is not None:
+                        event.synchronize()
+                    row = pinned_np[done_slot]
+                    running, max_remaining = bool(row[0]), int(row[4])
+                    counts = row[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
+                    # CUDA events are read after the next launch; without them (eager rounds) the wall clock now
+                    timing = ((event, last_done) if event is not None
+                              else None if captured else (time.perf_counter() - t0) / rounds)
+                    deferred = (pinned, done_slot, k, rounds, captured, timing)
+                    last_done = (event, captured)
+                    if streamer is not None:
+                        after = st.lengths[:batch]
+                        if int(after[0]) > int(before[0]):
+                            streamer.put(st.tokens[0, int(before[0]): int(after[0])].cpu())
+                    continue
                 if event is not None:
                     event.synchronize()
                     seconds = (None if captured or last_done is None or last_done[1]
@@ -508,18 +534,14 @@ class SpeculativeEngine:
                 else:
                     seconds = None if captured else (time.perf_counter() - t0) / rounds
                 row = pinned_np[done_slot]
-                if gated:  # only what the next choice needs before the next launch; the rest after it
-                    counts = row[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
-                    deferred = functools.partial(self._update_gated, chooser, pinned[done_slot], k, seconds)
-                else:
-                    chooser.update(k, row[5: 6 + k].tolist(), seconds)
+                chooser.update(k, row[5: 6 + k].tolist(), seconds)
                 running, max_remaining = bool(row[0]), int(row[4])
                 if streamer is not None:
                     after = st.lengths[:batch]
                     if int(after[0]) > int(before[0]):
                         streamer.put(st.tokens[0, int(before[0]): int(after[0])].cpu())
             if deferred is not None:
-                deferred()
+                self._update_gated(chooser, *deferred)
             if streamer is not None:
                 streamer.end()
             if cfg.adaptive:
@@ -551,8 +573,18 @@ class SpeculativeEngine:
                 draft_cache.release()
 
     @staticmethod
-    def _update_gated(chooser, info: torch.Tensor, k: int, seconds: float | None) -> None:
-        """:meth:`_GatedChooser.update` from a round's pinned ``info`` (its per-class histograms)."""
+    def _update_gated(chooser, pinned: torch.Tensor, slot: int, k: int, rounds: int, captured: bool, timing) -> None:
+        """:meth:`_GatedChooser.update` from a round's pinned counters (``pinned[slot]``, with its per-class
+        histograms), run after the next round's launch. ``timing``: (this round's CUDA event, the last round's
+        (event, captured)), timed from the last round's completion to this one's (None if either captured a
+        graph); else seconds per round already measured, or None."""
+        if isinstance(timing, tuple):
+            event, last_done = timing
+            seconds = (None if captured or last_done is None or last_done[1]
+                       else last_done[0].elapsed_time(event) / 1e3 / rounds)
+        else:
+            seconds = timing
+        info = pinned[slot]
         stride = MAX_DRAFT + 1
         hists = info[INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].view(NUM_CLASSES, stride)[:, : k + 1]
         chooser.update(k, hists.tolist(), seconds)

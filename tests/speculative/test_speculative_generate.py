@@ -772,6 +772,43 @@ def test_gated_chooser_weighs_the_rows_of_a_batch():
     assert chooser.choose(_counts(c0=1, c3=3))[0] > 0
 
 
+def test_gated_chooser_prepared_choices_equal_choices_made_on_arrival():
+    """The decisions ``prepare`` makes ahead for each single-row class equal what ``choose`` decides from the
+    counts themselves, over a random run of rounds (matches that hold or not, plain bursts, probes, budgets
+    that run out, several rows, round times changing): two choosers fed the same rounds pick the same."""
+    import random
+
+    rng = random.Random(1)
+    ahead, plain = _GatedChooser(k_max=15, draft_cost=0.03), _GatedChooser(k_max=15, draft_cost=0.03)
+    picks, used = [], 0
+    for i in range(600):
+        rows = 1 if i % 7 else 3
+        counts = [0] * NUM_CLASSES
+        for _ in range(rows):
+            counts[rng.choice([0, 0, 1, 1, 2, 3, 5, 7])] += 1
+        budget = rng.choice([None, 100, 100, 20, 16, 15, 9, 3, 1])
+        ahead.prepare(burst=i % 11 != 0)
+        prepared = ahead._prepared
+        got = ahead.choose(counts, budget, burst=i % 11 != 0)
+        want = plain.choose(counts, budget, burst=i % 11 != 0)
+        assert got == want, (i, counts, budget)
+        used += ahead._prepared is prepared and rows == 1 and (budget is None or budget > 15)
+        picks.append(got)
+        k = got[0]
+        if k:
+            hists = [[0] * (k + 1) for _ in range(NUM_CLASSES)]
+            for c, n in enumerate(counts):
+                if n:
+                    hists[c][min(k, rng.choice([0, 1, k, k]) if c > 1 else 0)] += n
+            seconds = (0.6 + 0.01 * k) * 1e-3 * rng.uniform(0.9, 1.1)
+        else:
+            hists, seconds = [[0] for _ in range(NUM_CLASSES)], 0.5e-3 * rng.uniform(0.9, 1.1)
+        for ch in (ahead, plain):
+            ch.update(k, hists, seconds)
+    assert {k for k, _ in picks} >= {0, 15} and any(r > 1 for _, r in picks), picks
+    assert used > 200  # most choices at batch 1 with budget left came from the prepared table
+
+
 def test_gated_chooser_times_a_plain_round_once_a_verify_round_is_timed():
     chooser = _GatedChooser(k_max=4, draft_cost=0.03)
     k, _ = chooser.choose(_counts(c3=1))
