@@ -181,6 +181,14 @@ class FastEngine:
         self._fused = value
 
     # -- eligibility ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The model's device, read off its LM head weight (``PreTrainedModel.device`` walks the modules to find
+        a first parameter: microseconds per read, several reads per call)."""
+        head = getattr(self.model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        return weight.device if isinstance(weight, torch.Tensor) else self.model.device
+
     def _model_reason(self) -> str | None:
         """Why the model cannot take the fast path (None if it can). The full check walks every parameter
         (~1 ms per ``generate`` call on a slow host), so its answer is kept while a cheap key stays the same:
@@ -294,7 +302,7 @@ class FastEngine:
     def _blocks_that_fit(self) -> int | None:
         """Blocks a new pool may have: this engine's pool (freed before a new one is made) plus what fits in
         free device memory (None where free memory cannot be read: not checked)."""
-        fit = paged_cache.blocks_that_fit(self.model.device, self._block_bytes())
+        fit = paged_cache.blocks_that_fit(self.device, self._block_bytes())
         return None if fit is None else fit + self._pool_blocks()
 
     @staticmethod
@@ -311,13 +319,13 @@ class FastEngine:
             grown = 2 * old if fit is None else min(2 * old, fit)  # doubling, within free memory
             self.steps.clear()  # graphs point at the old pools
             self.cache = None
-            if self.model.device.type == "cuda":
+            if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.cache = PagedCache(self.model.config, num_blocks=max(num_blocks, grown), block_size=self.block_size)
         return self.cache
 
     def _step_for(self, batch: int, max_blocks: int, q_len: int = 1, num_layers: int | None = None) -> DecodeStep:
-        on_gpu = self.model.device.type == "cuda" and self.use_cuda_graphs
+        on_gpu = self.device.type == "cuda" and self.use_cuda_graphs
         key = (_bucket(batch) if on_gpu else batch, _bucket(max_blocks, 8) if on_gpu else max_blocks, q_len,
                num_layers)
         step = self.steps.get(key)
@@ -392,7 +400,7 @@ class FastEngine:
             if step.fused:
                 attn0 = model.model.layers[0].self_attn
                 cache.allocate_pools(model.config.num_key_value_heads, attn0.head_dim, next(model.parameters()).dtype,
-                                     model.device)
+                                     self.device)
                 m = cache.manager
                 cache.seq_ids = [m.allocate(0) for _ in range(batch)]
             else:
@@ -471,24 +479,24 @@ class FastEngine:
 
     @torch.inference_mode()
     def generate(self, gc, model_kwargs) -> torch.Tensor:
-        model = self.model
-        input_ids = model_kwargs["input_ids"].to(model.device)
+        device = self.device
+        input_ids = model_kwargs["input_ids"].to(device)
         streamer = model_kwargs.get("streamer")
         batch, prompt_len = input_ids.shape
         max_new = self._max_new(gc, prompt_len)
         if max_new <= 0:
             return input_ids
         attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids)
-        eos_t = torch.tensor(eos_list, dtype=torch.long, device=model.device)
+        eos_t = torch.tensor(eos_list, dtype=torch.long, device=device)
 
         processors = LogitsProcessorList()
         if repetition_penalty(gc) is not None:  # first, as in transformers' processor list
             processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty(gc)))
         if eos_list and (gc.min_length or 0) > 0:
-            processors.append(MinLengthLogitsProcessor(gc.min_length, eos_t, device=model.device))
+            processors.append(MinLengthLogitsProcessor(gc.min_length, eos_t, device=device))
         if eos_list and (gc.min_new_tokens or 0) > 0:
             processors.append(MinNewTokensLengthLogitsProcessor(prompt_len, gc.min_new_tokens, eos_t,
-                                                                device=model.device))
+                                                                device=device))
         processors.extend(sampling_warpers(gc))
 
         step, logits = self.start(input_ids, attention_mask, max_new)
@@ -498,10 +506,10 @@ class FastEngine:
                 n, tokens = self._greedy_in_graph(step, logits, input_ids, batch, prompt_len, max_new, pad, eos_list)
                 self.last_stats = cache.memory_stats()
                 return tokens[:, : prompt_len + n]
-            tokens = torch.full((batch, prompt_len + max_new), pad, dtype=torch.long, device=model.device)
+            tokens = torch.full((batch, prompt_len + max_new), pad, dtype=torch.long, device=device)
             tokens[:, :prompt_len] = input_ids
-            unfinished = torch.ones(batch, dtype=torch.bool, device=model.device)
-            steps_run = torch.zeros((), dtype=torch.long, device=model.device)
+            unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+            steps_run = torch.zeros((), dtype=torch.long, device=device)
             if streamer is not None:
                 streamer.put(input_ids.cpu())
             cur = prompt_len

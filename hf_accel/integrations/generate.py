@@ -175,7 +175,7 @@ def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | 
     """The fast path (speculative where asked and :meth:`SpeculativeEngine.check` allows) for a call that
     ``engine.check`` accepted; the caller holds ``engine.call_lock``."""
     log_once("generate-fast", "hf-accel: generate runs the fast decode path "
-             f"({'CUDA graphs' if model.device.type == 'cuda' and engine.use_cuda_graphs else 'eager steps'})")
+             f"({'CUDA graphs' if engine.device.type == 'cuda' and engine.use_cuda_graphs else 'eager steps'})")
     model._hf_accel_spec_stats = None
     if speculative is not None:
         from hf_accel.speculative.engine import engine_for

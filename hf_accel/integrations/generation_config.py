@@ -29,7 +29,7 @@ from transformers import GenerationConfig
 MAX_ENTRIES = 16
 #: False: transformers' function runs on every call (for A/B timing).
 REMEMBER = True
-_SIMPLE = (type(None), bool, int, float, str, torch.dtype)
+_SIMPLE_TYPES = frozenset((type(None), bool, int, float, str))
 
 
 class _NotComparable(Exception):
@@ -37,17 +37,22 @@ class _NotComparable(Exception):
 
 
 def _freeze(value):
-    """``value`` as a hashable value-equal key: scalars as they are, lists / tuples / sets / dicts
-    recursively; raises _NotComparable for anything else (objects compared by identity)."""
-    if isinstance(value, _SIMPLE):
-        return (type(value), value)  # 1 and True and 1.0 are different options
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_freeze(v) for v in value))
-    if isinstance(value, (set, frozenset)):
-        return (type(value), frozenset(_freeze(v) for v in value))
-    if isinstance(value, dict):
-        return (dict, tuple(sorted(((k, _freeze(v)) for k, v in value.items()), key=lambda kv: repr(kv[0]))))
-    raise _NotComparable(type(value).__name__)
+    """``value`` as a hashable value-equal key: scalars with their type (1, True and 1.0 are different
+    options), lists / tuples / sets / dicts recursively (dicts in their insertion order: the same attributes
+    set in another order only miss the memo); raises _NotComparable for anything else (objects compared by
+    identity)."""
+    kind = type(value)
+    if kind in _SIMPLE_TYPES:
+        return (kind, value)
+    if kind is list or kind is tuple:
+        return (kind, tuple(_freeze(v) for v in value))
+    if kind is dict:
+        return (dict, tuple((k, _freeze(v)) for k, v in value.items()))
+    if kind is set or kind is frozenset:
+        return (kind, frozenset(_freeze(v) for v in value))
+    if isinstance(value, torch.dtype):
+        return (torch.dtype, value)
+    raise _NotComparable(kind.__name__)
 
 
 def _config_key(config):
@@ -106,8 +111,9 @@ def prepare_generation_config(model, user_config, call: dict):
         memo[key] = (copy.deepcopy(gc), passed, copy.deepcopy(added))
         return gc, model_kwargs
     gc, passed, added = hit
-    out = copy.copy(gc)
-    out.__dict__ = {k: copy.deepcopy(v) if isinstance(v, (list, dict, set)) else v for k, v in vars(gc).items()}
+    out = object.__new__(type(gc))  # a copy: scalars shared, containers copied
+    out.__dict__.update({k: v if type(v) in _SIMPLE_TYPES else copy.deepcopy(v) for k, v in vars(gc).items()})
     model_kwargs = {k: call[k] for k in passed}
-    model_kwargs.update(copy.deepcopy(added))
+    if added:
+        model_kwargs.update(copy.deepcopy(added))
     return out, model_kwargs

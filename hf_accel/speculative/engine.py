@@ -367,14 +367,15 @@ class SpeculativeEngine:
             return self._generate(gc, model_kwargs)
 
     def _generate(self, gc, model_kwargs) -> torch.Tensor:
-        fast, model, cfg = self.fast, self.model, self.config
-        input_ids = model_kwargs["input_ids"].to(model.device)
+        fast, cfg = self.fast, self.config
+        device = fast.device
+        input_ids = model_kwargs["input_ids"].to(device)
         streamer = model_kwargs.get("streamer")
         batch, prompt_len = input_ids.shape
         max_new = fast._max_new(gc, prompt_len)
         attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids)
         warp = sampling_warpers(gc)
-        no_ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+        no_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
 
         def warp_fn(scores):
             return warp(no_ids, scores) if len(warp) else scores
@@ -395,7 +396,7 @@ class SpeculativeEngine:
                    "key_mask": step.key_mask, "use_graph": step.use_graph,
                    # one-launch Triton kernels for the lookup and the commit on CUDA (and on CPU with the
                    # fused step, under Triton's interpreter); their PyTorch references otherwise
-                   "kernels": step.fused or model.device.type == "cuda",
+                   "kernels": step.fused or device.type == "cuda",
                    "gated": self.match_gated(batch)}
             nb = step.max_blocks
             ctx["verify"] = {k: fast._step_for(batch, nb, q_len=k + 1) for k in _candidates(k_max)}
@@ -422,7 +423,7 @@ class SpeculativeEngine:
             key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad, k_max, ctx["gated"])
             st = self.states.get(key)
             if st is None or not ctx["use_graph"]:
-                st = self.states[key] = _State(rows, nb * step.block_size + 1, model.device, k_max)
+                st = self.states[key] = _State(rows, nb * step.block_size + 1, device, k_max)
             st.reset(pad)
             st.tokens[:batch, :prompt_len] = input_ids
             if st.eos_ids != tuple(eos_list):  # fill kernels: the prefill is queued, a copy would wait (transfers.py)
