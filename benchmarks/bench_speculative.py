@@ -42,7 +42,8 @@ of them when the row never emits EOS), so padding after a finished row is not co
 Metrics (rows ``{"bench", "provider", "shape", "metric", "unit", "value"}``, per category x bs x provider):
 
 * ``tokens_per_s`` (tok/s) = new tokens produced by all rows of the pass / wall time of the pass;
-  ``new_tokens`` (tokens) and ``wall_time`` (s) of that pass;
+  ``new_tokens`` (tokens) and ``wall_time`` (s) of that pass (the median pass by wall time); ``pass_tok_s``
+  (tok/s): every timed pass, in the order run;
 * ``speedup_vs_ours`` and ``speedup_vs_hf_greedy`` (x): ratios of ``tokens_per_s``;
 * speculative providers: ``acceptance_rate`` (fraction) and ``mean_accepted_per_step`` (tokens) from
   ``hf_accel.speculative_stats(model)`` (aggregated over the calls of a pass: rate = accepted / drafted,
@@ -364,10 +365,11 @@ def measure(provider, model, batches, args, new_tokens, eos_ids, draft):
     want_stats = provider in SPECULATIVE
     passes = [run_pass(model, batches, new_tokens, eos_ids, gen_kwargs, want_stats) for _ in range(repeats)]
     _reset(model)
+    each = [sum(len(r) for batch in p[1] for r in batch) / p[0] for p in passes]
     passes.sort(key=lambda p: p[0])
     wall, outs, stats = passes[(len(passes) - 1) // 2]
     tokens = sum(len(r) for batch in outs for r in batch)
-    return wall, tokens, outs, aggregate_stats(stats) if want_stats else None
+    return wall, tokens, outs, aggregate_stats(stats) if want_stats else None, each
 
 
 def compare(outs, ref) -> tuple[int, int]:
@@ -401,7 +403,7 @@ def run_shape(category, bs, batches, providers, model, args, new_tokens, eos_ids
             table.append((category, bs, provider, None, None, None, None, None, None, "error: no draft model"))
             continue
         try:
-            wall, tokens, outs, stats = measure(provider, model, batches, args, new_tokens, eos_ids, draft)
+            wall, tokens, outs, stats, pass_tps = measure(provider, model, batches, args, new_tokens, eos_ids, draft)
         except Exception as e:  # record and go on: one broken provider must not hide the others
             import traceback
 
@@ -418,6 +420,7 @@ def run_shape(category, bs, batches, providers, model, args, new_tokens, eos_ids
         row("tokens_per_s", "tok/s", tps[provider])
         row("new_tokens", "tokens", tokens)
         row("wall_time", "s", wall)
+        row("pass_tok_s", "tok/s per timed pass, in order", pass_tps)
         if provider == "ours":
             ref = outs
             if bs == 1 and decode is not None:
