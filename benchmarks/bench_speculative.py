@@ -35,15 +35,15 @@ Providers:
 
 Timing: per provider and shape one untimed warm-up pass (CUDA-graph capture, Triton compilation; for the
 stock ``hf-*`` providers a short ``max_new_tokens=8`` call), then ``--repeats`` (default 3; ``--hf-repeats``,
-default 1, for the slow stock providers) timed passes with a CUDA sync around every ``generate``; the median
-pass is kept. Tokens are counted honestly per row: the new tokens up to and including the first EOS (all
+default 1, for the slow stock providers) timed passes with a CUDA sync around every ``generate``; the pass of
+median tok/s is kept. Tokens are counted honestly per row: the new tokens up to and including the first EOS (all
 of them when the row never emits EOS), so padding after a finished row is not counted.
 
 Metrics (rows ``{"bench", "provider", "shape", "metric", "unit", "value"}``, per category x bs x provider):
 
 * ``tokens_per_s`` (tok/s) = new tokens produced by all rows of the pass / wall time of the pass;
-  ``new_tokens`` (tokens) and ``wall_time`` (s) of that pass (the median pass by wall time); ``pass_tok_s``
-  (tok/s): every timed pass, in the order run;
+  ``new_tokens`` (tokens) and ``wall_time`` (s) of that pass: the timed pass of median tok/s (until bc4af20: the
+  pass of median wall time); ``pass_tok_s`` (tok/s): every timed pass, in the order run;
 * ``speedup_vs_ours`` and ``speedup_vs_hf_greedy`` (x): ratios of ``tokens_per_s``;
 * speculative providers: ``acceptance_rate`` (fraction) and ``mean_accepted_per_step`` (tokens) from
   ``hf_accel.speculative_stats(model)`` (aggregated over the calls of a pass: rate = accepted / drafted,
@@ -366,8 +366,9 @@ def measure(provider, model, batches, args, new_tokens, eos_ids, draft):
     passes = [run_pass(model, batches, new_tokens, eos_ids, gen_kwargs, want_stats) for _ in range(repeats)]
     _reset(model)
     each = [sum(len(r) for batch in p[1] for r in batch) / p[0] for p in passes]
-    passes.sort(key=lambda p: p[0])
-    wall, outs, stats = passes[(len(passes) - 1) // 2]
+    # the pass of median tok/s (passes of a speculative provider differ in their tokens too, so the pass of
+    # median wall time need not be the one of median throughput)
+    wall, outs, stats = sorted(passes, key=lambda p: sum(len(r) for b in p[1] for r in b) / p[0])[(len(passes) - 1) // 2]
     tokens = sum(len(r) for batch in outs for r in batch)
     return wall, tokens, outs, aggregate_stats(stats) if want_stats else None, each
 
