@@ -17,6 +17,7 @@ each token on the host: one sync per token.
 
 from __future__ import annotations
 
+import numbers
 import threading
 
 import torch
@@ -84,18 +85,28 @@ class _EosWatch:
         return not self.flags_np[back, :n].any()
 
 
+def eos_ids(eos) -> list[int]:
+    """A generation config's ``eos_token_id`` as a list of Python ints: None, an int of any kind (numpy, a
+    one-element tensor), or a list / tuple / tensor of them, as transformers accepts them."""
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        return [int(x) for x in eos.flatten().tolist()]
+    if isinstance(eos, numbers.Integral):
+        return [int(eos)]
+    return [int(x) for x in eos]
+
+
 def call_inputs(gc, model_kwargs, input_ids):
     """``(attention_mask, eos_ids, pad_id)`` of a generate call, by transformers' rules: without a mask, one
     is inferred from padding when the pad id occurs in the prompt and is not an EOS id; the pad id defaults
-    to the first EOS id (else 0)."""
-    eos = gc.eos_token_id
-    eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
+    to the first EOS id (else 0). Ids come back as Python ints."""
+    eos_list = eos_ids(gc.eos_token_id)
+    pad = int(gc.pad_token_id) if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
-        infer = gc.pad_token_id is not None and gc.pad_token_id not in eos_list and bool(
-            (input_ids == gc.pad_token_id).any())
-        attention_mask = input_ids.ne(gc.pad_token_id).long() if infer else torch.ones_like(input_ids)
+        infer = gc.pad_token_id is not None and pad not in eos_list and bool((input_ids == pad).any())
+        attention_mask = input_ids.ne(pad).long() if infer else torch.ones_like(input_ids)
     return attention_mask.to(input_ids.device), eos_list, pad
 
 
@@ -252,6 +263,13 @@ class FastEngine:
             default = defaults.get(key, None)
             if value not in (default, None) and value != {}:
                 return f"generation option {key}={value!r}"
+        for name in ("max_new_tokens", "max_length"):
+            value = getattr(gc, name, None)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                return f"{name}={value!r} is not an int (transformers' loop runs it as it does)"
+        penalty = getattr(gc, "repetition_penalty", None)
+        if penalty is not None and penalty != 1.0 and not isinstance(penalty, float):
+            return f"repetition_penalty={penalty!r} is not a float (transformers refuses it)"
         if (gc.num_beams or 1) > 1:
             return "beam search"
         if (gc.num_return_sequences or 1) > 1:

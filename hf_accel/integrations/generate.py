@@ -18,6 +18,7 @@ apply, transformers' own assisted generation runs with the caller's arguments.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from transformers.generation import utils as _gen_utils
@@ -71,7 +72,8 @@ def _blocks_needed(model, args, kwargs, block_size: int) -> int:
     if max_new is None:
         max_new = max(kwargs.get("max_length", getattr(gen_config, "max_length", 20) or 20) - prompt_len, 1)
     rows = batch * (kwargs.get("num_return_sequences") or getattr(gen_config, "num_return_sequences", 1) or 1)
-    return rows * -(-(prompt_len + max_new + 1) // block_size)
+    # lengths as transformers' loop reads them: it stops once the length reaches max_length (3.5 new: 4 tokens)
+    return int(rows) * math.ceil((prompt_len + math.ceil(max_new) + 1) / block_size)
 
 
 def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str | None]:
@@ -269,7 +271,8 @@ def uninstall(model) -> None:
         engine.release()
     for spec in model.__dict__.pop("_hf_accel_spec_engines", {}).values():
         spec.close()  # reverts a draft model it accelerated
-    model.__dict__.pop("_hf_accel_spec_stats", None)
+    for name in ("_hf_accel_spec_stats", "_hf_accel_last_cache_stats", "_hf_accel_generation_configs"):
+        model.__dict__.pop(name, None)
 
 
 def last_cache_stats(model) -> dict | None:

@@ -21,6 +21,7 @@ itself (nothing failing is remembered).
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 from transformers import GenerationConfig
@@ -30,6 +31,7 @@ MAX_ENTRIES = 16
 #: False: transformers' function runs on every call (for A/B timing).
 REMEMBER = True
 _SIMPLE_TYPES = frozenset((type(None), bool, int, float, str))
+_LOCK = threading.Lock()  # calls from several threads share a model's memo
 
 
 class _NotComparable(Exception):
@@ -106,9 +108,11 @@ def prepare_generation_config(model, user_config, call: dict):
         # model kwargs from the call are taken from each call; the others (transformers' additions) kept
         added = {k: v for k, v in model_kwargs.items() if k not in call}
         passed = [k for k in model_kwargs if k in call]
-        if len(memo) >= MAX_ENTRIES:
-            memo.pop(next(iter(memo)))
-        memo[key] = (copy.deepcopy(gc), passed, copy.deepcopy(added))
+        entry = (copy.deepcopy(gc), passed, copy.deepcopy(added))
+        with _LOCK:
+            while len(memo) >= MAX_ENTRIES:
+                memo.pop(next(iter(memo)))
+            memo[key] = entry
         return gc, model_kwargs
     gc, passed, added = hit
     out = object.__new__(type(gc))  # a copy: scalars shared, containers copied

@@ -216,7 +216,7 @@ def revert_model(model):
                 base = modules[name].get_base_layer()
                 for k, v in params.items():
                     getattr(base, k).copy_(v)
-    setattr(hf_model, _STATE_ATTR, None)
+    hf_model.__dict__.pop(_STATE_ATTR, None)
     logger.info("hf-accel: reverted %s to attention %r", type(hf_model).__name__, state["attn_implementation"])
     return model
 

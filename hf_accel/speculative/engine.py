@@ -41,7 +41,7 @@ import torch
 
 from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
-from hf_accel.engine.fast_generate import call_inputs, repetition_penalty, sampling_warpers
+from hf_accel.engine.fast_generate import call_inputs, eos_ids, repetition_penalty, sampling_warpers
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import argmax_rows, scratch_for
@@ -180,8 +180,7 @@ class SpeculativeEngine:
             return "min_length / min_new_tokens (their logits processor depends on each position's length)"
         if repetition_penalty(gc) is not None:
             return "repetition_penalty (each verified position's penalty depends on the drafts before it)"
-        eos = gc.eos_token_id
-        if eos is not None and not isinstance(eos, int) and len(eos) > 8:
+        if len(eos_ids(gc.eos_token_id)) > 8:
             return "more than 8 EOS ids"
         if self.draft_fast is not None:
             return self._pools_reason(gc, model_kwargs["input_ids"])

@@ -191,6 +191,40 @@ def test_eos_ids_changing_between_calls_identical_to_stock(tiny):
         assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=eos), stock), eos
 
 
+@pytest.mark.parametrize("spec", [None, "prompt_lookup"])
+def test_eos_id_of_any_int_kind_identical_to_stock(spec, tiny, hf_log):
+    # numpy ints and 0-d / 1-d tensors are EOS ids transformers takes; the fast path (plain and speculative) must
+    # stop where stock stops with them, and pad ids may be numpy ints too
+    import numpy as np
+
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    free = tiny.greedy(model, ids, mask, 12)[:, ids.shape[1]:]
+    eos = int(free[0, 2])
+    ours = accelerate_model(copy.deepcopy(model), **({"speculative": spec} if spec else {}))
+    for kind in (np.int64(eos), np.int32(eos), torch.tensor(eos), torch.tensor([eos, int(free[1, 4])])):
+        stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=kind)
+        got = _generate(ours, ids, mask, np.int64(tiny.PAD), max_new_tokens=12, eos_token_id=kind)
+        assert torch.equal(got, stock), kind
+    assert _messages(hf_log, FAST_MSG)
+
+
+def test_non_int_lengths_and_int_penalty_behave_as_stock(tiny, hf_log):
+    # a float max_new_tokens runs as transformers runs it (its loop compares lengths: 3.5 gives 4 tokens); an
+    # int repetition_penalty is refused by transformers, so it must be here too
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    ours = _accelerated(model)
+    for n in (3.0, 3.5):
+        stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=n, eos_token_id=None)
+        assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=n, eos_token_id=None), stock), n
+    assert _messages(hf_log, "max_new_tokens=3.5 is not an int")
+    with pytest.raises(ValueError, match="penalty"):
+        _generate(model, ids, mask, tiny.PAD, max_new_tokens=4, repetition_penalty=2)
+    with pytest.raises(ValueError, match="penalty"):
+        _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4, repetition_penalty=2)
+
+
 def test_prompt_longer_than_max_length_raises_like_stock(tiny):
     model = tiny.model("llama")
     ids, mask = tiny.batch(seed=1)

@@ -102,3 +102,38 @@ def test_option_values_of_different_types_are_different_keys(model):
     _same(model, None, _call(max_new_tokens=8, do_sample=False, temperature=1))
     gc, _ = _same(model, None, _call(max_new_tokens=8, do_sample=False, temperature=1.5))
     assert gc.temperature == 1.5
+
+
+def test_calls_from_several_threads_share_the_memo(model):
+    """More distinct calls than the memo keeps, from 8 threads at once: every result equals transformers' own
+    and no thread fails while another one evicts an entry."""
+    import sys
+    import threading
+
+    from hf_accel.integrations import generation_config as gcm
+
+    want = {n: model._prepare_generation_config(None, **_call(max_new_tokens=n))[0].max_new_tokens
+            for n in range(1, 3 * gcm.MAX_ENTRIES)}
+    errors = []
+
+    def worker(seed):
+        try:
+            for i in range(300):
+                n = 1 + (seed * 7 + i) % (3 * gcm.MAX_ENTRIES - 1)
+                gc, kw = prepare_generation_config(model, None, _call(max_new_tokens=n))
+                assert gc.max_new_tokens == want[n] and "input_ids" in kw
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]
+    assert len(model.__dict__["_hf_accel_generation_configs"]) <= gcm.MAX_ENTRIES

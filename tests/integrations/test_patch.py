@@ -185,6 +185,19 @@ def test_accelerate_again_after_revert(tiny):
         assert model.config._attn_implementation == "sdpa"
 
 
+def test_revert_leaves_no_hf_accel_attributes(tiny):
+    # what generate calls remembered (prepared configs, cache and speculative stats) goes with the revert
+    model = tiny.model("llama", seed=8)
+    ids, mask = tiny.batch(seed=9)
+    before = set(model.__dict__)
+    for spec in (None, "prompt_lookup"):
+        accelerate_model(model, **({"speculative": spec} if spec else {}))
+        tiny.greedy(model, ids, mask)
+        assert any(k.startswith("_hf_accel") for k in model.__dict__)
+        revert_model(model)
+        assert set(model.__dict__) == before, set(model.__dict__) ^ before
+
+
 def test_revert_restores_eager_implementation(tiny):
     model = tiny.model("mistral", seed=9)
     model.set_attn_implementation("eager")
