@@ -285,7 +285,8 @@ def speculative_stats(model) -> dict | None:
     speculatively.
 
     Keys: ``method``; ``num_draft_tokens`` (the largest k); ``match_gated`` (prompt lookup choosing each
-    round from its own matches); ``verify_steps`` (verify passes with k > 0) and ``backed_off_steps`` (plain
+    round from its own matches); ``verify_steps`` (verify passes with k > 0, also those in which no row had a
+    draft to verify, e.g. prompt lookup without a match at a fixed k) and ``backed_off_steps`` (plain
     steps chosen by the adaptive k); ``draft_lengths`` (steps per k); ``draft_tokens`` / ``accepted_tokens``
     (drafts proposed / accepted and committed, summed over rows: drafts past the token budget or an EOS
     are not counted);
@@ -293,7 +294,8 @@ def speculative_stats(model) -> dict | None:
     verify step) and ``mean_tokens_per_step`` (tokens committed per row and verify step, the bonus or
     correction token included); ``round_ms`` (measured time per round by k, from one round's completion to
     the next one's, so the host's turnaround between rounds is included; recent rounds weigh more, as
-    the adaptive k uses them). The keys of ``draft_lengths`` and ``round_ms`` are the k values as strings.
+    the adaptive k uses them; the estimates are kept from call to call for calls of the same shape, so k
+    values this call did not run can appear). The keys of ``draft_lengths`` and ``round_ms`` are the k values as strings.
     Rates are None when nothing was drafted."""
     from hf_accel.integrations.patch import _unwrap_peft
 
