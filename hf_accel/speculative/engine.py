@@ -514,27 +514,22 @@ class SpeculativeEngine:
                     if event is not None:
                         event.synchronize()
                     row = pinned_np[done_slot]
-                    running, max_remaining = bool(row[0]), int(row[4])
                     counts = row[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
                     # CUDA events are read after the next launch; without them (eager rounds) the wall clock now
                     timing = ((event, last_done) if event is not None
                               else None if captured else (time.perf_counter() - t0) / rounds)
                     deferred = (pinned, done_slot, k, rounds, captured, timing)
                     last_done = (event, captured)
-                    if streamer is not None:
-                        after = st.lengths[:batch]
-                        if int(after[0]) > int(before[0]):
-                            streamer.put(st.tokens[0, int(before[0]): int(after[0])].cpu())
-                    continue
-                if event is not None:
-                    event.synchronize()
-                    seconds = (None if captured or last_done is None or last_done[1]
-                               else last_done[0].elapsed_time(event) / 1e3 / rounds)
-                    last_done = (event, captured)
                 else:
-                    seconds = None if captured else (time.perf_counter() - t0) / rounds
-                row = pinned_np[done_slot]
-                chooser.update(k, row[5: 6 + k].tolist(), seconds)
+                    if event is not None:
+                        event.synchronize()
+                        seconds = (None if captured or last_done is None or last_done[1]
+                                   else last_done[0].elapsed_time(event) / 1e3 / rounds)
+                        last_done = (event, captured)
+                    else:
+                        seconds = None if captured else (time.perf_counter() - t0) / rounds
+                    row = pinned_np[done_slot]
+                    chooser.update(k, row[5: 6 + k].tolist(), seconds)
                 running, max_remaining = bool(row[0]), int(row[4])
                 if streamer is not None:
                     after = st.lengths[:batch]
