@@ -62,7 +62,8 @@ def _config_key(config):
 
 
 def _key(model, user_config, call: dict):
-    """The memo key of a call, and the names of its pass-through arguments (None: not remembered)."""
+    """The memo key of a call and the names of its pass-through (object) arguments. Raises _NotComparable or
+    TypeError where a config holds a value that cannot be compared by value (the call is then not remembered)."""
     simple, objects = [], []
     for name, value in call.items():
         try:
@@ -74,7 +75,7 @@ def _key(model, user_config, call: dict):
     checked = tuple(_freeze(model_cfg.get(k)) for k in gen_keys)
     key = (tuple(sorted(simple)), tuple(sorted(objects)), _config_key(user_config),
            _config_key(model.generation_config), type(model.config), checked)
-    hash(key)
+    hash(key)  # TypeError here (an unhashable value) means: not remembered
     return key, objects
 
 

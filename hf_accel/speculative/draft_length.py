@@ -190,6 +190,8 @@ class _GatedChooser:
         self.k_max = k_max
         self.ks = _candidates(k_max)
         self.draft_cost = draft_cost
+        self._version = 0  # changes with every choice and update (and with the round times assigned)
+        self._prepared = None  # (version, burst, [(k, rounds, effect) for a single row of each class])
         self.times: dict[int, float] = {}
         self.classes = []
         for c in range(NUM_CLASSES):
@@ -199,8 +201,6 @@ class _GatedChooser:
         self.skipped = [0] * NUM_CLASSES  # plain rounds in a row in which the class occurred
         self.plain_timings = 0
         self.plain_run = 0  # plain rounds since the last round that drafted
-        self._version = 0  # changes with every choice and update (and with the round times assigned)
-        self._prepared = None  # (version, burst, [(k, rounds, effect) for a single row of each class])
         # the budget above which it does not limit a choice: more than every k, at least a full plain burst
         self._budget_free = max(max(self.ks), _PLAIN_BURST - 1)
 
@@ -211,7 +211,7 @@ class _GatedChooser:
     @times.setter
     def times(self, value: dict) -> None:
         self._times = value
-        self._version = getattr(self, "_version", 0) + 1
+        self._version += 1
 
     def time(self, k: int) -> float:
         return _round_time(self.times, k, self.draft_cost)
