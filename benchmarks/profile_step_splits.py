@@ -8,11 +8,14 @@ replays, CUDA events, ``profile_speculative_round.time_graph``), with the step's
 of ``--splits`` (``0`` = the default), in turns over ``--rounds`` so that drift hits every setting alike, at
 cached contexts of ``--contexts`` tokens:
 
-* ``plain_q1``: the one-row decode step; ``verify_q2`` / ``verify_q16``: the verify pass over 2 / 16 tokens.
+* ``q1``: the one-row decode step; ``q2`` ... ``q32`` (``--q-lens``): the verify pass over that many tokens.
 
+``--set NAME=VALUE+...`` overrides switches of :mod:`hf_accel.engine.decode_step` for the whole run (e.g.
+``FUSED_LINEAR_MAX_ROWS=32``: verify passes of 17-32 tokens through fused_linear instead of cuBLAS).
 Writes ``profile_step_splits-<date>.json``.
 
     python benchmarks/profile_step_splits.py [--splits 0,1,2,4] [--contexts 305,600] [--rounds 3]
+        [--q-lens 1,2,16] [--set NAME=VALUE+...]
 """
 
 from __future__ import annotations
@@ -25,20 +28,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import smollm2_shaped_model, write_results  # noqa: E402
+from common import decode_step_overrides, smollm2_shaped_model, write_results  # noqa: E402
 from profile_speculative_round import time_graph  # noqa: E402
 
-Q_LENS = (1, 2, 16)
-
-
-def build(model, context: int) -> dict:
-    """Batch-1 steps of q_len 1 / 2 / 16 over ``context`` cached tokens of one row's blocks."""
+def build(model, context: int, q_lens) -> dict:
+    """Batch-1 steps of each q_len over ``context`` cached tokens of one row's blocks."""
     fast = model._hf_accel_engine
     ids = torch.randint(100, 49000, (1, context), device="cuda")
     steps = {}
     with torch.inference_mode():  # the step buffers are inference tensors
-        step, _ = fast.start(ids, torch.ones_like(ids), 128, lookahead=17)
-        for q in Q_LENS:
+        step, _ = fast.start(ids, torch.ones_like(ids), 128, lookahead=max(q_lens) + 1)
+        for q in q_lens:
             v = fast._step_for(1, step.max_blocks, q_len=q)
             v.input_ids.copy_(ids[:, :q])
             v.position_ids.copy_(torch.arange(context, context + q, device="cuda")[None])
@@ -54,12 +54,20 @@ def main(argv=None):
     ap.add_argument("--splits", default="0,1,2,4")
     ap.add_argument("--contexts", default="305,600")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--q-lens", default="1,2,16")
+    ap.add_argument("--set", default="", help="switches of hf_accel.engine.decode_step (NAME=VALUE+...)")
     args = ap.parse_args(argv)
+    with decode_step_overrides(args.set):
+        _main(args)
+
+
+def _main(args):
     splits = [int(s) for s in args.splits.split(",")]
+    q_lens = [int(q) for q in args.q_lens.split(",")]
     model = smollm2_shaped_model()
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
-        steps = build(model, context)
+        steps = build(model, context, q_lens)
         defaults = {q: s.num_splits for q, s in steps.items()}
         print(f"context {context}: default splits {defaults}", flush=True)
         times: dict = {}
@@ -71,18 +79,19 @@ def main(argv=None):
                         ms, _ = time_graph(step._forward)
                         times.setdefault((q, s), []).append(ms)
                 print(f"round {r} splits {s or 'default'}: "
-                      + "  ".join(f"q{q} {times[(q, s)][-1]:.4f}" for q in Q_LENS), flush=True)
+                      + "  ".join(f"q{q} {times[(q, s)][-1]:.4f}" for q in q_lens), flush=True)
         for q, step in steps.items():
             step.num_splits = defaults[q]
         for (q, s), v in times.items():
             rows.append({"bench": "profile_step_splits", "provider": "ours",
                          "shape": {"model": "smollm2-135m-shape", "dtype": "bfloat16", "bs": 1, "context": context,
-                                   "q_len": q, "num_splits": s or defaults[q], "default": s == 0},
+                                   "q_len": q, "num_splits": s or defaults[q], "default": s == 0,
+                                   "switches": args.set},
                          "metric": "forward_ms", "unit": "ms", "value": v})
         print(f"-- context {context}, medians (ms)")
         for s in splits:
             print(f"   splits {s or 'default':>7}: "
-                  + "  ".join(f"q{q} {statistics.median(times[(q, s)]):.4f}" for q in Q_LENS))
+                  + "  ".join(f"q{q} {statistics.median(times[(q, s)]):.4f}" for q in q_lens))
     write_results("profile_step_splits", rows)
 
 

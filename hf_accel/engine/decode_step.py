@@ -172,6 +172,12 @@ FUSED_LINEAR_NORM_K = 0
 #: ~32k programs re-reads the hidden state and the residual to compute it.
 GEMV_LM_HEAD_NORM = True
 
+#: Steps of 2-16 token rows (verify passes, small batches) run the final residual add + RMSNorm + LM head as
+#: one :func:`~hf_accel.kernels.fused_linear.fused_linear` launch with PDL (logits rounded to the model dtype,
+#: then float32, as cuBLAS + ``.float()`` give them) instead of the RMSNorm kernel, cuBLAS and a float32 copy.
+#: Needs the step's fused_linear path and a plain ``nn.Linear`` LM head in the model dtype.
+FUSED_LINEAR_LM_HEAD = False
+
 #: The fused step looks each token's rotary cos/sin up in a table computed once per step object by the
 #: model's rotary module (one gather kernel; the module's per-step computation is ~8 kernels), and computes
 #: cache slots and sequence lengths in one kernel (:func:`~hf_accel.kernels.reshape_and_cache.slot_mapping`;
@@ -533,6 +539,11 @@ class DecodeStep:
                 hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
                 logits = self._gemv(hidden, model.lm_head.weight, bias=model.lm_head.bias, out_dtype=torch.float32,
                                     pdl=pdl)
+            return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
+        if small and FUSED_LINEAR_LM_HEAD and self.gemv_lm_head:
+            logits, _ = self._split_linear(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
+                                           norm_weight=norm.weight, eps=norm.variance_epsilon,
+                                           residual=residual.contiguous(), out_dtype=torch.float32, pdl=pdl)
             return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
         hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
         logits = model.lm_head(hidden).float()

@@ -724,6 +724,28 @@ def test_small_batch_fused_step_whole_k(tiny, monkeypatch):
     assert seen["whole_k"] == 3 * 4 * layers  # o, gate/up, down
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_small_batch_fused_step_lm_head(model_type, tiny, monkeypatch):
+    """Batch-3 fused decode steps with FUSED_LINEAR_LM_HEAD (final residual add + RMSNorm + LM head in one
+    fused_linear launch, float32 logits): it reaches every 3-row step, and greedy output stays token-identical
+    to stock in float32."""
+    from hf_accel.engine import decode_step
+
+    monkeypatch.setattr(decode_step, "FUSED_LINEAR_LM_HEAD", True)
+    heads = []
+    linear = decode_step.fused_linear
+
+    def spy_linear(x, w, **kw):
+        if w.shape[0] == vocab:
+            heads.append((x.shape[0], kw.get("out_dtype"), kw.get("norm_weight") is not None))
+        return linear(x, w, **kw)
+
+    monkeypatch.setattr(decode_step, "fused_linear", spy_linear)
+    vocab = tiny.model(model_type).config.vocab_size
+    _fused_five_tokens_match_stock(tiny, 2, model_type, head_dim=32)
+    assert heads == [(3, torch.float32, True)] * 4  # 4 decode steps of 3 rows
+
+
 def test_model_reason_follows_mode_dtype_and_layers(tiny):
     """The fast path's model check is cached per call, but training mode, a cast, a device move of the
     whole model and a replaced layer are seen at the next call (and generate falls back / recovers)."""
