@@ -175,7 +175,10 @@ GEMV_LM_HEAD_NORM = True
 #: Steps of 2-16 token rows (verify passes, small batches) run the final residual add + RMSNorm + LM head as
 #: one :func:`~hf_accel.kernels.fused_linear.fused_linear` launch with PDL (logits rounded to the model dtype,
 #: then float32, as cuBLAS + ``.float()`` give them) instead of the RMSNorm kernel, cuBLAS and a float32 copy.
-#: Needs the step's fused_linear path and a plain ``nn.Linear`` LM head in the model dtype.
+#: Needs the step's fused_linear path and a plain ``nn.Linear`` LM head in the model dtype. Off: slower. H200,
+#: SmolLM2-shaped random bf16 weights, batch-1 verify forwards in CUDA graphs, contexts 305 / 450, two runs in turns
+#: (``profile_step_splits-lm-head-20261203-f6bf997.json``): 16 tokens 0.643 ms with it vs 0.615, 2 tokens 0.569 vs
+#: 0.544 (the whole-K tiles hold 32 x 576 weights per program: 1536 programs over the 49152 outputs).
 FUSED_LINEAR_LM_HEAD = False
 
 #: The fused step looks each token's rotary cos/sin up in a table computed once per step object by the
@@ -275,7 +278,10 @@ def fused_linear_supported(model, merged, check_hidden: bool = True) -> str | No
 
 #: Fewest keys per KV split of the step's paged attention (:func:`default_num_splits`). H200, Llama-3-8B
 #: shape bs1 (``bench_generate-gemv-rope-ab-20261201-3899aa9.json``): 234.7 tok/s at 64, 230.7 at 128,
-#: 235.1 at 32.
+#: 235.1 at 32. At batch 1 SmolLM2's grid has 3 programs before splitting, and fewer, longer splits lose:
+#: random SmolLM2-shaped bf16 weights, forwards in CUDA graphs (``profile_step_splits-20261203-afa165e.json``),
+#: 305 cached tokens, one-row step / 16-token verify pass: 0.490 / 0.611 ms with the default 8 splits, 0.553 /
+#: 0.703 with 4, 0.703 / 0.909 with 1 (600 tokens: 0.492 / 0.611 with 16 splits, 1.052 / 1.216 with 1).
 DECODE_MIN_SPLIT_KEYS = 64
 
 
