@@ -15,9 +15,9 @@ from hf_accel.kernels.device import check_launch_device
 
 
 @triton.jit
-def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, capacity, stride_tb, K,
+def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, Counts, Active, capacity, stride_tb, K,
                          MAX_NGRAM: tl.constexpr, MIN_NGRAM: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, NUM_CLASSES: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     row = Tokens + b * stride_tb
     length = tl.load(Lengths + b).to(tl.int32)
@@ -44,11 +44,17 @@ def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, capacity
     drafts = tl.load(row + idx, mask=ok, other=0)
     tl.store(Drafts + b * K + kk, drafts, mask=kk < K)
     tl.store(Valid + b * K + kk, ok.to(tl.uint8), mask=kk < K)
+    if NUM_CLASSES > 0:  # one row (one program): its class, and the active rows per class
+        matched = tl.minimum(matched, NUM_CLASSES - 1)
+        cc = tl.arange(0, NUM_CLASSES)
+        active = tl.load(Active + b).to(tl.int64)
+        tl.store(Counts + cc, tl.where(cc == matched, active, 0))
     tl.store(Ngram + b, matched.to(tl.int64))
 
 
 def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
-                 min_ngram: int = 1, with_ngram: bool = False, out=None):
+                 min_ngram: int = 1, with_ngram: bool = False, out=None, class_counts: torch.Tensor | None = None,
+                 active: torch.Tensor | None = None):
     """Prompt-lookup drafts, one launch.
 
     Args:
@@ -59,6 +65,10 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
         with_ngram: also return the length of the n-gram each row matched.
         out: optional (drafts [batch, k] int64, valid [batch, k] bool, ngram [batch] int64) contiguous
             tensors to write (and return) instead of new ones.
+        class_counts: optional [num_classes] int64 contiguous tensor, batch 1 only (with ``active``, [1] bool):
+            written in the same launch with the match-gated chooser's class counts: ``class_counts[c]`` = 1 if
+            the row is active and its class (matched n, clamped to ``num_classes - 1``) is c, else 0; the
+            returned ngram is clamped likewise. Replaces a zero fill, a cast and a scatter-add.
 
     Returns:
         (drafts [batch, k] int64, valid [batch, k] bool, a prefix per row), as :func:`ngram_lookup_ref`;
@@ -87,10 +97,24 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
         drafts = torch.empty(b, k, dtype=torch.long, device=tokens.device)
         valid = torch.empty(b, k, dtype=torch.uint8, device=tokens.device)
         ngram = torch.empty(b, dtype=torch.long, device=tokens.device)
+    num_classes = 0
+    if class_counts is not None:
+        num_classes = class_counts.numel()
+        if b != 1:
+            raise ValueError(f"class_counts takes batch 1, got batch {b}")
+        if (class_counts.dim() != 1 or class_counts.dtype != torch.long or not class_counts.is_contiguous()
+                or num_classes < 2 or num_classes & (num_classes - 1) or class_counts.device != tokens.device):
+            raise ValueError(f"class_counts must be a contiguous 1-d int64 tensor of a power-of-2 size >= 2 on "
+                             f"{tokens.device}, got {tuple(class_counts.shape)} {class_counts.dtype}")
+        if active is None or active.shape != (1,) or active.dtype != torch.bool or active.device != tokens.device:
+            raise ValueError("class_counts needs active: a [1] bool tensor on the tokens' device")
     check_launch_device(tokens, "ngram_lookup")
-    _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, ngram, cap, tokens.stride(0), k,
+    _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, ngram,
+                               class_counts if num_classes else ngram,
+                               active.view(torch.uint8) if num_classes else valid, cap, tokens.stride(0), k,
                                MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram,
-                               BLOCK=min(1024, triton.next_power_of_2(cap)), BLOCK_K=triton.next_power_of_2(k))
+                               BLOCK=min(1024, triton.next_power_of_2(cap)), BLOCK_K=triton.next_power_of_2(k),
+                               NUM_CLASSES=num_classes)
     if out is not None:
         return out
     return (drafts, valid.view(torch.bool), ngram) if with_ngram else (drafts, valid.view(torch.bool))

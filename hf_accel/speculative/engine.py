@@ -47,6 +47,7 @@ from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import argmax_rows, scratch_for
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
                                             TOTALS_SIZE, commit_tokens, commit_tokens_ref)
+from hf_accel.kernels.ngram_lookup import ngram_lookup
 from hf_accel.kernels.verify_inputs import verify_inputs, verify_inputs_ref
 from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
@@ -253,11 +254,15 @@ class SpeculativeEngine:
         the active rows per class into ``info[INFO_CLASS_COUNTS:]`` (device work only)."""
         cfg = self.config
         k_max = st.drafts.shape[1]
+        counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
+        if ctx["kernels"] and st.tokens.shape[0] == 1:  # one launch writes the class counts too
+            ngram_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram,
+                         out=(st.drafts, st.valid, st.ngram), class_counts=counts, active=st.active)
+            return
         prompt_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram, use_kernel=ctx["kernels"],
                       out=(st.drafts, st.valid, st.ngram))
         if cfg.max_ngram >= NUM_CLASSES:  # longer matches share the last class
             st.ngram.clamp_(max=NUM_CLASSES - 1)
-        counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
         counts.zero_()
         counts.scatter_add_(0, st.ngram, st.active.long())
 

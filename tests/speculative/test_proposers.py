@@ -111,3 +111,43 @@ def test_lookup_into_buffers(use_kernel):
     want = ngram_lookup_ref(tokens, lengths, starts, 5, with_ngram=True)
     assert all(a is b for a, b in zip(got, bufs))
     assert all(torch.equal(a, b) for a, b in zip(bufs, want))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_class_counts_match_torch_path(seed):
+    """``class_counts`` (batch 1): the lookup launch writes the row's class counts as the zero fill + scatter-add
+    of the active row gave them, and clamps the matched n to the last class, as ``clamp_`` did."""
+    from hf_accel.kernels.ngram_lookup import ngram_lookup, ngram_lookup_ref
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's interpreter on CPU
+    g = torch.Generator().manual_seed(seed)
+    cap = 41
+    tokens = torch.randint(1, 3 + seed % 3, (1, cap), generator=g)
+    lengths = torch.randint(12, cap + 1, (1,), generator=g)
+    starts = torch.randint(0, 3, (1,), generator=g)
+    for max_ngram, num_classes, active in ((3, 8, True), (6, 4, True), (6, 4, False), (2, 2, True)):
+        drafts, valid, ngram = ngram_lookup_ref(tokens, lengths, starts, 5, max_ngram, 1, with_ngram=True)
+        want_ngram = ngram.clamp(max=num_classes - 1)
+        want = torch.zeros(num_classes, dtype=torch.long).scatter_add_(0, want_ngram, torch.tensor([int(active)]))
+        counts = torch.full((num_classes,), -5, dtype=torch.long, device=dev)
+        bufs = (torch.empty(1, 5, dtype=torch.long, device=dev), torch.empty(1, 5, dtype=torch.bool, device=dev),
+                torch.empty(1, dtype=torch.long, device=dev))
+        ngram_lookup(tokens.to(dev), lengths.to(dev), starts.to(dev), 5, max_ngram, 1, out=bufs, class_counts=counts,
+                     active=torch.tensor([active], device=dev))
+        assert torch.equal(counts.cpu(), want), (max_ngram, num_classes, active, ngram)
+        assert torch.equal(bufs[2].cpu(), want_ngram) and torch.equal(bufs[0].cpu(), drafts)
+        assert torch.equal(bufs[1].cpu(), valid)
+
+
+def test_kernel_class_counts_bad_arguments():
+    from hf_accel.kernels.ngram_lookup import ngram_lookup
+
+    tokens, lengths, starts = torch.randint(1, 4, (2, 20)), torch.tensor([20, 15]), torch.tensor([0, 0])
+    with pytest.raises(ValueError, match="batch 1"):
+        ngram_lookup(tokens, lengths, starts, 3, class_counts=torch.zeros(4, dtype=torch.long),
+                     active=torch.ones(2, dtype=torch.bool))
+    for counts in (torch.zeros(3, dtype=torch.long), torch.zeros(4, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="class_counts must be"):
+            ngram_lookup(tokens[:1], lengths[:1], starts[:1], 3, class_counts=counts, active=torch.ones(1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="needs active"):
+        ngram_lookup(tokens[:1], lengths[:1], starts[:1], 3, class_counts=torch.zeros(4, dtype=torch.long))
