@@ -76,22 +76,23 @@ def graph_replay_us(fn, per: int, rep_ms: int = 25) -> float:
 def _switch_modules():
     from hf_accel.engine import decode_step
     from hf_accel.speculative import draft_length
+    from hf_accel.speculative import engine as speculative_engine
 
-    return decode_step, draft_length
+    return decode_step, draft_length, speculative_engine
 
 
 def parse_overrides(spec: str) -> dict:
     """``"NAME=VALUE+NAME=VALUE"`` -> {NAME: value} for module constants of
-    :mod:`hf_accel.engine.decode_step` or :mod:`hf_accel.speculative.draft_length` (A/B runs of their
-    switches); values are Python literals."""
+    :mod:`hf_accel.engine.decode_step`, :mod:`hf_accel.speculative.draft_length` or
+    :mod:`hf_accel.speculative.engine` (A/B runs of their switches); values are Python literals."""
     import ast
 
     out = {}
     for item in filter(None, spec.split("+")):
         name, _, value = item.partition("=")
         if not name.isupper() or not any(hasattr(m, name) for m in _switch_modules()):
-            raise ValueError(f"{name!r} is not a switch of hf_accel.engine.decode_step or "
-                             f"hf_accel.speculative.draft_length")
+            raise ValueError(f"{name!r} is not a switch of hf_accel.engine.decode_step, "
+                             f"hf_accel.speculative.draft_length or hf_accel.speculative.engine")
         out[name] = ast.literal_eval(value)
     return out
 

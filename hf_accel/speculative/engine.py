@@ -59,6 +59,11 @@ from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candida
 #: ~9 small PyTorch kernels inside the round's graph.
 VERIFY_INPUTS_KERNEL = True
 
+#: Match-gated lookup at batch 1: the n-gram lookup kernel writes the class counts (and clamps the class) in
+#: its own launch (:func:`~hf_accel.kernels.ngram_lookup.ngram_lookup`'s ``class_counts``) instead of a zero
+#: fill, a bool-to-int64 cast and a scatter-add after it: three kernels less in every round's graph.
+LOOKUP_CLASS_COUNTS_KERNEL = True
+
 
 class _State:
     """Device state of one generate call (static buffers; the round graphs read and update them).
@@ -255,7 +260,7 @@ class SpeculativeEngine:
         cfg = self.config
         k_max = st.drafts.shape[1]
         counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
-        if ctx["kernels"] and st.tokens.shape[0] == 1:  # one launch writes the class counts too
+        if LOOKUP_CLASS_COUNTS_KERNEL and ctx["kernels"] and st.tokens.shape[0] == 1:  # counts in the same launch
             ngram_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram,
                          out=(st.drafts, st.valid, st.ngram), class_counts=counts, active=st.active)
             return

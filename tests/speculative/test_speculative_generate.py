@@ -846,6 +846,52 @@ def test_match_gated_fused_triton_step_with_every_draft_length(tiny, monkeypatch
     assert torch.equal(st.drafts, drafts) and torch.equal(st.valid, valid) and torch.equal(st.ngram, ngram)
 
 
+@pytest.mark.parametrize("counts_kernel", [True, False], ids=["counts-in-lookup", "counts-scatter"])
+def test_match_gated_fused_triton_step_batch1_class_counts(counts_kernel, tiny, monkeypatch):
+    """Batch 1 (interpreter): the lookup kernel writes the class counts itself (LOOKUP_CLASS_COUNTS_KERNEL) or the
+    fill + scatter-add do; either way greedy equals stock, rounds draft, and the state's counts are the active
+    row's class after the final lookup."""
+    from hf_accel.speculative import engine as spec_engine
+
+    monkeypatch.setattr(spec_engine, "LOOKUP_CLASS_COUNTS_KERNEL", counts_kernel)
+    seen = []
+
+    def choose(self, counts, max_remaining=None, burst=True):
+        # the counts the host read = the active row's class in the state now (rounds run eagerly on CPU)
+        (engine,) = ours.__dict__["_hf_accel_spec_engines"].values()
+        (st,) = engine.states.values()
+        _, _, ngram = ngram_lookup_ref(st.tokens, st.lengths, st.starts, 4, with_ngram=True)
+        want = [0] * NUM_CLASSES
+        want[min(int(ngram[0]), NUM_CLASSES - 1)] = int(st.active[0])
+        seen.append((list(counts), want))
+        # draft whenever the row matched (on CPU the timed chooser would back off)
+        return (4 if any(counts[1:]) and (max_remaining is None or max_remaining > 4) else 0), 1
+
+    monkeypatch.setattr(_GatedChooser, "choose", choose)
+    calls = []
+    lookup = spec_engine.ngram_lookup
+    monkeypatch.setattr(spec_engine, "ngram_lookup", lambda *a, **k: calls.append(1) or lookup(*a, **k))
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ids, mask = ids[:1], mask[:1]
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=4))
+    ours._hf_accel_engine.fused = True
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(out, stock)
+    stats = speculative_stats(ours)
+    assert stats["match_gated"] and stats["verify_steps"] > 0, stats
+    assert bool(calls) == counts_kernel
+    assert len(seen) > 2 and all(got == want for got, want in seen), seen
+    (engine,) = ours.__dict__["_hf_accel_spec_engines"].values()
+    (st,) = engine.states.values()
+    _, _, ngram = ngram_lookup_ref(st.tokens, st.lengths, st.starts, 4, with_ngram=True)
+    want = [0] * NUM_CLASSES
+    want[min(int(ngram[0]), NUM_CLASSES - 1)] = int(st.active[0])
+    assert st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist() == want
+    assert torch.equal(st.ngram, ngram.clamp(max=NUM_CLASSES - 1))
+
+
 def test_match_gated_matches_longer_than_the_classes_share_the_last_class(tiny):
     """max_ngram 9 > NUM_CLASSES - 1: a 9-gram match is counted in the last class; greedy is unchanged."""
     from hf_accel.speculative.engine import _State
