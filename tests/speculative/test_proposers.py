@@ -151,3 +151,47 @@ def test_kernel_class_counts_bad_arguments():
             ngram_lookup(tokens[:1], lengths[:1], starts[:1], 3, class_counts=counts, active=torch.ones(1, dtype=torch.bool))
     with pytest.raises(ValueError, match="needs active"):
         ngram_lookup(tokens[:1], lengths[:1], starts[:1], 3, class_counts=torch.zeros(4, dtype=torch.long))
+
+
+def test_kernel_mailbox_copies_the_counters_and_counts_the_rounds():
+    """``mailbox`` (interpreter on CPU): each launch copies ``info`` with the class counts it wrote into ``box[1:]``
+    and sets ``box[0]`` to the incremented round counter."""
+    from hf_accel.kernels.commit_tokens import INFO_CLASS_COUNTS, INFO_SIZE, NUM_CLASSES
+    from hf_accel.kernels.ngram_lookup import ngram_lookup
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    info = torch.arange(INFO_SIZE, dtype=torch.long, device=dev) * 3 + 1
+    box = torch.full((INFO_SIZE + 1,), -1, dtype=torch.long, pin_memory=dev == "cuda")
+    seq = torch.tensor([41], device=dev)
+    counts = info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
+    tokens = torch.tensor([[5, 6, 7, 5, 6, 0, 0]], device=dev)  # the last 2-gram opens the row: class 2
+    bufs = (torch.empty(1, 3, dtype=torch.long, device=dev), torch.empty(1, 3, dtype=torch.bool, device=dev),
+            torch.empty(1, dtype=torch.long, device=dev))
+    lengths, starts = torch.tensor([5], device=dev), torch.zeros(1, dtype=torch.long, device=dev)
+    for round_ in (1, 2):
+        ngram_lookup(tokens, lengths, starts, 3, out=bufs, class_counts=counts,
+                     active=torch.ones(1, dtype=torch.bool, device=dev), mailbox=(info, box, seq))
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        want = info.cpu().clone()
+        assert want[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist() == [0, 0, 1] + [0] * (NUM_CLASSES - 3)
+        assert int(box[0]) == 41 + round_ and int(seq) == 41 + round_
+        assert torch.equal(box[1:], want)
+
+
+def test_kernel_mailbox_bad_arguments():
+    from hf_accel.kernels.commit_tokens import INFO_CLASS_COUNTS, INFO_SIZE, NUM_CLASSES
+    from hf_accel.kernels.ngram_lookup import ngram_lookup
+
+    tokens, lengths, starts = torch.randint(1, 4, (1, 20)), torch.tensor([20]), torch.tensor([0])
+    info = torch.zeros(INFO_SIZE, dtype=torch.long)
+    counts, active = info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES], torch.ones(1, dtype=torch.bool)
+    seq = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="needs class_counts"):
+        ngram_lookup(tokens, lengths, starts, 3, mailbox=(info, torch.zeros(INFO_SIZE + 1, dtype=torch.long), seq))
+    with pytest.raises(ValueError, match="holds class_counts"):
+        ngram_lookup(tokens, lengths, starts, 3, class_counts=torch.zeros(NUM_CLASSES, dtype=torch.long),
+                     active=active, mailbox=(info, torch.zeros(INFO_SIZE + 1, dtype=torch.long), seq))
+    with pytest.raises(ValueError, match="box must be"):
+        ngram_lookup(tokens, lengths, starts, 3, class_counts=counts, active=active,
+                     mailbox=(info, torch.zeros(INFO_SIZE, dtype=torch.long), seq))
