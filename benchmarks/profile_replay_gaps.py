@@ -18,12 +18,10 @@ Per provider (summed over the 8 calls, after two warm-up passes):
   transformers' argument handling, our dispatch and checks, the cache set-up;
 * ``call_ms``: wall time of the calls with the wrapper on (it adds two event records per replay).
 
-With ``--mailbox-ab`` the providers are ``ours``, ``ours-prompt_lookup`` and ``ours-prompt_lookup-copy`` (rounds
-copy their counters to the host and wait for a CUDA event: ``hf_accel.speculative.engine.MAILBOX_COUNTERS = False``).
-Otherwise providers ``*-no-memo`` run with ``hf_accel.integrations.generation_config.REMEMBER = False`` (transformers
+Providers ``*-no-memo`` run with ``hf_accel.integrations.generation_config.REMEMBER = False`` (transformers
 prepares the generation config on every call); all four in turns, two passes (``shape['pass']``).
 
-    python benchmarks/profile_replay_gaps.py [--mailbox-ab]
+    python benchmarks/profile_replay_gaps.py
 """
 import statistics
 import sys
@@ -81,33 +79,20 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def main(argv=None):
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--mailbox-ab", action="store_true",
-                    help="providers ours, ours-prompt_lookup and ours-prompt_lookup-copy (MAILBOX_COUNTERS off) "
-                         "instead of the memo A/B")
-    args = ap.parse_args(argv)
-    from hf_accel.speculative import engine as spec_engine
-
+def main():
     log = ReplayLog()
     model, tok = load_default_model(dtype="bfloat16", device="cuda")
     batches = [bs.encode(tok, [t], "cuda") for t in bs.chat_texts(tok, "grounded-text")]
     base = {"model": "smollm2-135m", "dtype": "bfloat16", "bs": 1, "category": "grounded-text", "max_new_tokens": 128,
             "prompts": len(batches)}
     rows = []
-    variants = [("ours", None, True, True), ("ours-prompt_lookup", "prompt_lookup", True, True),
-                ("ours-no-memo", None, False, True), ("ours-prompt_lookup-no-memo", "prompt_lookup", False, True)]
-    if args.mailbox_ab:
-        variants = [("ours", None, True, True), ("ours-prompt_lookup", "prompt_lookup", True, True),
-                    ("ours-prompt_lookup-copy", "prompt_lookup", True, False)]
+    variants = [("ours", None, True), ("ours-prompt_lookup", "prompt_lookup", True),
+                ("ours-no-memo", None, False), ("ours-prompt_lookup-no-memo", "prompt_lookup", False)]
     seen = set()
-    for provider, spec, memo, mailbox in variants * 2:
+    for provider, spec, memo in variants * 2:
         pass_ = int(provider in seen)
         seen.add(provider)
         gcm.REMEMBER = memo
-        spec_engine.MAILBOX_COUNTERS = mailbox
         hf_accel.accelerate_model(model, **({"speculative": spec} if spec else {}))
 
         def gen(ids, mask):

@@ -44,14 +44,14 @@ def run_log():
     log, calls = [], []
     update = spec_engine.SpeculativeEngine._update_gated
 
-    def logged(chooser, info, k, rounds, captured, timing):
+    def logged(chooser, pinned, slot, k, rounds, captured, timing):
         stride = MAX_DRAFT + 1
-        hists = info[INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].reshape(NUM_CLASSES, stride)
+        hists = pinned[slot][INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].view(NUM_CLASSES, stride)
         hists = hists[:, : k + 1].tolist()
         cls = [c for c in range(NUM_CLASSES) if any(hists[c])]
         acc = [v for c in range(NUM_CLASSES) for v in range(k + 1) if hists[c][v]]
         log.append((k, rounds, cls[0] if cls else -1, acc[0] if acc else -1))
-        return update(chooser, info, k, rounds, captured, timing)
+        return update(chooser, pinned, slot, k, rounds, captured, timing)
 
     spec_engine.SpeculativeEngine._update_gated = staticmethod(logged)
     saved = draft_length._record_time

@@ -15,11 +15,9 @@ from hf_accel.kernels.device import check_launch_device
 
 
 @triton.jit
-def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, Counts, Active, Info, Box, Seq, capacity,
-                         stride_tb, K, info_size, counts_at,
+def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, Counts, Active, capacity, stride_tb, K,
                          MAX_NGRAM: tl.constexpr, MIN_NGRAM: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_K: tl.constexpr, NUM_CLASSES: tl.constexpr, MAILBOX: tl.constexpr,
-                         INFO_BLOCK: tl.constexpr):
+                         BLOCK_K: tl.constexpr, NUM_CLASSES: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     row = Tokens + b * stride_tb
     length = tl.load(Lengths + b).to(tl.int32)
@@ -51,22 +49,12 @@ def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, Counts, 
         cc = tl.arange(0, NUM_CLASSES)
         active = tl.load(Active + b).to(tl.int64)
         tl.store(Counts + cc, tl.where(cc == matched, active, 0))
-        if MAILBOX:  # Info (with the counts above) to host memory, then the sequence number
-            offs = tl.arange(0, INFO_BLOCK)
-            v = tl.load(Info + offs, mask=offs < info_size, other=0)
-            in_counts = (offs >= counts_at) & (offs < counts_at + NUM_CLASSES)
-            v = tl.where(in_counts, tl.where(offs - counts_at == matched, active, 0), v)
-            tl.store(Box + 1 + offs, v, mask=offs < info_size)
-            seq = tl.load(Seq) + 1
-            tl.store(Seq, seq)
-            tl.debug_barrier()
-            tl.atomic_xchg(Box, seq, sem="release", scope="sys")
     tl.store(Ngram + b, matched.to(tl.int64))
 
 
 def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
                  min_ngram: int = 1, with_ngram: bool = False, out=None, class_counts: torch.Tensor | None = None,
-                 active: torch.Tensor | None = None, mailbox=None):
+                 active: torch.Tensor | None = None):
     """Prompt-lookup drafts, one launch.
 
     Args:
@@ -81,12 +69,6 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
             written in the same launch with the match-gated chooser's class counts: ``class_counts[c]`` = 1 if
             the row is active and its class (matched n, clamped to ``num_classes - 1``) is c, else 0; the
             returned ngram is clamped likewise. Replaces a zero fill, a cast and a scatter-add.
-        mailbox: optional ``(info, box, seq)``, with ``class_counts`` (which must be a slice of ``info``):
-            after the counts, the launch copies ``info`` ([n] int64, device) into ``box[1:]`` (int64 page-locked
-            host memory of n + 1 entries, written by the kernel through its mapped address) and then sets
-            ``box[0]`` to ``seq + 1`` (``seq``: [1] int64 device counter, incremented), with a system-scope
-            release: a host that sees the new ``box[0]`` sees the counters. The host waits for a round by
-            polling ``box[0]`` instead of a copy to the host and a CUDA event (``profile_sync_turnaround``).
 
     Returns:
         (drafts [batch, k] int64, valid [batch, k] bool, a prefix per row), as :func:`ngram_lookup_ref`;
@@ -126,36 +108,13 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
                              f"{tokens.device}, got {tuple(class_counts.shape)} {class_counts.dtype}")
         if active is None or active.shape != (1,) or active.dtype != torch.bool or active.device != tokens.device:
             raise ValueError("class_counts needs active: a [1] bool tensor on the tokens' device")
-    info = box = seq = None
-    counts_at = info_size = 0
-    if mailbox is not None:
-        if class_counts is None:
-            raise ValueError("mailbox needs class_counts")
-        info, box, seq = mailbox
-        info_size = info.numel()
-        counts_at = (class_counts.data_ptr() - info.data_ptr()) // 8
-        if (info.dim() != 1 or info.dtype != torch.long or not info.is_contiguous() or info.device != tokens.device
-                or class_counts.untyped_storage().data_ptr() != info.untyped_storage().data_ptr()
-                or not 0 <= counts_at <= info_size - num_classes):
-            raise ValueError("mailbox info must be a contiguous 1-d int64 tensor on the tokens' device that holds "
-                             "class_counts")
-        if box.shape != (info_size + 1,) or box.dtype != torch.long or not box.is_contiguous() or box.is_cuda:
-            raise ValueError(f"mailbox box must be a contiguous [{info_size + 1}] int64 host tensor, got "
-                             f"{tuple(box.shape)} {box.dtype} on {box.device}")
-        if tokens.is_cuda and not box.is_pinned():
-            raise ValueError("mailbox box must be page-locked (pin_memory) for a CUDA launch to write it")
-        if seq.shape != (1,) or seq.dtype != torch.long or seq.device != tokens.device:
-            raise ValueError("mailbox seq must be a [1] int64 tensor on the tokens' device")
     check_launch_device(tokens, "ngram_lookup")
     _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, ngram,
                                class_counts if num_classes else ngram,
-                               active.view(torch.uint8) if num_classes else valid,
-                               info if info is not None else ngram, box if box is not None else ngram,
-                               seq if seq is not None else ngram, cap, tokens.stride(0), k, info_size, counts_at,
+                               active.view(torch.uint8) if num_classes else valid, cap, tokens.stride(0), k,
                                MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram,
                                BLOCK=min(1024, triton.next_power_of_2(cap)), BLOCK_K=triton.next_power_of_2(k),
-                               NUM_CLASSES=num_classes, MAILBOX=mailbox is not None,
-                               INFO_BLOCK=triton.next_power_of_2(max(info_size, 1)))
+                               NUM_CLASSES=num_classes)
     if out is not None:
         return out
     return (drafts, valid.view(torch.bool), ngram) if with_ngram else (drafts, valid.view(torch.bool))

@@ -64,19 +64,6 @@ VERIFY_INPUTS_KERNEL = True
 #: fill, a bool-to-int64 cast and a scatter-add after it: three kernels less in every round's graph.
 LOOKUP_CLASS_COUNTS_KERNEL = True
 
-#: Match-gated rounds at batch 1 on CUDA (with :data:`LOOKUP_CLASS_COUNTS_KERNEL`): the lookup kernel at the end of
-#: each round writes the round's counters straight into page-locked host memory (its mapped address) and then a
-#: sequence number; the host polls that number instead of copying the counters to the host and waiting for a
-#: CUDA event. H200, synthetic graphs of 200 kernels (``profile_sync_turnaround-20261203-8c738be.json``): the
-#: round trip between two replays was 17.6 us with the copy and the event, 7.2 us with the kernel's write and
-#: polling (6.4 us for an event alone). Machines where a kernel cannot write page-locked host memory keep the
-#: copy (checked once per engine, the reason logged).
-MAILBOX_COUNTERS = True
-
-#: How long the host polls a round's sequence number before it blocks on the round's CUDA event instead
-#: (seconds): a longer round (another process on the GPU) costs no CPU time past this.
-MAILBOX_SPIN_S = 0.02
-
 
 class _State:
     """Device state of one generate call (static buffers; the round graphs read and update them).
@@ -105,10 +92,6 @@ class _State:
         self.valid = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
         self.ngram = torch.zeros(batch, dtype=torch.long, device=device)
         self._host = None  # host_counters: (host rows, their numpy view)
-        # match-gated batch-1 rounds (MAILBOX_COUNTERS): rounds looked up so far (device), and the host copy the
-        # lookup kernel writes: [0] that count, [1:] info
-        self.seq = torch.zeros(1, dtype=torch.long, device=device)
-        self._box = None
         self._argmax = None  # argmax_scratch: argmax_rows' scratch for every k of this state
 
     def argmax_scratch(self, vocab: int):
@@ -134,14 +117,6 @@ class _State:
             rows = torch.zeros(3, self.info.numel(), dtype=torch.long, pin_memory=pinned)
             self._host = (rows, rows.numpy())
         return self._host
-
-    def mailbox(self):
-        """The page-locked host row the lookup kernel writes (``[0]``: rounds looked up, ``[1:]``: ``info``) and its
-        numpy view, made once per state (graphs bake in its address); pageable on CPU (Triton's interpreter)."""
-        if self._box is None:
-            box = torch.zeros(self.info.numel() + 1, dtype=torch.long, pin_memory=self.info.is_cuda)
-            self._box = (box, box.numpy())
-        return self._box
 
     def snapshot(self):
         return [getattr(self, n).clone() for n in self.NAMES]
@@ -175,7 +150,6 @@ class SpeculativeEngine:
         self.states: dict = {}
         self.round_times: dict = {}  # graph key -> {k: seconds per round}, carried from call to call
         self._graph_cache = None
-        self._mailbox_checked = None  # _mailbox_reason: (device, reason or None) once probed
         self.last_stats: dict | None = None
 
     def _draft_engine(self, draft):
@@ -288,8 +262,7 @@ class SpeculativeEngine:
         counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
         if LOOKUP_CLASS_COUNTS_KERNEL and ctx["kernels"] and st.tokens.shape[0] == 1:  # counts in the same launch
             ngram_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram,
-                         out=(st.drafts, st.valid, st.ngram), class_counts=counts, active=st.active,
-                         mailbox=(st.info, st.mailbox()[0], st.seq) if ctx.get("mailbox") else None)
+                         out=(st.drafts, st.valid, st.ngram), class_counts=counts, active=st.active)
             return
         prompt_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram, use_kernel=ctx["kernels"],
                       out=(st.drafts, st.valid, st.ngram))
@@ -434,8 +407,6 @@ class SpeculativeEngine:
                    # fused step, under Triton's interpreter); their PyTorch references otherwise
                    "kernels": step.fused or device.type == "cuda",
                    "gated": self.match_gated(batch)}
-            ctx["mailbox"] = (ctx["gated"] and step.batch == 1 and ctx["kernels"] and LOOKUP_CLASS_COUNTS_KERNEL
-                              and MAILBOX_COUNTERS and self._mailbox_reason(device) is None)
             nb = step.max_blocks
             ctx["verify"] = {k: fast._step_for(batch, nb, q_len=k + 1) for k in _candidates(k_max)}
             if cfg.method == "early_exit":
@@ -458,8 +429,7 @@ class SpeculativeEngine:
                 self._graph_cache = caches
             rows = step.batch
             # graphs bake in the buffers, the sampling settings and the pad id
-            key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad, k_max, ctx["gated"],
-                   ctx["mailbox"])
+            key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad, k_max, ctx["gated"])
             st = self.states.get(key)
             if st is None or not ctx["use_graph"]:
                 st = self.states[key] = _State(rows, nb * step.block_size + 1, device, k_max)
@@ -502,13 +472,9 @@ class SpeculativeEngine:
             # Match-gated rounds need the previous round's lookup, so none is in flight while choosing.
             ahead = 1 if (ctx["use_graph"] and streamer is None and not gated) else 0
             pinned, pinned_np = st.host_counters(ctx["use_graph"])
-            mailbox = ctx["mailbox"]
             if gated:
                 # The first read of the device: the host work above ran while the prefill was on the GPU.
                 counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
-            if mailbox:  # rounds looked up so far (the first lookup and the captures' warm-ups are done)
-                box_np = st.mailbox()[1]
-                looked_up = int(box_np[0])
             running, max_remaining = bool(st.active.any()), max_new - 1
             inflight: list = []
             deferred = None  # match-gated: the chooser's update for the last round read, run after the next launch
@@ -539,10 +505,7 @@ class SpeculativeEngine:
                 if replay is None:
                     for _ in range(rounds):
                         captured |= self._run_round(k, st, ctx, key)
-                if mailbox:  # the round's lookup kernel writes the counters to the host
-                    looked_up += rounds
-                else:
-                    pinned[slot].copy_(st.info, non_blocking=ctx["use_graph"])
+                pinned[slot].copy_(st.info, non_blocking=ctx["use_graph"])
                 event = None
                 if ctx["use_graph"]:
                     event = torch.cuda.Event(enable_timing=True)
@@ -558,19 +521,14 @@ class SpeculativeEngine:
                     continue
                 event, done_slot, k, rounds, captured, t0 = inflight.pop(0)
                 if gated:  # only what the next choice needs before the next launch; the rest after it
-                    if mailbox:
-                        if box_np[0] != looked_up:
-                            self._wait_mailbox(box_np, looked_up, event)
-                        row = box_np[1:].copy()  # the next round writes the same host row
-                    else:
-                        if event is not None:
-                            event.synchronize()
-                        row = pinned_np[done_slot]
+                    if event is not None:
+                        event.synchronize()
+                    row = pinned_np[done_slot]
                     counts = row[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
                     # CUDA events are read after the next launch; without them (eager rounds) the wall clock now
                     timing = ((event, last_done) if event is not None
                               else None if captured else (time.perf_counter() - t0) / rounds)
-                    deferred = (row, k, rounds, captured, timing)
+                    deferred = (pinned, done_slot, k, rounds, captured, timing)
                     last_done = (event, captured)
                 else:
                     if event is not None:
@@ -620,70 +578,21 @@ class SpeculativeEngine:
                 draft_cache.release()
 
     @staticmethod
-    def _update_gated(chooser, info, k: int, rounds: int, captured: bool, timing) -> None:
-        """:meth:`_GatedChooser.update` from a round's counters on the host (``info``: a numpy row of ``INFO_SIZE``,
-        with its per-class histograms), run after the next round's launch. ``timing``: (this round's CUDA event,
-        the last round's (event, captured)), timed from the last round's completion to this one's (None if
-        either captured a graph); else seconds per round already measured, or None."""
+    def _update_gated(chooser, pinned: torch.Tensor, slot: int, k: int, rounds: int, captured: bool, timing) -> None:
+        """:meth:`_GatedChooser.update` from a round's pinned counters (``pinned[slot]``, with its per-class
+        histograms), run after the next round's launch. ``timing``: (this round's CUDA event, the last round's
+        (event, captured)), timed from the last round's completion to this one's (None if either captured a
+        graph); else seconds per round already measured, or None."""
         if isinstance(timing, tuple):
             event, last_done = timing
-            seconds = None
-            if not (captured or last_done is None or last_done[1]):
-                event.synchronize()  # done or about to be: the round's counters were read
-                seconds = last_done[0].elapsed_time(event) / 1e3 / rounds
+            seconds = (None if captured or last_done is None or last_done[1]
+                       else last_done[0].elapsed_time(event) / 1e3 / rounds)
         else:
             seconds = timing
+        info = pinned[slot]
         stride = MAX_DRAFT + 1
-        hists = info[INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].reshape(NUM_CLASSES, stride)[:, : k + 1]
+        hists = info[INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].view(NUM_CLASSES, stride)[:, : k + 1]
         chooser.update(k, hists.tolist(), seconds)
-
-    @staticmethod
-    def _wait_mailbox(box_np, want: int, event) -> None:
-        """Poll the host row the round's lookup kernel writes until its sequence number reaches ``want``; past
-        :data:`MAILBOX_SPIN_S`, block on the round's CUDA event instead (which also raises a device error)."""
-        deadline = time.perf_counter() + MAILBOX_SPIN_S
-        while box_np[0] != want:
-            if time.perf_counter() > deadline:
-                if event is not None:
-                    event.synchronize()
-                if box_np[0] != want:
-                    raise RuntimeError(f"speculative round counters not written to the host: sequence "
-                                       f"{int(box_np[0])}, expected {want}")
-                return
-
-    def _mailbox_reason(self, device) -> str | None:
-        """Why the lookup kernel cannot write the rounds' counters into page-locked host memory on ``device``
-        (None where it can; always None on CPU, Triton's interpreter): one probe launch per engine and device,
-        the reason logged once."""
-        if device.type != "cuda":
-            return None
-        if self._mailbox_checked is not None and self._mailbox_checked[0] == str(device):
-            return self._mailbox_checked[1]
-        reason = None
-        try:
-            tokens = torch.tensor([[5, 6, 7, 5, 6]], device=device)
-            info = torch.zeros(INFO_SIZE, dtype=torch.long, device=device)
-            info[0] = 3
-            seq = torch.zeros(1, dtype=torch.long, device=device)
-            box = torch.zeros(INFO_SIZE + 1, dtype=torch.long, pin_memory=True)
-            counts = info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
-            ngram_lookup(tokens, torch.tensor([5], device=device), torch.zeros(1, dtype=torch.long, device=device),
-                         2, 3, 1, out=(torch.zeros(1, 2, dtype=torch.long, device=device),
-                                       torch.zeros(1, 2, dtype=torch.bool, device=device),
-                                       torch.zeros(1, dtype=torch.long, device=device)),
-                         class_counts=counts, active=torch.ones(1, dtype=torch.bool, device=device),
-                         mailbox=(info, box, seq))
-            torch.cuda.synchronize(device)
-            got = (int(box[0]), int(box[1]), int(box[1 + INFO_CLASS_COUNTS + 2]))
-            if got != (1, 3, 1):  # sequence 1, info[0] copied, the 2-gram match counted in class 2
-                reason = f"the probe read back (sequence, info[0], class 2) = {got}, not (1, 3, 1)"
-        except (RuntimeError, ValueError) as e:  # Triton refuses the host pointer, or the launch failed
-            reason = f"{type(e).__name__}: {e}"
-        if reason is not None:
-            log_once("mailbox-counters", f"speculative rounds copy their counters to the host (a kernel cannot "
-                     f"write page-locked host memory here: {reason})")
-        self._mailbox_checked = (str(device), reason)
-        return reason
 
     def close(self) -> None:
         """Drop captured graphs and states; revert the draft model if this engine accelerated it."""
