@@ -79,7 +79,9 @@ def fused_supported(model) -> str | None:
 #: (``bench_fused_linear-20261201.json``): SmolLM2 (hidden 576) 19.4 vs 22.3 us at 1 row, 20.8 vs 22.2 at
 #: 16, but 24.2 vs 22.4 at 32 rows; Llama-3-8B (hidden 4096) 142 vs 131 us at 1 row (cuBLAS streams the
 #: large q/k/v and gate/up matrices faster), hence also :data:`FUSED_LINEAR_MAX_HIDDEN`. The LM head stays on
-#: cuBLAS (SmolLM2 30.3 vs 32.3 us).
+#: cuBLAS (SmolLM2 30.3 vs 32.3 us). With today's whole-K tiles (:data:`FUSED_LINEAR_WHOLE_K`) 17-32 rows are far
+#: slower still: SmolLM2-shaped verify forwards of 17 / 24 / 32 tokens took 2.79 / 2.72 / 7.21 ms with 32 here
+#: against 0.98 / 0.99 / 1.00 on cuBLAS (``profile_step_splits`` at afa165e, H200, not kept as a file).
 FUSED_LINEAR_MAX_ROWS = 16
 FUSED_LINEAR_MAX_HIDDEN = 2048
 

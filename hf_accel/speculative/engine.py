@@ -61,7 +61,10 @@ VERIFY_INPUTS_KERNEL = True
 
 #: Match-gated lookup at batch 1: the n-gram lookup kernel writes the class counts (and clamps the class) in
 #: its own launch (:func:`~hf_accel.kernels.ngram_lookup.ngram_lookup`'s ``class_counts``) instead of a zero
-#: fill, a bool-to-int64 cast and a scatter-add after it: three kernels less in every round's graph.
+#: fill, a bool-to-int64 cast and a scatter-add after it: three kernels less in every round's graph. The round
+#: times did not resolve the difference (H200, real SmolLM2 bf16, ``profile_speculative_round-counts-kernel-on/off-
+#: 20261203-8c738be.json``: gated plain round 0.523 vs 0.519 ms, gated k = 15 round 0.640 vs 0.644, with the
+#: unchanged plain step at 0.496 vs 0.489 in the same two runs).
 LOOKUP_CLASS_COUNTS_KERNEL = True
 
 
