@@ -80,8 +80,8 @@ def fused_supported(model) -> str | None:
 #: 16, but 24.2 vs 22.4 at 32 rows; Llama-3-8B (hidden 4096) 142 vs 131 us at 1 row (cuBLAS streams the
 #: large q/k/v and gate/up matrices faster), hence also :data:`FUSED_LINEAR_MAX_HIDDEN`. The LM head stays on
 #: cuBLAS (SmolLM2 30.3 vs 32.3 us). With today's whole-K tiles (:data:`FUSED_LINEAR_WHOLE_K`) 17-32 rows are far
-#: slower still: SmolLM2-shaped verify forwards of 17 / 24 / 32 tokens took 2.79 / 2.72 / 7.21 ms with 32 here
-#: against 0.98 / 0.99 / 1.00 on cuBLAS (``profile_step_splits`` at afa165e, H200, not kept as a file).
+#: slower still: SmolLM2-shaped verify forwards of 17 / 32 tokens took 2.82 / 7.28 ms with 32 here against 0.99 /
+#: 0.99 on cuBLAS, 16 tokens 0.611 either way (H200, ``profile_step_splits-max-rows-20261203-4924036.json``).
 FUSED_LINEAR_MAX_ROWS = 16
 FUSED_LINEAR_MAX_HIDDEN = 2048
 
