@@ -134,3 +134,19 @@ def smollm2_shaped_model(device: str = "cuda"):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     return accelerate_model(model)
+
+
+def step_over_blocks(fast, step, ids, q_len: int, context: int):
+    """A batch-1 :class:`~hf_accel.engine.decode_step.DecodeStep` of ``q_len`` tokens (``fast._step_for``) over the
+    cache blocks of row 0 of ``step`` (which holds ``context`` cached tokens): inputs ``ids[:, :q_len]`` at positions
+    ``context ..``, ``cache_lens`` = ``context``, the block table and key mask copied. Call under
+    ``torch.inference_mode()`` (the step buffers are inference tensors)."""
+    import torch
+
+    v = fast._step_for(1, step.max_blocks, q_len=q_len)
+    v.input_ids.copy_(ids[:1, :q_len])
+    v.position_ids.copy_(torch.arange(context, context + q_len, device=ids.device)[None])
+    v.cache_lens.fill_(context)
+    v.block_table.copy_(step.block_table[:1])
+    v.key_mask.copy_(step.key_mask[:1])
+    return v

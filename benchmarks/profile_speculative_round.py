@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_step_overrides, write_results  # noqa: E402
+from common import decode_step_overrides, step_over_blocks, write_results  # noqa: E402
 
 
 def time_graph(fn, reps=50):
@@ -78,12 +78,7 @@ def _main(ab_verify_inputs: bool = False):
         step.cache_lens[:1] = prompt_len
         res["plain_step_ms"], g_plain = time_graph(lambda: step._forward())
         for k in (1, 4, 8, 15, 16):
-            v = fast._step_for(1, nb, q_len=k + 1)
-            v.input_ids.copy_(ids[:, : k + 1])
-            v.position_ids.copy_(torch.arange(prompt_len, prompt_len + k + 1, device="cuda")[None])
-            v.cache_lens.fill_(prompt_len)
-            v.block_table.copy_(step.block_table)
-            v.key_mask.copy_(step.key_mask)
+            v = step_over_blocks(fast, step, ids, k + 1, prompt_len)
             res[f"verify_forward_q{k + 1}_ms"], _ = time_graph(lambda: v._forward())
         st = _State(step.batch, nb * step.block_size + 1, model.device, 15)
         st.reset(0)

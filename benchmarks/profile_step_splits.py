@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_step_overrides, smollm2_shaped_model, write_results  # noqa: E402
+from common import decode_step_overrides, smollm2_shaped_model, step_over_blocks, write_results  # noqa: E402
 from profile_speculative_round import time_graph  # noqa: E402
+
 
 def build(model, context: int, q_lens) -> dict:
     """Batch-1 steps of each q_len over ``context`` cached tokens of one row's blocks."""
@@ -39,13 +40,7 @@ def build(model, context: int, q_lens) -> dict:
     with torch.inference_mode():  # the step buffers are inference tensors
         step, _ = fast.start(ids, torch.ones_like(ids), 128, lookahead=max(q_lens) + 1)
         for q in q_lens:
-            v = fast._step_for(1, step.max_blocks, q_len=q)
-            v.input_ids.copy_(ids[:, :q])
-            v.position_ids.copy_(torch.arange(context, context + q, device="cuda")[None])
-            v.cache_lens.fill_(context)
-            v.block_table.copy_(step.block_table)
-            v.key_mask.copy_(step.key_mask)
-            steps[q] = v
+            steps[q] = step_over_blocks(fast, step, ids, q, context)
     return steps
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import smollm2_shaped_model, write_results  # noqa: E402
+from common import smollm2_shaped_model, step_over_blocks, write_results  # noqa: E402
 from profile_speculative_round import time_graph  # noqa: E402
 
 PROMPT = 305
@@ -61,13 +61,7 @@ def build():
         ids = ids16[:1]
         verify = {}
         for q in (1, 2, 16):  # batch 1 on the first row's blocks (q 1: the one-row GEMV step)
-            v = fast._step_for(1, step16.max_blocks, q_len=q)
-            v.input_ids.copy_(ids[:, :q])
-            v.position_ids.copy_(torch.arange(PROMPT, PROMPT + q, device="cuda")[None])
-            v.cache_lens.fill_(PROMPT)
-            v.block_table.copy_(step16.block_table[: v.block_table.shape[0]])
-            v.key_mask.copy_(step16.key_mask[: v.key_mask.shape[0]])
-            verify[q] = v
+            verify[q] = step_over_blocks(fast, step16, ids, q, PROMPT)
     return {"plain_q1": verify[1]._forward, "verify_q2": verify[2]._forward, "verify_q16": verify[16]._forward,
             "bs16_step": step16._forward}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import smollm2_shaped_model, write_results  # noqa: E402
+from common import smollm2_shaped_model, step_over_blocks, write_results  # noqa: E402
 from profile_speculative_round import time_graph  # noqa: E402
 
 PROMPT = 305
@@ -39,12 +39,7 @@ def main():
                 for tiles in (True, False):
                     ds.FUSED_LINEAR_ROPE, ds.FUSED_LINEAR_SMALL_TILES = rope, tiles
                     for q in (2, 16):
-                        v = fast._step_for(1, step.max_blocks, q_len=q)
-                        v.input_ids.copy_(ids[:, :q])
-                        v.position_ids.copy_(torch.arange(PROMPT, PROMPT + q, device="cuda")[None])
-                        v.cache_lens.fill_(PROMPT)
-                        v.block_table.copy_(step.block_table)
-                        v.key_mask.copy_(step.key_mask)
+                        v = step_over_blocks(fast, step, ids, q, PROMPT)
 
                         def fwd(v=v):
                             return v.forward_tokens(v.input_ids, v.position_ids, v.cache_lens, v.block_table,
