@@ -221,7 +221,7 @@ def _fused_linear_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     dt = X.dtype.element_ty
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # row blocks: the whole-K path only
     row_ok = rows < M
     if ROPE:
         # BLOCK_N lanes of one head's first half; their partners up_offset (= head_dim / 2) rows on are the
@@ -470,6 +470,13 @@ def _tiles(rows: int, n: int, k: int, norm: bool, swiglu: bool, block_n: int | N
 #: input rows sit in registers at once.
 WHOLE_K_MAX = 4096
 
+#: Input rows per program of the whole-K path: more rows run as more programs (a third grid dimension), each
+#: loading the same weight rows (the second time from L2), since 32 input rows of a whole K do not fit the
+#: registers: H200, SmolLM2-shaped verify forwards of 17 / 32 tokens took 2.82 / 7.28 ms with 32-row programs
+#: (``profile_step_splits-max-rows-20261203-4924036.json``). Not timed on the GPU with 16-row blocks yet; the
+#: decode step still sends more than :data:`~hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS` rows to cuBLAS.
+WHOLE_K_BLOCK_M = 16
+
 
 def _whole_k_tiles(k: int, block_n: int | None, num_warps: int | None) -> tuple[int, int, int, int, int]:
     """``(block_n, block_k, block_k2, num_warps, num_stages)`` of the whole-K path (ValueError past
@@ -562,8 +569,9 @@ def fused_linear(
         whole_k: no K loop: each program loads its weight rows over all of ``hidden`` (two power-of-two
             column chunks, :func:`whole_k_chunks`) before the PDL wait and the input rows once after it, so
             only one memory round trip follows the wait (the one-row :func:`~.gemv.gemv` works the same way).
-            ``hidden`` <= :data:`WHOLE_K_MAX`; ``block_n`` default 32; not with ``split_k`` > 1; ``block_k``,
-            ``num_stages``, ``preload``, ``norm_k`` and ``small_tiles`` do not apply.
+            ``hidden`` <= :data:`WHOLE_K_MAX`; ``block_n`` default 32; rows in blocks of :data:`WHOLE_K_BLOCK_M`
+            (one program per block and output tile); not with ``split_k`` > 1; ``block_k``, ``num_stages``,
+            ``preload``, ``norm_k`` and ``small_tiles`` do not apply.
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -587,10 +595,12 @@ def fused_linear(
     block_m, block_n, block_k, num_warps, num_stages = _tiles(rows, out_features, k, norm_weight is not None, swiglu,
                                                               block_n, block_k, num_warps, num_stages, small_tiles)
     block_k2 = 0
+    m_blocks = 1
     if whole_k:
         if split_k != 1:
             raise ValueError("whole_k does not take split_k > 1")
         block_n, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(k, given_n, given_warps)
+        block_m, m_blocks = WHOLE_K_BLOCK_M, triton.cdiv(rows, WHOLE_K_BLOCK_M)
     r_in = residual if residual is not None else x
     norm_k = _norm_k(norm_k, block_k)
     pdl = use_pdl(pdl, x)
@@ -609,7 +619,7 @@ def fused_linear(
         counters = y
     if preload is None:
         preload = split_k > 1 and pdl
-    grid = (n_tiles, split_k)
+    grid = (n_tiles, split_k, m_blocks)
     check_launch_device(x, "fused_linear")
     _fused_linear_kernel[grid](
         x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y, r_out,
@@ -715,9 +725,10 @@ def fused_linear_rope(
     # two products per program, as gate/up: the gate/up tiles (block_n given here)
     block_m, _, block_k, num_warps, num_stages = _tiles(rows, out_features, k, norm_weight is not None, True,
                                                         block_n, block_k, num_warps, num_stages, small_tiles)
-    block_k2 = 0
+    block_k2, m_blocks = 0, 1
     if whole_k:
         _, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(k, block_n, given_warps)
+        block_m, m_blocks = WHOLE_K_BLOCK_M, triton.cdiv(rows, WHOLE_K_BLOCK_M)
     norm_k = _norm_k(norm_k, block_k)
     q = torch.empty(rows, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q
@@ -725,7 +736,7 @@ def fused_linear_rope(
         return (q, r_out) if residual is not None else q
     r_in = residual if residual is not None else x
     pdl = use_pdl(pdl, x)
-    grid = ((num_heads + 2 * num_kv_heads) * (half // block_n), 1)
+    grid = ((num_heads + 2 * num_kv_heads) * (half // block_n), 1, m_blocks)
     check_launch_device(x, "fused_linear_rope")
     _fused_linear_kernel[grid](
         x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, q, r_out,

@@ -134,7 +134,7 @@ def test_fused_linear_bf16(rows, hidden, out, mode, split_k):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rows,hidden,out", [(2, 576, 960), (16, 576, 3072), (16, 1536, 576), (5, 4096, 1024),
-                                             (16, 576, 49152)])
+                                             (16, 576, 49152), (32, 1536, 576), (19, 576, 3072)])
 def test_fused_linear_whole_k_bf16(rows, hidden, out, mode):
     from hf_accel.kernels.fused_linear import fused_linear
 

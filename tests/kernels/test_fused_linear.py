@@ -167,12 +167,13 @@ def test_preloaded_first_tile_matches_reference_fp32(rows, hidden, block_k, mode
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,hidden,out", [(1, 64, 48), (3, 96, 80), (16, 333, 40), (20, 576, 32), (2, 16, 16)])
+@pytest.mark.parametrize("rows,hidden,out", [(1, 64, 48), (3, 96, 80), (16, 333, 40), (20, 576, 32), (2, 16, 16),
+                                             (32, 96, 48), (17, 64, 16)])
 @pytest.mark.parametrize("mode", MODES)
 def test_whole_k_matches_reference_fp32(rows, hidden, out, mode):
     """The whole-K path (no K loop): K a power of two (64: one chunk), 96 = 64 + 32, 333 = 256 + a masked
-    128-column chunk, 576 = 512 + 64; 20 rows take the 32-row tile; 48 / 80 / 40 outputs end in a partial
-    16-output tile."""
+    128-column chunk, 576 = 512 + 64; 17-32 rows run as two blocks of 16 (a third grid dimension; 17: one row
+    in the second); 48 / 80 / 40 outputs end in a partial 16-output tile."""
     x, r, w, nw, b = linear_inputs(rows, hidden, out * (2 if "swiglu" in mode else 1), torch.float32, seed=hidden)
     kw = linear_kwargs(mode, r, nw, b)
     want = fused_linear_ref(x, w, **kw)
@@ -201,7 +202,8 @@ def test_whole_k_chunks_and_bad_arguments():
 
 
 @pytest.mark.parametrize("rows,preload,whole_k", [(1, False, False), (5, False, False), (16, False, False),
-                                                  (5, True, False), (3, False, True), (16, False, True)])
+                                                  (5, True, False), (3, False, True), (16, False, True),
+                                                  (27, False, True)])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden,bias", [(3, 1, 32, 96, False), (2, 1, 64, 80, True)])
 def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preload, whole_k, heads, kv_heads, d,
                                                                      hidden, bias):
