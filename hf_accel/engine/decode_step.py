@@ -79,9 +79,12 @@ def fused_supported(model) -> str | None:
 #: (``bench_fused_linear-20261201.json``): SmolLM2 (hidden 576) 19.4 vs 22.3 us at 1 row, 20.8 vs 22.2 at
 #: 16, but 24.2 vs 22.4 at 32 rows; Llama-3-8B (hidden 4096) 142 vs 131 us at 1 row (cuBLAS streams the
 #: large q/k/v and gate/up matrices faster), hence also :data:`FUSED_LINEAR_MAX_HIDDEN`. The LM head stays on
-#: cuBLAS (SmolLM2 30.3 vs 32.3 us). With today's whole-K tiles (:data:`FUSED_LINEAR_WHOLE_K`) 17-32 rows are far
-#: slower still: SmolLM2-shaped verify forwards of 17 / 32 tokens took 2.82 / 7.28 ms with 32 here against 0.99 /
-#: 0.99 on cuBLAS, 16 tokens 0.611 either way (H200, ``profile_step_splits-max-rows-20261203-4924036.json``).
+#: cuBLAS (SmolLM2 30.3 vs 32.3 us). The whole-K path (:data:`FUSED_LINEAR_WHOLE_K`) with one 32-row program per
+#: output tile was far slower still: SmolLM2-shaped verify forwards of 17 / 32 tokens took 2.82 / 7.28 ms with 32
+#: here against 0.99 / 0.99 on cuBLAS, 16 tokens 0.611 either way (H200,
+#: ``profile_step_splits-max-rows-20261203-4924036.json``). It now runs 17-32 rows as two 16-row programs
+#: (:data:`~hf_accel.kernels.fused_linear.WHOLE_K_BLOCK_M`), not timed yet: 32 here would let prompt lookup
+#: verify up to 31 drafts (``num_draft_tokens``).
 FUSED_LINEAR_MAX_ROWS = 16
 FUSED_LINEAR_MAX_HIDDEN = 2048
 

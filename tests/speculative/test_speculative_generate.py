@@ -1044,3 +1044,27 @@ def test_prompt_lookup_num_tokens_below_one_raises(tiny, bad):
     config.prompt_lookup_num_tokens = bad
     with pytest.raises(ValueError, match=f"got {bad}"):
         greedy(ours, ids[:1], mask[:1], tiny.PAD, generation_config=config)
+
+
+def test_verify_passes_of_more_than_16_tokens_through_fused_linear(tiny, monkeypatch):
+    """With FUSED_LINEAR_MAX_ROWS raised to 32, a batch-1 verify pass of k + 1 = 20 tokens runs its matmuls through
+    fused_linear's whole-K path in two 16-row blocks (interpreter), and greedy equals stock."""
+    from hf_accel.engine import decode_step
+
+    monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 32)
+    monkeypatch.setattr(_GatedChooser, "choose", lambda self, counts, max_remaining=None, burst=True:
+                        (19 if any(counts[1:]) and (max_remaining is None or max_remaining > 19) else 0, 1))
+    rows_seen = []
+    linear = decode_step.fused_linear
+    monkeypatch.setattr(decode_step, "fused_linear",
+                        lambda x, w, **kw: rows_seen.append(x.shape[0]) or linear(x, w, **kw))
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny, lengths=(40, 9, 6))
+    ids, mask = ids[:1], mask[:1]
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=30, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=19))
+    ours._hf_accel_engine.fused = True
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=30, eos_token_id=None)
+    assert torch.equal(out, stock)
+    assert 20 in rows_seen and speculative_stats(ours)["draft_lengths"].get("19"), (set(rows_seen),
+                                                                                  speculative_stats(ours))
