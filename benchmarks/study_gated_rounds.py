@@ -14,7 +14,13 @@ number of drafts accepted are logged. From that log:
   given round r and a verify round r + 1 of class c: what launching round r + 2 before round r + 1's counters
   arrive would have to predict.
 
-    .venv/bin/python benchmarks/study_gated_rounds.py   # -> benchmarks/results/study_gated_rounds-cpu-<date>.json
+``--k-max K --k-max-ms T`` replays with ``num_draft_tokens = K`` and the round of K drafts taking T ms (for a
+draft length not timed on the GPU yet; with match gating a verify round drafts K), ``--category`` another prompt
+category: comparing ``rounds_ms`` with the default run's (the same greedy tokens) tells up to which round time a
+longer draft pays on these prompts.
+
+    .venv/bin/python benchmarks/study_gated_rounds.py [--k-max 31 --k-max-ms 0.70] [--category grounded-code]
+    # -> benchmarks/results/study_gated_rounds-cpu-<date>.json
 """
 import collections
 import sys
@@ -40,7 +46,7 @@ class _FixedTimes(dict):
         return {k: v / 1e3 for k, v in TIMES_MS.items()}
 
 
-def run_log():
+def run_log(k_max: int = 15, category: str = "grounded-text"):
     log, calls = [], []
     update = spec_engine.SpeculativeEngine._update_gated
 
@@ -58,10 +64,11 @@ def run_log():
     draft_length._record_time = lambda times, k, seconds: None  # keep the H200 times
     try:
         model, tok = load_default_model(dtype="float32", device="cpu")
-        hf_accel.accelerate_model(model, speculative="prompt_lookup")
+        hf_accel.accelerate_model(model, speculative=hf_accel.SpeculativeConfig("prompt_lookup",
+                                                                                num_draft_tokens=k_max))
         (engine,) = model._hf_accel_spec_engines.values()
         engine.round_times = _FixedTimes()
-        for text in bs.chat_texts(tok, "grounded-text"):
+        for text in bs.chat_texts(tok, category):
             ids, mask = bs.encode(tok, [text], "cpu")
             log.clear()
             with torch.no_grad():
@@ -71,6 +78,15 @@ def run_log():
         spec_engine.SpeculativeEngine._update_gated = update
         draft_length._record_time = saved
     return calls
+
+
+def time_of(k: int) -> float:
+    """Round time (ms) of k drafts: TIMES_MS, or linear between the nearest timed draft lengths around k."""
+    if k in TIMES_MS:
+        return TIMES_MS[k]
+    lo = max(c for c in TIMES_MS if 0 < c < k)
+    hi = min((c for c in TIMES_MS if c > k), default=lo)
+    return TIMES_MS[lo] if hi == lo else TIMES_MS[lo] + (TIMES_MS[hi] - TIMES_MS[lo]) * (k - lo) / (hi - lo)
 
 
 def analyse(calls):
@@ -83,12 +99,12 @@ def analyse(calls):
                 t_hind += rounds * TIMES_MS[0]
                 tokens += rounds
                 continue
-            t_actual += TIMES_MS[k]
+            t_actual += time_of(k)
             tokens += acc + 1
             if acc == 0:
                 t_hind += TIMES_MS[0]
             elif acc == k:
-                t_hind += TIMES_MS[k]
+                t_hind += time_of(k)
             else:
                 t_hind += TIMES_MS[min(c for c in TIMES_MS if c >= acc)]
     nxt = collections.defaultdict(lambda: [0, 0])
@@ -109,15 +125,26 @@ def analyse(calls):
             "two_ahead_verify": {k: {"rounds": n, "verify_two_ahead": v} for k, (n, v) in sorted(ahead.items())}}
 
 
-def main():
-    calls = run_log()
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--k-max", type=int, default=15)
+    ap.add_argument("--k-max-ms", type=float, default=None, help="round time of k-max drafts (if not in TIMES_MS)")
+    ap.add_argument("--category", default="grounded-text")
+    args = ap.parse_args(argv)
+    if args.k_max_ms is not None:
+        TIMES_MS[args.k_max] = args.k_max_ms
+    if args.k_max not in TIMES_MS:
+        ap.error(f"no round time for k = {args.k_max}: give --k-max-ms")
+    calls = run_log(args.k_max, args.category)
     result = analyse(calls)
     print({k: v for k, v in result.items() if not isinstance(v, dict)})
     for name in ("next_round_verify", "two_ahead_verify"):
         for k, v in result[name].items():
             print(f"  {name} {k}: {v}")
-    shape = {"model": "smollm2-135m", "dtype": "float32", "device": "cpu", "bs": 1, "category": "grounded-text",
-             "max_new_tokens": 128, "prompts": len(calls), "round_times_ms": TIMES_MS}
+    shape = {"model": "smollm2-135m", "dtype": "float32", "device": "cpu", "bs": 1, "category": args.category,
+             "max_new_tokens": 128, "prompts": len(calls), "round_times_ms": TIMES_MS, "k_max": args.k_max}
     rows = [{"bench": "study_gated_rounds", "provider": "ours-prompt_lookup", "shape": shape, "metric": m,
              "unit": "ms" if m.endswith("_ms") else "count", "value": v} for m, v in result.items()]
     rows.append({"bench": "study_gated_rounds", "provider": "ours-prompt_lookup", "shape": shape,
