@@ -2,7 +2,9 @@
 
 Times, with CUDA graphs replayed back to back (median of 50 replays, CUDA events): the plain decode step
 (q_len 1), the target forward over q_len = k + 1 tokens, and whole prompt-lookup rounds at k = 0, 8 and 15
-(``round_gated_k*``: match-gated rounds at k = 0 and 15, which end with the next round's lookup); then
+(``round_gated_k*``: match-gated rounds at k = 0 and 15, which end with the next round's lookup). Each round
+graph starts by restoring the state it was captured from (10 small copies a real round does not run; they are
+the ``memcpy*_post`` kernels of the tables below), timed alone as ``state_restore_ms``; then
 torch.profiler tables of the kernels of the k = 15 round, the match-gated plain round and the plain step.
 Writes ``profile_speculative_round-<date>.json``.
 
@@ -98,6 +100,9 @@ def _main(ab_verify_inputs: bool = False):
             st.restore(saved)
             spec._round(k, st, c)
 
+        # each timed round graph also restores the state (10 small copies) so that replays repeat one round;
+        # the restore alone, to subtract from the round_* times
+        res["state_restore_ms"], _ = time_graph(lambda: st.restore(saved))
         for k in (0, 8, 15):
             res[f"round_k{k}_ms"], _ = time_graph(lambda: round_k(k))
         graphs = {"k15": None, "gated_k0": None}
