@@ -3,8 +3,9 @@
 Times, with CUDA graphs replayed back to back (median of 50 replays, CUDA events): the plain decode step
 (q_len 1), the target forward over q_len = k + 1 tokens, and whole prompt-lookup rounds at k = 0, 8 and 15
 (``round_gated_k*``: match-gated rounds at k = 0 and 15, which end with the next round's lookup). Each round
-graph starts by restoring the state it was captured from (10 small copies a real round does not run; they are
-the ``memcpy*_post`` kernels of the tables below), timed alone as ``state_restore_ms``; then
+graph starts by restoring the state it was captured from (10 small copies a real round does not run: 8 of int64
+tensors and 2 of bool ones, as many as the ``memcpy32_post`` / ``memcpy_post`` kernels per replay in the tables
+below), timed alone as ``state_restore_ms``; then
 torch.profiler tables of the kernels of the k = 15 round, the match-gated plain round and the plain step.
 Writes ``profile_speculative_round-<date>.json``.
 
