@@ -846,6 +846,25 @@ def test_match_gated_fused_triton_step_with_every_draft_length(tiny, monkeypatch
     assert torch.equal(st.drafts, drafts) and torch.equal(st.valid, valid) and torch.equal(st.ngram, ngram)
 
 
+def _batch1_fused_lookup_matches_stock(tiny, num_draft_tokens: int, max_new_tokens: int, lengths=(14, 9, 6),
+                                       holder: dict | None = None):
+    """Greedy prompt lookup on the first row of ``repetitive_batch`` with the fused step's Triton kernels
+    (interpreter) must equal stock greedy (no EOS); returns the accelerated copy (also put in ``holder["model"]``
+    before it generates)."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny, lengths=lengths)
+    ids, mask = ids[:1], mask[:1]
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=max_new_tokens, eos_token_id=None)
+    config = SpeculativeConfig("prompt_lookup", num_draft_tokens=num_draft_tokens)
+    ours = accelerate_model(copy.deepcopy(model), speculative=config)
+    ours._hf_accel_engine.fused = True
+    if holder is not None:
+        holder["model"] = ours
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=max_new_tokens, eos_token_id=None)
+    assert torch.equal(out, stock)
+    return ours
+
+
 @pytest.mark.parametrize("counts_kernel", [True, False], ids=["counts-in-lookup", "counts-scatter"])
 def test_match_gated_fused_triton_step_batch1_class_counts(counts_kernel, tiny, monkeypatch):
     """Batch 1 (interpreter): the lookup kernel writes the class counts itself (LOOKUP_CLASS_COUNTS_KERNEL) or the
@@ -854,11 +873,11 @@ def test_match_gated_fused_triton_step_batch1_class_counts(counts_kernel, tiny, 
     from hf_accel.speculative import engine as spec_engine
 
     monkeypatch.setattr(spec_engine, "LOOKUP_CLASS_COUNTS_KERNEL", counts_kernel)
-    seen = []
+    seen, holder = [], {}
 
     def choose(self, counts, max_remaining=None, burst=True):
         # the counts the host read = the active row's class in the state now (rounds run eagerly on CPU)
-        (engine,) = ours.__dict__["_hf_accel_spec_engines"].values()
+        (engine,) = holder["model"].__dict__["_hf_accel_spec_engines"].values()
         (st,) = engine.states.values()
         _, _, ngram = ngram_lookup_ref(st.tokens, st.lengths, st.starts, 4, with_ngram=True)
         want = [0] * NUM_CLASSES
@@ -871,14 +890,7 @@ def test_match_gated_fused_triton_step_batch1_class_counts(counts_kernel, tiny, 
     calls = []
     lookup = spec_engine.ngram_lookup
     monkeypatch.setattr(spec_engine, "ngram_lookup", lambda *a, **k: calls.append(1) or lookup(*a, **k))
-    model = tiny.model("llama", num_hidden_layers=LAYERS)
-    ids, mask = repetitive_batch(tiny)
-    ids, mask = ids[:1], mask[:1]
-    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
-    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=4))
-    ours._hf_accel_engine.fused = True
-    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
-    assert torch.equal(out, stock)
+    ours = _batch1_fused_lookup_matches_stock(tiny, num_draft_tokens=4, max_new_tokens=12, holder=holder)
     stats = speculative_stats(ours)
     assert stats["match_gated"] and stats["verify_steps"] > 0, stats
     assert bool(calls) == counts_kernel
@@ -1058,13 +1070,6 @@ def test_verify_passes_of_more_than_16_tokens_through_fused_linear(tiny, monkeyp
     linear = decode_step.fused_linear
     monkeypatch.setattr(decode_step, "fused_linear",
                         lambda x, w, **kw: rows_seen.append(x.shape[0]) or linear(x, w, **kw))
-    model = tiny.model("llama", num_hidden_layers=LAYERS)
-    ids, mask = repetitive_batch(tiny, lengths=(40, 9, 6))
-    ids, mask = ids[:1], mask[:1]
-    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=30, eos_token_id=None)
-    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=19))
-    ours._hf_accel_engine.fused = True
-    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=30, eos_token_id=None)
-    assert torch.equal(out, stock)
+    ours = _batch1_fused_lookup_matches_stock(tiny, num_draft_tokens=19, max_new_tokens=30, lengths=(40, 9, 6))
     assert 20 in rows_seen and speculative_stats(ours)["draft_lengths"].get("19"), (set(rows_seen),
                                                                                   speculative_stats(ours))
