@@ -478,9 +478,11 @@ WHOLE_K_MAX = 4096
 WHOLE_K_BLOCK_M = 16
 
 
-def _whole_k_tiles(k: int, block_n: int | None, num_warps: int | None) -> tuple[int, int, int, int, int]:
-    """``(block_n, block_k, block_k2, num_warps, num_stages)`` of the whole-K path (ValueError past
-    :data:`WHOLE_K_MAX`): 32 outputs per program and 8 warps unless given. H200, bf16, SmolLM2 shapes, 30
+def _whole_k_tiles(rows: int, k: int, block_n: int | None,
+                   num_warps: int | None) -> tuple[int, int, int, int, int, int, int]:
+    """``(block_m, m_blocks, block_n, block_k, block_k2, num_warps, num_stages)`` of the whole-K path for ``rows``
+    input rows (ValueError past :data:`WHOLE_K_MAX`): rows in blocks of :data:`WHOLE_K_BLOCK_M`, 32 outputs per
+    program and 8 warps unless given. H200, bf16, SmolLM2 shapes, 30
     layers' weights in one graph, with PDL (``bench_fused_linear-whole-k-20261202-0c90d5b.json``): a layer's
     four matmuls at 16 rows 13.2 us with 32 outputs and 4 warps vs 21.7 with 16 outputs per program (down 3.8
     vs 9.3 us) and 22.6 with the K loop; 64 outputs 19.5. Second sweep
@@ -489,7 +491,8 @@ def _whole_k_tiles(k: int, block_n: int | None, num_warps: int | None) -> tuple[
     if k > WHOLE_K_MAX:
         raise ValueError(f"whole_k takes at most {WHOLE_K_MAX} input features, got {k}")
     block_k, block_k2 = whole_k_chunks(k)
-    return (32 if block_n is None else block_n, block_k, block_k2, 8 if num_warps is None else num_warps, 1)
+    return (WHOLE_K_BLOCK_M, triton.cdiv(rows, WHOLE_K_BLOCK_M), 32 if block_n is None else block_n, block_k,
+            block_k2, 8 if num_warps is None else num_warps, 1)
 
 
 def whole_k_chunks(k: int) -> tuple[int, int]:
@@ -599,8 +602,8 @@ def fused_linear(
     if whole_k:
         if split_k != 1:
             raise ValueError("whole_k does not take split_k > 1")
-        block_n, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(k, given_n, given_warps)
-        block_m, m_blocks = WHOLE_K_BLOCK_M, triton.cdiv(rows, WHOLE_K_BLOCK_M)
+        block_m, m_blocks, block_n, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(rows, k, given_n,
+                                                                                              given_warps)
     r_in = residual if residual is not None else x
     norm_k = _norm_k(norm_k, block_k)
     pdl = use_pdl(pdl, x)
@@ -727,8 +730,8 @@ def fused_linear_rope(
                                                         block_n, block_k, num_warps, num_stages, small_tiles)
     block_k2, m_blocks = 0, 1
     if whole_k:
-        _, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(k, block_n, given_warps)
-        block_m, m_blocks = WHOLE_K_BLOCK_M, triton.cdiv(rows, WHOLE_K_BLOCK_M)
+        block_m, m_blocks, _, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(rows, k, block_n,
+                                                                                        given_warps)
     norm_k = _norm_k(norm_k, block_k)
     q = torch.empty(rows, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q
