@@ -74,17 +74,18 @@ def graph_replay_us(fn, per: int, rep_ms: int = 25) -> float:
 
 
 def _switch_modules():
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import decode_step, fast_generate
     from hf_accel.speculative import draft_length
     from hf_accel.speculative import engine as speculative_engine
 
-    return decode_step, draft_length, speculative_engine
+    return decode_step, draft_length, speculative_engine, fast_generate
 
 
 def parse_overrides(spec: str) -> dict:
     """``"NAME=VALUE+NAME=VALUE"`` -> {NAME: value} for module constants of
-    :mod:`hf_accel.engine.decode_step`, :mod:`hf_accel.speculative.draft_length` or
-    :mod:`hf_accel.speculative.engine` (A/B runs of their switches); values are Python literals."""
+    :mod:`hf_accel.engine.decode_step`, :mod:`hf_accel.speculative.draft_length`,
+    :mod:`hf_accel.speculative.engine` or :mod:`hf_accel.engine.fast_generate` (A/B runs of their switches);
+    values are Python literals."""
     import ast
 
     out = {}
@@ -92,7 +93,8 @@ def parse_overrides(spec: str) -> dict:
         name, _, value = item.partition("=")
         if not name.isupper() or not any(hasattr(m, name) for m in _switch_modules()):
             raise ValueError(f"{name!r} is not a switch of hf_accel.engine.decode_step, "
-                             f"hf_accel.speculative.draft_length or hf_accel.speculative.engine")
+                             f"hf_accel.speculative.draft_length, hf_accel.speculative.engine or "
+                             f"hf_accel.engine.fast_generate")
         out[name] = ast.literal_eval(value)
     return out
 

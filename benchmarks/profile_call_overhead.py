@@ -35,7 +35,7 @@ import bench_speculative as bs  # noqa: E402
 from common import write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
-from hf_accel.engine.fast_generate import _bucket  # noqa: E402
+from hf_accel.engine.fast_generate import prefill_bucket  # noqa: E402
 from hf_accel.models import load_default_model  # noqa: E402
 
 
@@ -113,11 +113,11 @@ def prefill_variants(model, batches, rows, base):
         for i, (ids, mask) in enumerate(batches[:4]):
             with torch.inference_mode():
                 step, _ = fast.start(ids, mask, 128)  # captures this variant's prefill graph
-                graph, _ = step.graphs[("prefill", _bucket(ids.shape[1], 16))]
+                graph, _ = step.graphs[("prefill", prefill_bucket(ids.shape[1]))]
                 gpu, host = time_replay(graph, 20)
                 fast.cache.release()
             shape = {**base, "prompt_len": ids.shape[1], "prompt_index": i,
-                     "prefill_len": _bucket(ids.shape[1], 16), "prefill_num_splits": splits}
+                     "prefill_len": prefill_bucket(ids.shape[1]), "prefill_num_splits": splits}
             vals = {"prefill_gpu_ms": gpu, "prefill_replay_host_ms": host}
             print("prefill splits", splits, i, {k: round(v, 4) for k, v in vals.items()}, flush=True)
             for metric, value in vals.items():
@@ -201,7 +201,7 @@ def main():
                 vals["start_ms"] = median_ms(start, 9)
                 with torch.inference_mode():
                     step, _ = fast.start(ids, mask, 128)
-                    graph, _ = step.graphs[("prefill", _bucket(ids.shape[1], 16))]
+                    graph, _ = step.graphs[("prefill", prefill_bucket(ids.shape[1]))]
                     vals["prefill_gpu_ms"] = time_replay(graph, 9)[0]
                     fast.cache.release()
             print(provider, i, {k: round(v, 3) for k, v in vals.items()}, flush=True)

@@ -21,7 +21,7 @@ import bench_speculative as bs  # noqa: E402
 from common import write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
-from hf_accel.engine.fast_generate import _bucket  # noqa: E402
+from hf_accel.engine.fast_generate import prefill_bucket  # noqa: E402
 from hf_accel.models import load_default_model  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def main():
     rows, done = [], set()
     tmp = Path(tempfile.mkdtemp())
     for ids, mask in batches:
-        length = _bucket(ids.shape[1], 16)
+        length = prefill_bucket(ids.shape[1])
         if length in done:
             continue
         done.add(length)

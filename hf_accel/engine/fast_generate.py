@@ -137,6 +137,20 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return p
 
 
+#: Prompt prefill buckets at 1.5x steps as well as powers of two (16, 24, 32, 48, ..., 256, 384, 512, ...):
+#: a prompt is padded to at most 1.5x its length instead of 2x, and a prefill graph is captured per bucket.
+PREFILL_HALF_STEPS = True
+
+
+def prefill_bucket(n: int) -> int:
+    """Padded length of an ``n``-token prompt's bucketed prefill: the smallest power of two >= 16, or (with
+    :data:`PREFILL_HALF_STEPS`) 1.5 times one >= 16, that holds it."""
+    p = _bucket(n, 16)
+    if PREFILL_HALF_STEPS and p >= 32 and 3 * p // 4 >= n:
+        return 3 * p // 4
+    return p
+
+
 class CallLock:
     """One call at a time on an engine's state (its persistent cache, buffers and captured graphs).
 
@@ -441,7 +455,7 @@ class FastEngine:
             step.key_mask[:batch, :prompt_len] = attention_mask.to(torch.uint8)
             step.key_mask[:batch, prompt_len:] = 1
             step.cache_lens.zero_()
-            if step.fused and prompt_len <= max(16, 8192 // batch) and _bucket(prompt_len, 16) <= step.capacity:
+            if step.fused and prompt_len <= max(16, 8192 // batch) and prefill_bucket(prompt_len) <= step.capacity:
                 logits = self._prefill_bucketed(step, input_ids, position_ids, batch, prompt_len)
             elif step.fused:
                 chunk = max(16, 8192 // batch)
@@ -463,14 +477,14 @@ class FastEngine:
 
     @torch.inference_mode()
     def _prefill_bucketed(self, step, input_ids, position_ids, batch: int, prompt_len: int) -> torch.Tensor:
-        """Prefill the whole prompt in one fused forward over static buffers of a bucketed length (a power of
-        two >= 16), captured as a CUDA graph per (batch bucket, table bucket, length bucket) on the GPU: the
+        """Prefill the whole prompt in one fused forward over static buffers of a bucketed length
+        (:func:`prefill_bucket`), captured as a CUDA graph per (batch bucket, table bucket, length bucket) on the GPU: the
         eager prefill launched ~10 kernels per layer from Python, which on a slow host made the time to
         first token host-bound. The padding tokens after the prompt write K/V into slots the decode steps
         overwrite before reading them (or into the scratch block past a row's reservation); the prompt's
         own tokens never attend to them (causal). Returns the logits of the last prompt token [batch,
         vocab] float32."""
-        length = _bucket(prompt_len, 16)
+        length = prefill_bucket(prompt_len)
         key = ("prefill", length)
         bufs = step.prefill_buffers.get(length)
         if bufs is None:

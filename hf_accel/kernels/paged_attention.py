@@ -310,6 +310,7 @@ def paged_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
+    block_m: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
     chunk_tokens: int | None = None,
@@ -338,8 +339,10 @@ def paged_attention(
         num_splits: KV partitions (FlashDecoding); default: about :data:`SPLIT_PROGRAMS_PER_SM` programs per
             SM in all, each split holding >= 256 keys (1 on CPU).
         out: optional [batch, q_len, num_heads, head_dim] output buffer.
-        block_n, num_warps, num_stages: kernel tiling overrides (benchmark sweeps); keys per tile
-            (power of 2 >= 16), default 64 (32 for head_dim > 128); pipeline stages default 3.
+        block_n, block_m, num_warps, num_stages: kernel tiling overrides (benchmark sweeps); keys per tile
+            (power of 2 >= 16), default 64 (32 for head_dim > 128); query rows per program (power of 2 >= 16;
+            a row is one (position, query head) pair of a KV head's group), default the smallest of 16 / 32 /
+            64 that holds them, at most 64; pipeline stages default 3.
         chunk_tokens: how the kernel finds each key's cache block. > 0: the split is walked in chunks of
             about this many tokens (at most :data:`MAX_CHUNK_BLOCKS` blocks) whose block ids are loaded once per chunk (K/V double-buffered with 3
             stages: ~70 KB of shared memory at D128, 3 programs per H200 SM); 0: each tile loads its own
@@ -372,7 +375,7 @@ def paged_attention(
 
     Raises:
         ValueError: shape/dtype mismatches (``out`` included), head_dim > 256, a ``key_mask`` narrower than
-            ``max_seq_len``, ``num_splits`` < 1, ``block_n`` not a power of 2 >= 16, ``chunk_tokens`` not an
+            ``max_seq_len``, ``num_splits`` < 1, ``block_n`` or ``block_m`` not a power of 2 >= 16, ``chunk_tokens`` not an
             int >= 0, ``merge_counters`` not a contiguous int32 tensor of enough elements on the query's device.
     """
     batch, num_heads, num_kv_heads, q_len, head_dim = _check(query, key_cache, value_cache, block_table,
@@ -390,6 +393,8 @@ def paged_attention(
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n!r}")
+    if block_m is not None and (not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1)):
+        raise ValueError(f"block_m must be a power of 2 >= 16, got {block_m!r}")
     if out is None:
         out = torch.empty(batch, q_len, num_heads, head_dim, dtype=query.dtype, device=query.device)
     elif (out.shape != (batch, q_len, num_heads, head_dim) or out.dtype != query.dtype
@@ -401,7 +406,8 @@ def paged_attention(
     block_size = key_cache.shape[1]
     block_d = max(16, triton.next_power_of_2(head_dim))
     rows = q_len * group
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    if block_m is None:
+        block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     if block_n is None:
         block_n = 64 if block_d <= 128 else 32
     m_blocks = triton.cdiv(rows, block_m)

@@ -159,6 +159,37 @@ def test_greedy_identical_to_stock_fused_step(model_type, case, tiny, decode_ste
     assert bucketed == [ids.shape[1]] and ids.shape[1] not in (16, 32)  # padded: 11 -> 16
 
 
+def test_prefill_buckets():
+    """Prompts are padded to a power of two >= 16 or 1.5 times one (at most 1.5x their length)."""
+    from hf_accel.engine import fast_generate as fg
+
+    got = {n: fg.prefill_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 200, 257, 324, 384, 385, 1500)}
+    assert got == {1: 16, 16: 16, 17: 24, 24: 24, 25: 32, 33: 48, 48: 48, 49: 64, 200: 256, 257: 384, 324: 384,
+                   384: 384, 385: 512, 1500: 1536}
+    for n in range(1, 3000):
+        assert n <= fg.prefill_bucket(n) <= max(16, 1.5 * n)
+
+
+@pytest.mark.parametrize("half_steps", [True, False], ids=["bucket-24", "bucket-32"])
+def test_fused_prefill_in_a_half_step_bucket_identical_to_stock(tiny, monkeypatch, half_steps):
+    """A 20-token prompt (batch of 2, left padded) prefilled padded to 24 tokens (32 without the 1.5x
+    buckets) through the fused step: the padding rows' K/V land in slots the decode steps overwrite."""
+    from hf_accel.engine import fast_generate as fg
+
+    monkeypatch.setattr(fg, "PREFILL_HALF_STEPS", half_steps)
+    lengths = []
+    original = fg.FastEngine._prefill_bucketed
+    monkeypatch.setattr(fg.FastEngine, "_prefill_bucketed",
+                        lambda self, *a: lengths.append(fg.prefill_bucket(a[-1])) or original(self, *a))
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=3, lengths=(20, 13))
+    kwargs = {"max_new_tokens": 5, "eos_token_id": None}
+    stock = _generate(model, ids, mask, tiny.PAD, **kwargs)
+    out = _generate(_accelerated(model, fused=True), ids, mask, tiny.PAD, **kwargs)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    assert lengths == [24 if half_steps else 32]
+
+
 def test_default_length_identical_to_stock(tiny):
     """No length option: transformers generates 20 new tokens (capped by max_position_embeddings)."""
     model = tiny.model("llama")

@@ -236,6 +236,26 @@ def test_split_multiple_errors(bad):
         paged_attention(*case.args(), split_multiple=bad)
 
 
+@pytest.mark.parametrize("block_m", [16, 32, 128])
+def test_block_m_override_matches_reference(block_m, monkeypatch):
+    """Query rows per program set by the caller (the prefill sweeps): 5 positions x 4 heads of a group =
+    20 rows per KV head, so 16 gives two programs per KV head (the default, 32, one); causal rows and a
+    left-padded key mask as in a prefill."""
+    seq_lens = [40, 33]
+    case = Case(seq_lens, 8, 2, 5, 16, seed=block_m)
+    mask = _left_pad_mask(seq_lens, [0, 6])
+    spy = SplitSpy(monkeypatch, "_paged_attention_kernel")
+    case.check(mask, num_splits=1, block_n=16, block_m=block_m)
+    assert spy.grids == [(-(-20 // block_m), 2 * 2, 1)]
+
+
+@pytest.mark.parametrize("bad", [8, 24, 2.0, True])
+def test_block_m_errors(bad):
+    case = Case([5, 9], 4, 2, 1, 16)
+    with pytest.raises(ValueError, match="block_m"):
+        paged_attention(*case.args(), block_m=bad)
+
+
 @pytest.mark.parametrize("bad", [-1, 2.5, True])
 def test_chunk_tokens_errors(bad):
     case = Case([5, 9], 4, 2, 1, 16)
