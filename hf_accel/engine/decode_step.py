@@ -38,6 +38,7 @@ from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
 from hf_accel.kernels.fused_linear import WHOLE_K_MAX, fused_linear, fused_linear_rope, split_k_for
 from hf_accel.kernels.gemv import gemv, gemv_rope
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
+from hf_accel.kernels.prefill import prefill_attention
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from hf_accel.kernels.reshape_and_cache import slot_mapping as slot_mapping_kernel
 from hf_accel.kernels.reshape_and_cache import slot_mapping_ref
@@ -256,6 +257,14 @@ GREEDY_TAIL_KERNEL = True
 #: ``profile_call_overhead``).
 PREFILL_NUM_SPLITS = 1
 
+#: A prompt prefill with nothing cached before it (the bucketed prefill) runs its attention as
+#: :func:`~hf_accel.kernels.prefill.prefill_attention` (FlashAttention-2) over the forward's own K/V — rotated K
+#: from the RoPE kernel's second output, V the projection's — instead of the paged kernel over the cache (which
+#: the RoPE kernel still writes). H200, SmolLM2's shape, bf16, one call (``profile_prefill_attention-20261203-
+#: da2307b.json``): 4.8 / 5.3 / 6.3 / 7.5 µs at 192 / 256 / 384 / 512 tokens against 8.8 / 10.5 / 13.9 / 17.2
+#: for the paged kernel as the prefill ran it.
+PREFILL_CONTIGUOUS_ATTENTION = True
+
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
@@ -394,15 +403,17 @@ class DecodeStep:
     # -- the step ---------------------------------------------------------------------------------
     def forward_tokens(self, input_ids, position_ids, cache_lens, block_table, key_mask,
                        last_only: bool = False, num_splits: int | None = None,
-                       logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                       logits_index: torch.Tensor | None = None, fresh: bool = False) -> torch.Tensor:
         """Run ``input_ids`` [b, t] at rotary positions ``position_ids`` [b, t] after ``cache_lens`` [b]
         (int32) cached tokens: writes their K/V into the cache and returns float32 logits [b, t, vocab]
         ([b, vocab] of the last position with ``last_only``, or of position ``logits_index`` ([1] or [b]
         int64, fused step only) — for a prompt padded at the end to a bucketed length). ``block_table`` /
-        ``key_mask`` are [b, ...] (views of the step's buffers or the caller's)."""
+        ``key_mask`` are [b, ...] (views of the step's buffers or the caller's). ``fresh``: the caller
+        guarantees ``cache_lens`` is all 0 (a prompt prefill), so the fused step may attend over the
+        forward's own K/V (:data:`PREFILL_CONTIGUOUS_ATTENTION`)."""
         if self.fused:
             return self._forward_fused(input_ids, position_ids, cache_lens, block_table, key_mask, last_only,
-                                       num_splits, logits_index)
+                                       num_splits, logits_index, fresh)
         if logits_index is not None:
             raise NotImplementedError("logits_index needs the fused step")
         return self._forward_modules(input_ids, position_ids, cache_lens, block_table, key_mask, last_only)
@@ -426,7 +437,7 @@ class DecodeStep:
         return slot_mapping_ref(cache_lens, block_table, t, self.block_size)[0]
 
     def _forward_fused(self, input_ids, position_ids, cache_lens, block_table, key_mask, last_only, num_splits,
-                       logits_index=None):
+                       logits_index=None, fresh=False):
         model = self.model
         inner = model.model
         (b, t), h, d = input_ids.shape, self.num_heads, self.head_dim
@@ -475,6 +486,13 @@ class DecodeStep:
                    "preload_kv": ATTENTION_PRELOAD and overlap}
         if attention_row_blocks(t * (h // self.num_kv_heads)) * b * self.num_kv_heads > self.merge_counters.numel():
             attn_kw["merge_counters"] = None  # a forward over more rows than the step's own (prefill)
+        # a prompt prefill attends over its own K/V (the rotated K also from the RoPE kernel, V the projection's)
+        contiguous = fresh and PREFILL_CONTIGUOUS_ATTENTION and rope_linear is None
+        if contiguous:
+            kv = self.num_kv_heads
+            k_rot = torch.empty(n, kv, d, dtype=hidden.dtype, device=hidden.device)
+            own_mask = key_mask[:, :t]
+            kv_start = (own_mask != 0).to(torch.int32).argmax(dim=1).to(torch.int32)  # once, not per layer
         for layer_idx, layer in enumerate(inner.layers[: self.num_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             ln = layer.input_layernorm
@@ -516,10 +534,16 @@ class DecodeStep:
                                    q_norm.weight if q_norm is not None else None,
                                    attn.k_norm.weight if q_norm is not None else None,
                                    q_norm.variance_epsilon if q_norm is not None else 1e-6,
-                                   pdl=pdl and ATTENTION_PDL)
-            o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
-                                seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling, num_splits=splits,
-                                num_stages=DECODE_ATTENTION_STAGES, pdl=pdl and ATTENTION_PDL, **attn_kw)
+                                   pdl=pdl and ATTENTION_PDL, k_out=k_rot if contiguous else None)
+            if contiguous:
+                o = prefill_attention(q.view(b, t, h, d).transpose(1, 2), k_rot.view(b, t, kv, d).transpose(1, 2),
+                                      v.view(b, t, kv, d).transpose(1, 2), own_mask, causal=True,
+                                      sm_scale=self.scaling, kv_start=kv_start)
+            else:
+                o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
+                                    seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling,
+                                    num_splits=splits, num_stages=DECODE_ATTENTION_STAGES, pdl=pdl and ATTENTION_PDL,
+                                    **attn_kw)
             ln = layer.post_attention_layernorm
             if linear is not None:
                 delta = linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)

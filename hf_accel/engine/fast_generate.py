@@ -503,7 +503,7 @@ class FastEngine:
 
         def prefill():
             return step.forward_tokens(bufs["ids"], bufs["pos"], bufs["zeros"], step.block_table, step.key_mask,
-                                       logits_index=bufs["index"])
+                                       logits_index=bufs["index"], fresh=True)
 
         if length > 2048:  # a graph's private pool would keep the long prefill's activations: run it eagerly
             return prefill()[:batch]

@@ -20,11 +20,12 @@ from hf_accel.kernels.pdl import gdc_wait, use_pdl
 
 @triton.jit
 def _rope_cache_kernel(
-    Q, K, V, Cos, Sin, QNormW, KNormW, QOut, KCache, VCache, SlotMapping,
-    stride_qb, stride_kb, stride_vb, stride_cb, stride_ob,
+    Q, K, V, Cos, Sin, QNormW, KNormW, QOut, KCache, VCache, SlotMapping, KOut,
+    stride_qb, stride_kb, stride_vb, stride_cb, stride_ob, stride_kob,
     stride_kcb, stride_kcs, stride_kch,
     num_heads, head_dim, block_size, eps,
     HAS_QK_NORM: tl.constexpr,
+    HAS_K_OUT: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -62,9 +63,11 @@ def _rope_cache_kernel(
     if is_q:
         tl.store(QOut + b * stride_ob + head * head_dim + offs, out, mask=m)
     else:
+        kv_head = head - num_heads
+        if HAS_K_OUT:
+            tl.store(KOut + b * stride_kob + kv_head * head_dim + offs, out, mask=m)
         slot = tl.load(SlotMapping + b).to(tl.int64)
         if slot >= 0:
-            kv_head = head - num_heads
             dst = (slot // block_size) * stride_kcb + (slot % block_size) * stride_kcs + kv_head * stride_kch
             tl.store(KCache + dst + offs, out.to(KCache.dtype.element_ty), mask=m)
             v = tl.load(V + b * stride_vb + kv_head * head_dim + offs, mask=m, other=0.0)
@@ -72,7 +75,8 @@ def _rope_cache_kernel(
 
 
 def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_norm_weight=None,
-                   k_norm_weight=None, eps: float = 1e-6, pdl: bool = False) -> torch.Tensor:
+                   k_norm_weight=None, eps: float = 1e-6, pdl: bool = False,
+                   k_out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate Q/K of one decode token per row, write K/V to the cache; returns rotated Q.
 
     Args:
@@ -83,12 +87,15 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
         slot_mapping: [batch] int32 — ``block * block_size + offset``; -1 = do not write.
         q_norm_weight, k_norm_weight: optional [head_dim] per-head RMSNorm weights applied before RoPE.
         pdl: launch with programmatic dependent launch where available (:mod:`.pdl`; ignored elsewhere).
+        k_out: optional [batch, num_kv_heads, head_dim] buffer of q's dtype, contiguous, that also receives the
+            rotated K of every row (rows with slot -1 included): a prompt prefill's attention then reads K
+            from it instead of the paged cache.
 
     Returns:
         [batch, num_heads, head_dim] rotated queries.
 
     Raises:
-        ValueError: shape mismatches.
+        ValueError: shape mismatches, a ``k_out`` of another shape, dtype or device, or not contiguous.
     """
     batch = q.shape[0]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -102,17 +109,22 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
     for t in (q, k, v, cos, sin):
         if t.stride(1) != 1:
             raise ValueError("q, k, v, cos, sin need contiguous rows")
+    if k_out is not None and (tuple(k_out.shape) != (batch, num_kv_heads, head_dim) or k_out.dtype != q.dtype
+                              or k_out.device != q.device or not k_out.is_contiguous()):
+        raise ValueError(f"k_out must be a contiguous [{batch}, {num_kv_heads}, {head_dim}] {q.dtype} tensor on "
+                         f"{q.device}; got {tuple(k_out.shape)} {k_out.dtype} on {k_out.device}")
     q_out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     has_norm = q_norm_weight is not None
     pdl = use_pdl(pdl, q)
     check_launch_device(q, "rope_and_cache")
     _rope_cache_kernel[(batch, num_heads + num_kv_heads)](
         q, k, v, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
-        q_out, key_cache, value_cache, slot_mapping,
+        q_out, key_cache, value_cache, slot_mapping, k_out if k_out is not None else q_out,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), q_out.stride(0),
+        k_out.stride(0) if k_out is not None else 0,
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         num_heads, head_dim, key_cache.shape[1], eps,
-        HAS_QK_NORM=has_norm, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl, num_warps=1,
+        HAS_QK_NORM=has_norm, HAS_K_OUT=k_out is not None, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl, num_warps=1,
         **({"launch_pdl": True} if pdl else {}),
     )
     return q_out
@@ -124,7 +136,8 @@ def _rotate_half(x):
 
 
 def rope_and_cache_ref(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_norm_weight=None,
-                       k_norm_weight=None, eps: float = 1e-6, pdl: bool = False) -> torch.Tensor:
+                       k_norm_weight=None, eps: float = 1e-6, pdl: bool = False,
+                       k_out: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch reference of :func:`rope_and_cache` (transformers' ops), same arguments and result."""
     from hf_accel.kernels.reshape_and_cache import reshape_and_cache_ref
     from hf_accel.kernels.rms_norm import rms_norm_ref
@@ -140,4 +153,6 @@ def rope_and_cache_ref(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, 
     q_rot = qh * c + _rotate_half(qh) * s
     k_rot = kh * c + _rotate_half(kh) * s
     reshape_and_cache_ref(k_rot, v.view(batch, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping)
+    if k_out is not None:
+        k_out.copy_(k_rot)
     return q_rot

@@ -1,0 +1,57 @@
+"""RoPE + cache-write kernel: the rotated K's second output (``k_out``) used by the prompt prefill's attention.
+
+Runs under Triton's interpreter on the CPU (float32) and compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_accel.kernels.rope_cache import rope_and_cache, rope_and_cache_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(b=5, h=6, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h * d, generator=g)
+    k = torch.randn(b, hkv * d, generator=g)
+    v = torch.randn(b, hkv * d, generator=g)
+    ang = torch.rand(b, d // 2, generator=g) * 50
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    kc = torch.full((6, 4, hkv, d), float("nan"))
+    vc = torch.full_like(kc, float("nan"))
+    slots = torch.tensor([0, 5, -1, 9, 22][:b], dtype=torch.int32)
+    return [t.to(DEVICE) for t in (q, k, v, cos, sin, kc, vc, slots)]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+def test_k_out_holds_the_rotated_keys_of_every_row(qk_norm):
+    q, k, v, cos, sin, kc, vc, slots = _inputs()
+    w = torch.linspace(0.5, 1.5, 16, device=DEVICE) if qk_norm else None
+    k_out = torch.full((5, 2, 16), float("nan"), device=DEVICE)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = rope_and_cache(q, k, v, cos, sin, kc, vc, slots, w, w, 1e-6, k_out=k_out)
+    k_ref = torch.empty_like(k_out)
+    ref = rope_and_cache_ref(q, k, v, cos, sin, kc2, vc2, slots, w, w, 1e-6, k_out=k_ref)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_out, k_ref, rtol=1e-5, atol=1e-5)  # row 2 (slot -1) included
+    # the cache holds the same rotated keys where a slot was given
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(kc[slot // 4, slot % 4], k_out[row], rtol=0, atol=0)
+    assert torch.isnan(kc).sum() == kc.numel() - 4 * 2 * 16  # nothing else written
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "strided"])
+def test_k_out_errors(bad):
+    q, k, v, cos, sin, kc, vc, slots = _inputs()
+    if bad == "shape":
+        k_out = torch.empty(5, 3, 16, device=DEVICE)
+    elif bad == "dtype":
+        k_out = torch.empty(5, 2, 16, dtype=torch.float16, device=DEVICE)
+    else:
+        k_out = torch.empty(5, 2, 32, device=DEVICE)[..., :16]
+    with pytest.raises(ValueError, match="k_out"):
+        rope_and_cache(q, k, v, cos, sin, kc, vc, slots, k_out=k_out)
