@@ -4,11 +4,12 @@ The fast path prefills a prompt padded to a bucket length in one forward whose a
 :func:`hf_accel.kernels.paged_attention.paged_attention` over the prompt's own K/V in the paged cache
 (causal, key mask, scattered blocks). At 512 tokens it took 16.7 µs per layer, a third of the prefill
 (``profile_prefill-20261203-f4ff721.json``). This times that call (9 query / 3 KV heads, head_dim 64,
-bf16, block 16, 1 batch row) at ``--lengths`` bucket lengths, in launch variants (keys per tile ``bn``,
+bf16, block 16, 1 batch row; ``--shape 8b``: 32 / 8 heads of 128, ``--batch``) at ``--lengths`` bucket lengths, in launch variants (keys per tile ``bn``,
 query rows per program ``bm``, warps ``w``, pipeline stages ``s``, KV splits ``sp``), each call
 captured 10 times in a CUDA graph (``common.graph_replay_us``), in turns over ``--rounds``. For reference
-``prefill_attention`` (hf-accel's FlashAttention-2 kernel) and SDPA (flash) on contiguous K/V of the same
-shape. Every variant's output is checked against the default's first. Writes
+``prefill_attention`` (hf-accel's FlashAttention-2 kernel) on contiguous K/V and on the step's own layouts
+(what ``PREFILL_CONTIGUOUS_ATTENTION`` runs: Q and K as [tokens, heads, D] views, V a column slice of the
+Q/K/V projection, a key mask and start offsets), and SDPA (flash) on contiguous K/V of the same shape. Every variant's output is checked against the default's first. Writes
 ``profile_prefill_attention-<date>.json``.
 
     python benchmarks/profile_prefill_attention.py [--lengths 192,256,384,512] [--rounds 3]
@@ -53,7 +54,13 @@ def main(argv=None):
     ap.add_argument("--lengths", default="192,256,384,512")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--shape", default="smollm2", choices=("smollm2", "8b"),
+                    help="heads / KV heads / head_dim: SmolLM2-135M's 9 / 3 / 64 or Llama-3-8B's 32 / 8 / 128")
+    ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args(argv)
+    global H, KV, D
+    H, KV, D = (9, 3, 64) if args.shape == "smollm2" else (32, 8, 128)
+    bsz = args.batch
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     rows = []
@@ -61,15 +68,16 @@ def main(argv=None):
         width = 8
         while width * BLOCK < length + 160:  # the engine's table: prompt + new tokens + drafts, bucketed
             width *= 2
-        pool = width + 4
+        pool = width * bsz + 4
         kc = torch.randn(pool, BLOCK, KV, D, device=dev, dtype=dt)
         vc = torch.randn(pool, BLOCK, KV, D, device=dev, dtype=dt)
-        table = torch.randperm(pool, device=dev)[:width].to(torch.int32)[None]
-        seq_lens = torch.tensor([length], dtype=torch.int32, device=dev)
+        table = torch.randperm(pool, device=dev)[: width * bsz].to(torch.int32).view(bsz, width)
+        seq_lens = torch.full((bsz,), length, dtype=torch.int32, device=dev)
         max_seq = width * BLOCK
-        key_mask = torch.ones(1, max_seq, dtype=torch.uint8, device=dev)
-        q = torch.randn(1, length, H, D, device=dev, dtype=dt).transpose(1, 2)  # [1, H, L, D] view, as the step
-        out = torch.empty(1, length, H, D, device=dev, dtype=dt)
+        key_mask = torch.ones(bsz, max_seq, dtype=torch.uint8, device=dev)
+        # the step's layouts: Q [n, H, D] from the RoPE kernel, V a column slice of the Q/K/V projection
+        q = torch.randn(bsz, length, H, D, device=dev, dtype=dt).transpose(1, 2)  # [b, H, L, D] view
+        out = torch.empty(bsz, length, H, D, device=dev, dtype=dt)
 
         def call(kw):
             return paged_attention(q, kc, vc, table, seq_lens, max_seq, key_mask, causal=True,
@@ -79,9 +87,18 @@ def main(argv=None):
         ref = call({}).clone()
         # contiguous K/V of the prompt for the references
         idx = torch.arange(length, device=dev)
-        phys = table[0, idx // BLOCK].long()
-        k4 = kc[phys, idx % BLOCK].permute(1, 0, 2)[None].contiguous()  # [1, KV, L, D]
-        v4 = vc[phys, idx % BLOCK].permute(1, 0, 2)[None].contiguous()
+        phys = table[:, idx // BLOCK].long()  # [b, L]
+        k_rows = kc[phys, idx % BLOCK]  # [b, L, KV, D]
+        v_rows = vc[phys, idx % BLOCK]
+        k4 = k_rows.permute(0, 2, 1, 3).contiguous()  # [b, KV, L, D]
+        v4 = v_rows.permute(0, 2, 1, 3).contiguous()
+        # the step's: rotated K [n, KV, D] (RoPE kernel's k_out), V a slice of [n, (H + 2 KV) D]
+        k_step = k_rows.reshape(bsz * length, KV, D).clone().view(bsz, length, KV, D).transpose(1, 2)
+        qkv = torch.randn(bsz * length, (H + 2 * KV) * D, device=dev, dtype=dt)
+        qkv[:, (H + KV) * D:] = v_rows.reshape(bsz * length, KV * D)
+        v_step = qkv[:, (H + KV) * D:].view(bsz, length, KV, D).transpose(1, 2)
+        own_mask = key_mask[:, :length]
+        kv_start = torch.zeros(bsz, dtype=torch.int32, device=dev)
         qc = q.contiguous()
         k_rep, v_rep = k4.repeat_interleave(H // KV, 1), v4.repeat_interleave(H // KV, 1)
         sdpa = torch.nn.functional.scaled_dot_product_attention(qc, k_rep, v_rep, is_causal=True)
@@ -101,6 +118,11 @@ def main(argv=None):
                 continue
             fns[name] = (lambda kw=kw: [call(kw) for _ in range(10)])
         fns["fa2_prefill_contiguous"] = lambda: [prefill_attention(qc, k4, v4, causal=True) for _ in range(10)]
+        step_out = prefill_attention(q, k_step, v_step, own_mask, causal=True, kv_start=kv_start)
+        if not torch.allclose(step_out.float(), ref.float(), atol=2e-2, rtol=2e-2):
+            print(f"L{length} fa2 in the step's layout: output differs from the paged kernel's", flush=True)
+        fns["fa2_prefill_step_layout"] = lambda: [
+            prefill_attention(q, k_step, v_step, own_mask, causal=True, kv_start=kv_start) for _ in range(10)]
         fns["sdpa_flash_contiguous_expanded"] = lambda: [
             torch.nn.functional.scaled_dot_product_attention(qc, k_rep, v_rep, is_causal=True) for _ in range(10)]
         times = {n: [] for n in fns}
@@ -116,7 +138,7 @@ def main(argv=None):
             med = statistics.median(v)
             print(f"   {name:>32}: {med:7.2f}")
             rows.append({"bench": "profile_prefill_attention", "provider": "ours",
-                         "shape": {"model": "smollm2-135m", "dtype": "bfloat16", "bs": 1, "q_len": length,
+                         "shape": {"model": f"{args.shape}-shape", "dtype": "bfloat16", "bs": bsz, "q_len": length,
                                    "heads": H, "kv_heads": KV, "head_dim": D, "block_size": BLOCK,
                                    "table_blocks": width, "variant": name,
                                    "overrides": VARIANTS.get(name)},
