@@ -73,6 +73,28 @@ def graph_replay_us(fn, per: int, rep_ms: int = 25) -> float:
     return triton.testing.do_bench(g.replay, warmup=5, rep=rep_ms) * 1e3 / per
 
 
+def time_in_turns(variants: dict, iters: int, passes: int, reset=None, label: str = "pass") -> dict:
+    """µs per iteration of each ``fn(iters)`` of ``variants`` {name: fn}, CUDA-synced wall clock, timed in turns
+    over ``passes`` so that drift hits every variant alike (``reset()`` runs before each timing); returns
+    {name: [µs per iteration, one per pass]} and prints each pass."""
+    import time
+
+    import torch
+
+    times: dict = {n: [] for n in variants}
+    for p in range(passes):
+        for name, fn in variants.items():
+            if reset is not None:
+                reset()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(iters)
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / iters * 1e6)
+        print(f"{label} {p}: " + "  ".join(f"{n} {v[-1]:.2f}" for n, v in times.items()), flush=True)
+    return times
+
+
 def _switch_modules():
     from hf_accel.engine import decode_step, fast_generate
     from hf_accel.speculative import draft_length

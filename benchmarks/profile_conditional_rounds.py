@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import time_in_turns, write_results  # noqa: E402
 
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl  # noqa: E402
 
@@ -145,7 +144,7 @@ def main(argv=None):
 
     preds_pinned = torch.zeros(2, dtype=torch.bool, pin_memory=True)
 
-    def host_gated_real(n):
+    def host_gated(n):
         for _ in range(n):
             graphs["choose"].replay()
             preds_pinned.copy_(preds, non_blocking=True)
@@ -154,7 +153,7 @@ def main(argv=None):
             e.synchronize()
             graphs["B" if bool(preds_pinned[1]) else "A"].replay()
 
-    variants = {"queued": queued, "host_gated": host_gated_real}
+    variants = {"queued": queued, "host_gated": host_gated}
     for r in rs:
         if f"cond_r{r}" in graphs:
             variants[f"cond_r{r}"] = (lambda n, r=r: [graphs[f"cond_r{r}"].replay() for _ in range(n // r)])
@@ -175,15 +174,7 @@ def main(argv=None):
         checks[name] = ok
         print(f"check {name}: {'ok' if ok else 'WRONG'} (A {int(x[0])}, B {int(x[1])}, want B rounds {want_b})",
               flush=True)
-    times: dict = {n: [] for n in variants}
-    for p in range(args.passes):
-        for name, fn in variants.items():
-            reset()
-            t0 = time.perf_counter()
-            fn(args.iters)
-            torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - t0) / args.iters * 1e6)
-        print(f"pass {p}: " + "  ".join(f"{n} {v[-1]:.2f}" for n, v in times.items()), flush=True)
+    times = time_in_turns(variants, args.iters, args.passes, reset=reset)
     base = statistics.median(times["queued"])
     rows = []
     print("-- us per round (median over passes); overhead = minus queued")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import time_in_turns, write_results  # noqa: E402
 
 INFO = 300  # int64 counters, about a round's ``info`` row
 
@@ -135,15 +134,7 @@ def main(argv=None):
     if "kernel_write_spin" in variants:  # the mailbox really holds the counters
         torch.cuda.synchronize()
         assert int(box[1 + 5]) == int(info[5]), (int(box[1 + 5]), int(info[5]))
-    times: dict = {n: [] for n in variants}
-    for r in range(args.rounds):
-        for name, fn in variants.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn(args.iters)
-            torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - t0) / args.iters * 1e6)
-        print(f"round {r}: " + "  ".join(f"{n} {v[-1]:.2f}" for n, v in times.items()), flush=True)
+    times = time_in_turns(variants, args.iters, args.rounds, label="round")
     base = statistics.median(times["queued"])
     rows = []
     print("-- us per iteration (median over rounds); round trip = minus queued")
