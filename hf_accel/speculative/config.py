@@ -27,8 +27,10 @@ class SpeculativeConfig:
         num_draft_tokens: the largest number of tokens drafted per verify step (k), 1 to 32. Default 15 for prompt
             lookup: drafting is free, and verifying 17 tokens of SmolLM2 at bs1 on an H200 took 1.007 ms
             against 0.967 ms for one (``profile_speculative_round-20261201.json``); 15 drafts + 1 make the 16
-            token rows up to which a small model's verify pass runs the fused small-batch matmuls
-            (:data:`hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS`). 4 for the model-based drafts.
+            token rows of one row block of the fused small-batch matmuls (up to
+            :data:`hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS` rows run there). 31 drafts did not
+            separate from 15 on the H200 (``bench_speculative-bs1-5pass-k31-20261203-3da9682.json``). 4 for
+            the model-based drafts.
         adaptive: choose k per verify step from the measured acceptance and step times (down to 0: plain
             decoding, "backed off", with an occasional probe); with ``False`` k stays ``num_draft_tokens``.
             Sampling stays exact either way, but with ``adaptive`` the k sequence depends on measured

@@ -38,6 +38,32 @@ def test_fast_path_matches_stock_fp32(kind):
     assert steps and all(s.fused and s.use_graph for s in steps)
 
 
+@pytest.mark.parametrize("batch", [20, 32])
+def test_fast_path_matches_stock_fp32_at_17_to_32_rows(batch):
+    """Batches of 17-32 rows run the fused step's matmuls through fused_linear in two 16-row blocks
+    (FUSED_LINEAR_MAX_ROWS = 32): float32 greedy is stock's, with left padding."""
+    from hf_accel.engine import decode_step
+
+    assert decode_step.FUSED_LINEAR_MAX_ROWS >= batch
+    model = _tiny("llama")
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    ids = torch.randint(8, 256, (batch, 9), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    mask[::3, :4] = 0
+    ids[mask == 0] = 0
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    hf_accel.accelerate_model(model)
+    rows_seen = []
+    linear = decode_step.fused_linear
+    decode_step.fused_linear = lambda x, w, **kw: rows_seen.append(x.shape[0]) or linear(x, w, **kw)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    finally:
+        decode_step.fused_linear = linear
+    assert torch.equal(ref, out)
+    assert batch in rows_seen, sorted(set(rows_seen))
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("lag", [2, 0])
 def test_decoding_stops_within_the_eos_lag(lag, sampled, monkeypatch):

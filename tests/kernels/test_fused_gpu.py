@@ -255,7 +255,7 @@ def test_gemv_rope_bf16_is_gemv_then_rope_and_cache(heads, kv_heads, d, hidden, 
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("rows", [2, 16])
+@pytest.mark.parametrize("rows", [2, 16, 20, 32])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden", [(9, 3, 64, 576), (14, 2, 64, 896)])
 def test_fused_linear_rope_bf16_is_fused_linear_then_rope_and_cache(heads, kv_heads, d, hidden, rows, pdl):
     """Compiled for the GPU in bf16: the several-row Q/K/V + RoPE + cache-write fused_linear matches

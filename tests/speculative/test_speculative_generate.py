@@ -22,7 +22,8 @@ from hf_accel import SpeculativeConfig, accelerate_model, revert_model, speculat
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.kernels.commit_tokens import INFO_CLASS_COUNTS, NUM_CLASSES
 from hf_accel.kernels.ngram_lookup import ngram_lookup_ref
-from hf_accel.speculative.draft_length import _PROBE_EVERY, _GatedChooser, _KChooser
+from hf_accel.speculative import draft_length
+from hf_accel.speculative.draft_length import _PROBE_EVERY, _GatedChooser, _KChooser, slowest_rows
 
 LAYERS = 4
 P_MIN = 1e-3
@@ -452,6 +453,41 @@ def test_k_chooser_fixed_k():
     assert chooser.choose(100) == (5, 1)
 
 
+def test_slowest_rows():
+    assert slowest_rows([3, 0, 2, 3], 0.5) == [3, 0, 1, 0]  # 8 rows: the 4 with the fewest accepted
+    assert slowest_rows([0, 1, 0, 2], 0.5) == [0, 1, 0, 1]  # ceil(1.5) = 2 rows
+    assert slowest_rows([0, 0, 1], 0.01) == [0, 0, 1]  # at least one row
+    assert slowest_rows([2, 5, 1], 1.0) == [2, 5, 1]
+    assert slowest_rows([0, 0, 0], 0.5) == [0, 0, 0]
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="fraction"):
+            slowest_rows([1, 1], bad)
+    with pytest.raises(ValueError, match=">= 0"):
+        slowest_rows([1, -1], 0.5)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_k_chooser_at_batch_8_weighs_the_slower_rows(fraction, monkeypatch):
+    """Batch 8, verify rounds cost ~1.8 plain rounds (as bs8 on the H200): half the rows copy every draft, half
+    accept none. Counting every row (fraction 1) the mean row accepts half of k and the chooser keeps drafting;
+    counting the slower half (the default) it backs off, since the batch runs as long as those rows need."""
+    monkeypatch.setattr(draft_length, "BATCH_ROWS_FRACTION", fraction)
+    chooser = _KChooser(k_max=8, adaptive=True, draft_cost=0.1)
+    picks = []
+    for _ in range(60):
+        k, rounds = chooser.choose(100)
+        picks += [k] * rounds
+        hist = [0] * (k + 1)
+        hist[0] += 4
+        hist[k] += 4
+        chooser.update(k, hist, seconds=0.62e-3 if k == 0 else 1.1e-3)
+    late = picks[-40:]  # rounds (a plain burst is several)
+    if fraction == 1.0:
+        assert all(k > 0 for k in late), late
+    else:
+        assert sum(k == 0 for k in late) >= 32, late  # backed off, with a probe now and then
+
+
 # --- the real SmolLM2 ----------------------------------------------------------------------------------------------
 
 
@@ -602,7 +638,7 @@ def test_k_chooser_times_a_plain_round_and_backs_off_when_verify_costs_more():
     picks = []
     for _ in range(40):
         k, rounds = chooser.choose(100)
-        picks.append(k)
+        picks += [k] * rounds
         hist = [0] * (k + 1)
         hist[min(k, 0 if len(picks) % 5 else 1)] = 1  # one draft accepted in a fifth of the rounds
         chooser.update(k, hist if k else [1], seconds=1.0 if k == 0 else 1.9 + 0.01 * k)
@@ -1059,7 +1095,7 @@ def test_prompt_lookup_num_tokens_below_one_raises(tiny, bad):
 
 
 def test_verify_passes_of_more_than_16_tokens_through_fused_linear(tiny, monkeypatch):
-    """With FUSED_LINEAR_MAX_ROWS raised to 32, a batch-1 verify pass of k + 1 = 20 tokens runs its matmuls through
+    """With FUSED_LINEAR_MAX_ROWS at 32, a batch-1 verify pass of k + 1 = 20 tokens runs its matmuls through
     fused_linear's whole-K path in two 16-row blocks (interpreter), and greedy equals stock."""
     from hf_accel.engine import decode_step
 
