@@ -40,8 +40,8 @@ def test_fast_path_matches_stock_fp32(kind):
 
 @pytest.mark.parametrize("batch", [20, 32])
 def test_fast_path_matches_stock_fp32_at_17_to_32_rows(batch):
-    """Batches of 17-32 rows run the fused step's matmuls through fused_linear in two 16-row blocks
-    (FUSED_LINEAR_MAX_ROWS = 32): float32 greedy is stock's, with left padding."""
+    """Steps of 17-32 rows run their matmuls through fused_linear in two 16-row blocks (FUSED_LINEAR_MAX_ROWS =
+    32): float32 greedy is stock's, with left padding."""
     from hf_accel.engine import decode_step
 
     assert decode_step.FUSED_LINEAR_MAX_ROWS >= batch
@@ -61,7 +61,8 @@ def test_fast_path_matches_stock_fp32_at_17_to_32_rows(batch):
     finally:
         decode_step.fused_linear = linear
     assert torch.equal(ref, out)
-    assert batch in rows_seen, sorted(set(rows_seen))
+    # the step's rows: the batch padded to the engine's batch bucket (20 -> 32)
+    assert any(17 <= r <= 32 for r in rows_seen), sorted(set(rows_seen))
 
 
 @pytest.mark.parametrize("sampled", [False, True])
