@@ -34,8 +34,7 @@ import triton
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import greedy_tail, scratch_for
-from hf_accel.kernels.fused_linear import MAX_ROWS as FUSED_LINEAR_KERNEL_ROWS
-from hf_accel.kernels.fused_linear import WHOLE_K_MAX, fused_linear, fused_linear_rope, split_k_for
+from hf_accel.kernels.fused_linear import WHOLE_K_MAX, fused_linear, fused_linear_rope, max_rows, split_k_for
 from hf_accel.kernels.gemv import gemv, gemv_rope
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.prefill import prefill_attention
@@ -387,6 +386,9 @@ class DecodeStep:
         widest = max([model.lm_head.weight.shape[0]] + [m.weight.shape[0] for m in model.modules()
                                                          if isinstance(m, torch.nn.Linear)])
         self.linear_counters = torch.zeros(triton.cdiv(2 * widest, 16), dtype=torch.int32, device=dev)
+        # the widest input of a layer's matmuls: whether all of them take fused_linear's whole-K path (more rows)
+        self.linear_max_k = max(m.weight.shape[1] for m in model.model.layers[0].modules()
+                                if isinstance(m, torch.nn.Linear))
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
     @property
@@ -471,7 +473,8 @@ class DecodeStep:
             splits = self.num_splits if t == self.q_len else PREFILL_NUM_SPLITS
         residual, delta = hidden, None
         one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
-        small = not one_row and self.small_linear and n <= min(FUSED_LINEAR_MAX_ROWS, FUSED_LINEAR_KERNEL_ROWS)
+        small = (not one_row and self.small_linear
+                 and n <= min(FUSED_LINEAR_MAX_ROWS, max_rows(FUSED_LINEAR_WHOLE_K and self.linear_max_k <= WHOLE_K_MAX)))
         # gemv and fused_linear take the same arguments: the layer's matmuls with norm / SwiGLU fused in
         linear = self._gemv if one_row else (self._split_linear if small else None)
         # Q/K/V with RoPE + the cache write as its epilogue (models without a per-head q/k norm): gemv_rope for

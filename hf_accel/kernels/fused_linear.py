@@ -36,9 +36,18 @@ from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from hf_accel.kernels.rms_norm import rms_norm_ref
 from hf_accel.kernels.swiglu import swiglu_ref
 
-#: Most token rows the kernel takes (one row tile: every weight is read once). Larger inputs belong to
+#: Most token rows the K-loop path takes (one row tile: every weight is read once). Larger inputs belong to
 #: cuBLAS, whose tensor-core tiles win once the matmul is no longer a pure weight stream.
 MAX_ROWS = 32
+
+#: Most token rows the whole-K path (``whole_k``) takes: rows run in blocks of :data:`WHOLE_K_BLOCK_M`, one
+#: program per (output tile, row block), each block after the first reading the weights from L2.
+WHOLE_K_MAX_ROWS = 128
+
+
+def max_rows(whole_k: bool) -> int:
+    """Most input rows :func:`fused_linear` / :func:`fused_linear_rope` take on the path ``whole_k`` selects."""
+    return WHOLE_K_MAX_ROWS if whole_k else MAX_ROWS
 
 #: Widest input that takes the small-layer tiles of :func:`_tiles` (what the H200 sweep measured).
 SMALL_K = 2048
@@ -536,14 +545,16 @@ def fused_linear(
     small_tiles: bool = False,
     whole_k: bool = False,
 ):
-    """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows, in one kernel.
+    """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows (:data:`WHOLE_K_MAX_ROWS` with
+    ``whole_k``), in one kernel.
 
     ``g`` is the identity, or with ``norm_weight`` transformers' RMSNorm of ``x`` (of ``x + residual``
     when ``residual`` is given, that sum being returned too); ``f`` is the identity, or with ``swiglu``
     ``silu(gate) * up`` where ``weight`` stacks the gate rows over the up rows.
 
     Args:
-        x: [rows, hidden], fp16/bf16/fp32, rows <= :data:`MAX_ROWS`, contiguous last dimension.
+        x: [rows, hidden], fp16/bf16/fp32, rows <= :data:`MAX_ROWS` (:data:`WHOLE_K_MAX_ROWS` with ``whole_k``),
+            contiguous last dimension.
         weight: [out_features, hidden] (``[2 * intermediate, hidden]`` with ``swiglu``), x's dtype,
             contiguous last dimension.
         bias: optional [out_features] (not with ``swiglu``).
@@ -580,13 +591,14 @@ def fused_linear(
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
 
     Raises:
-        ValueError: more than :data:`MAX_ROWS` rows, shape/dtype mismatches, a combination the kernel does
+        ValueError: more rows than :func:`max_rows` allows, shape/dtype mismatches, a combination the kernel does
             not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``), ``split_k`` not an int
             >= 1, ``num_warps`` not a power of two <= 16, or ``counters`` that are not a contiguous int32 tensor of enough elements on x's device.
     """
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
-    if rows > MAX_ROWS:
-        raise ValueError(f"fused_linear takes at most {MAX_ROWS} rows, got {rows}")
+    if rows > max_rows(whole_k):
+        raise ValueError(f"fused_linear takes at most {max_rows(whole_k)} rows{' with whole_k' if whole_k else ''}, "
+                         f"got {rows}")
     if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
         raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
     _check_launch(num_warps, block_n, block_k, eps)
@@ -691,7 +703,7 @@ def fused_linear_rope(
     §3.4.2), as two products of the same input tile (the SwiGLU layout of gate and up).
 
     Args:
-        x: [rows, hidden], rows <= :data:`MAX_ROWS`; weight: [(num_heads + 2 * num_kv_heads) * head_dim,
+        x: [rows, hidden], rows <= :func:`max_rows` (``whole_k``); weight: [(num_heads + 2 * num_kv_heads) * head_dim,
             hidden], q rows, then k, then v; bias: optional [same rows]; norm_weight, eps, residual: as
             :func:`fused_linear`.
         cos, sin: [rows, head_dim], the rotary tables at each row's position (transformers' layout), x's
@@ -715,8 +727,9 @@ def fused_linear_rope(
             dtypes or strides that differ.
     """
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, False)
-    if rows > MAX_ROWS:
-        raise ValueError(f"fused_linear_rope takes at most {MAX_ROWS} rows, got {rows}")
+    if rows > max_rows(whole_k):
+        raise ValueError(f"fused_linear_rope takes at most {max_rows(whole_k)} rows"
+                         f"{' with whole_k' if whole_k else ''}, got {rows}")
     if block_n is None:
         half = key_cache.shape[3] // 2 if key_cache.dim() == 4 else 0
         block_n = 32 if half % 32 == 0 else 16

@@ -134,7 +134,8 @@ def test_fused_linear_bf16(rows, hidden, out, mode, split_k):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rows,hidden,out", [(2, 576, 960), (16, 576, 3072), (16, 1536, 576), (5, 4096, 1024),
-                                             (16, 576, 49152), (32, 1536, 576), (19, 576, 3072)])
+                                             (16, 576, 49152), (32, 1536, 576), (19, 576, 3072), (64, 576, 3072),
+                                             (128, 1536, 576)])
 def test_fused_linear_whole_k_bf16(rows, hidden, out, mode):
     from hf_accel.kernels.fused_linear import fused_linear
 
@@ -255,7 +256,7 @@ def test_gemv_rope_bf16_is_gemv_then_rope_and_cache(heads, kv_heads, d, hidden, 
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("rows", [2, 16, 20, 32])
+@pytest.mark.parametrize("rows", [2, 16, 20, 32, 128])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden", [(9, 3, 64, 576), (14, 2, 64, 896)])
 def test_fused_linear_rope_bf16_is_fused_linear_then_rope_and_cache(heads, kv_heads, d, hidden, rows, pdl):
     """Compiled for the GPU in bf16: the several-row Q/K/V + RoPE + cache-write fused_linear matches
@@ -278,7 +279,7 @@ def test_fused_linear_rope_bf16_is_fused_linear_then_rope_and_cache(heads, kv_he
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     want = rope_and_cache(q, k, v, cos, sin, kc1, vc1, slots, pdl=pdl).reshape(rows, -1)
     got, got_res = fused_linear_rope(x, w, cos, sin, kc2, vc2, slots, heads, norm_weight=nw, eps=1e-5, residual=r,
-                                     pdl=pdl)
+                                     pdl=pdl, whole_k=rows > 32)  # more than 32 rows: the whole-K path only
     torch.cuda.synchronize()
     assert torch.equal(got_res, res)
     for a, b in ((got, want), (kc2, kc1), (vc2, vc1)):

@@ -168,12 +168,13 @@ def test_preloaded_first_tile_matches_reference_fp32(rows, hidden, block_k, mode
 
 
 @pytest.mark.parametrize("rows,hidden,out", [(1, 64, 48), (3, 96, 80), (16, 333, 40), (20, 576, 32), (2, 16, 16),
-                                             (32, 96, 48), (17, 64, 16)])
+                                             (32, 96, 48), (17, 64, 16), (71, 96, 32), (128, 64, 16)])
 @pytest.mark.parametrize("mode", MODES)
 def test_whole_k_matches_reference_fp32(rows, hidden, out, mode):
     """The whole-K path (no K loop): K a power of two (64: one chunk), 96 = 64 + 32, 333 = 256 + a masked
-    128-column chunk, 576 = 512 + 64; 17-32 rows run as two blocks of 16 (a third grid dimension; 17: one row
-    in the second); 48 / 80 / 40 outputs end in a partial 16-output tile."""
+    128-column chunk, 576 = 512 + 64; more than 16 rows run as blocks of 16 (a third grid dimension; 17: one row
+    in the second, 71: 7 in the fifth, 128: eight full blocks); 48 / 80 / 40 outputs end in a partial 16-output
+    tile."""
     x, r, w, nw, b = linear_inputs(rows, hidden, out * (2 if "swiglu" in mode else 1), torch.float32, seed=hidden)
     kw = linear_kwargs(mode, r, nw, b)
     want = fused_linear_ref(x, w, **kw)
@@ -199,11 +200,18 @@ def test_whole_k_chunks_and_bad_arguments():
     xw, _, ww, _, _ = linear_inputs(1, WHOLE_K_MAX + 16, 16, torch.float32)
     with pytest.raises(ValueError, match="whole_k takes at most"):
         fused_linear(xw, ww, whole_k=True)
+    from hf_accel.kernels.fused_linear import WHOLE_K_MAX_ROWS, max_rows
+
+    assert max_rows(True) == WHOLE_K_MAX_ROWS > max_rows(False) == MAX_ROWS
+    with pytest.raises(ValueError, match=f"at most {WHOLE_K_MAX_ROWS} rows with whole_k"):
+        fused_linear(torch.zeros(WHOLE_K_MAX_ROWS + 1, 64), w, whole_k=True)
+    with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows, got {MAX_ROWS + 1}"):
+        fused_linear(torch.zeros(MAX_ROWS + 1, 64), w)
 
 
 @pytest.mark.parametrize("rows,preload,whole_k", [(1, False, False), (5, False, False), (16, False, False),
                                                   (5, True, False), (3, False, True), (16, False, True),
-                                                  (27, False, True)])
+                                                  (27, False, True), (50, False, True)])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden,bias", [(3, 1, 32, 96, False), (2, 1, 64, 80, True)])
 def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preload, whole_k, heads, kv_heads, d,
                                                                      hidden, bias):
@@ -220,9 +228,10 @@ def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preloa
     b = b if bias else None
     ang = torch.rand(rows, d // 2, generator=g) * 50
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-    kc = torch.randn(8, 4, kv_heads, d, generator=g)
-    vc = torch.randn(8, 4, kv_heads, d, generator=g)
-    slots = torch.randperm(32, generator=g)[:rows].to(torch.int32)
+    blocks = 8 if rows <= 32 else 16
+    kc = torch.randn(blocks, 4, kv_heads, d, generator=g)
+    vc = torch.randn(blocks, 4, kv_heads, d, generator=g)
+    slots = torch.randperm(blocks * 4, generator=g)[:rows].to(torch.int32)
     slots[rows // 2] = -1
     qkv, want_res = fused_linear_ref(x, w, bias=b, norm_weight=nw, eps=1e-5, residual=r)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)

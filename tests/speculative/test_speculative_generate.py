@@ -1094,6 +1094,27 @@ def test_prompt_lookup_num_tokens_below_one_raises(tiny, bad):
         greedy(ours, ids[:1], mask[:1], tiny.PAD, generation_config=config)
 
 
+def test_batch_verify_passes_of_more_than_32_rows_through_fused_linear(tiny, monkeypatch):
+    """Batch 3 with 15 drafts: verify passes of 48 token rows run their matmuls through fused_linear's whole-K
+    path in 16-row blocks when FUSED_LINEAR_MAX_ROWS allows (interpreter), and greedy equals stock."""
+    from hf_accel.engine import decode_step
+
+    monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 128)
+    rows_seen = []
+    linear = decode_step.fused_linear
+    monkeypatch.setattr(decode_step, "fused_linear",
+                        lambda x, w, **kw: rows_seen.append(x.shape[0]) or linear(x, w, **kw))
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny, lengths=(14, 9, 6))
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=20, eos_token_id=None)
+    config = SpeculativeConfig("prompt_lookup", num_draft_tokens=15, adaptive=False)
+    ours = accelerate_model(copy.deepcopy(model), speculative=config)
+    ours._hf_accel_engine.fused = True
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=20, eos_token_id=None)
+    assert torch.equal(out, stock)
+    assert 48 in rows_seen, sorted(set(rows_seen))
+
+
 def test_verify_passes_of_more_than_16_tokens_through_fused_linear(tiny, monkeypatch):
     """With FUSED_LINEAR_MAX_ROWS at 32, a batch-1 verify pass of k + 1 = 20 tokens runs its matmuls through
     fused_linear's whole-K path in two 16-row blocks (interpreter), and greedy equals stock."""
