@@ -83,13 +83,19 @@ def fused_supported(model) -> str | None:
 #: output tile was far slower still: SmolLM2-shaped verify forwards of 17 / 32 tokens took 2.82 / 7.28 ms with 32
 #: here against 0.99 / 0.99 on cuBLAS, 16 tokens 0.611 either way (H200,
 #: ``profile_step_splits-max-rows-20261203-4924036.json``). It now runs 17-32 rows as two 16-row programs
-#: (:data:`~hf_accel.kernels.fused_linear.WHOLE_K_BLOCK_M`), hence 32 here. Real SmolLM2 bf16 decode
-#: (``bench_generate-smollm2-max-rows-ab-20261203-3da9682.json``, one run, both settings in turns): bs24
-#: 34133 tok/s with 32 against 22871 with 16 (step 0.68 vs 1.03 ms), bs32 45608 against 30558; on the
-#: Llama-3-8B shape (hidden above :data:`FUSED_LINEAR_MAX_HIDDEN`, so cuBLAS either way) bs24 / bs32 did not
-#: separate (``bench_generate-8b-max-rows-ab-20261203-da2307b.json``). It also lets prompt lookup verify up to
-#: 31 drafts (``num_draft_tokens``).
-FUSED_LINEAR_MAX_ROWS = 32
+#: (:data:`~hf_accel.kernels.fused_linear.WHOLE_K_BLOCK_M`), up to
+#: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX_ROWS`. Real SmolLM2 bf16 decode, H200, one run each with both
+#: settings in turns: bs24 34133 tok/s with 32 against 22871 with 16 (step 0.68 vs 1.03 ms), bs32 45608 against
+#: 30558 (``bench_generate-smollm2-max-rows-ab-20261203-3da9682.json``); bs48 50865 with 128 against 42416 with 32
+#: (0.91 vs 1.09 ms), bs64 67296 against 55659 (0.92 vs 1.11 ms;
+#: ``bench_generate-smollm2-max-rows-128-ab-20261203-6a89104.json``). Prompt lookup at bs8 with 128
+#: (``bench_speculative-bs8-max-rows-128-20261203-6a89104.json``): verify rounds of 24 / 40 / 72 rows took 0.64 /
+#: 0.86 / 0.98 ms against 0.96 / 1.03 / 1.08 on cuBLAS earlier that day, but 128 rows 1.27 against 1.15; hence 72,
+#: the most rows measured faster than cuBLAS (73-128 not measured between). On the Llama-3-8B shape (hidden above
+#: :data:`FUSED_LINEAR_MAX_HIDDEN`, so cuBLAS either way) bs24 / bs32 did not separate
+#: (``bench_generate-8b-max-rows-ab-20261203-da2307b.json``). It also lets prompt lookup verify up to 31 drafts at
+#: batch 1 (``num_draft_tokens``).
+FUSED_LINEAR_MAX_ROWS = 72
 FUSED_LINEAR_MAX_HIDDEN = 2048
 
 #: Steps of one token row (batch 1 decode) run every matmul, the LM head included, through

@@ -482,8 +482,8 @@ WHOLE_K_MAX = 4096
 #: Input rows per program of the whole-K path: more rows run as more programs (a third grid dimension), each
 #: loading the same weight rows (the second time from L2), since 32 input rows of a whole K do not fit the
 #: registers: H200, SmolLM2-shaped verify forwards of 17 / 32 tokens took 2.82 / 7.28 ms with 32-row programs
-#: (``profile_step_splits-max-rows-20261203-4924036.json``). Not timed on the GPU with 16-row blocks yet; the
-#: decode step still sends more than :data:`~hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS` rows to cuBLAS.
+#: (``profile_step_splits-max-rows-20261203-4924036.json``). With 16-row blocks see
+#: :data:`~hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS` (the decode step sends more rows to cuBLAS).
 WHOLE_K_BLOCK_M = 16
 
 

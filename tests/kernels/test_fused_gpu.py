@@ -275,7 +275,7 @@ def test_fused_linear_rope_bf16_is_fused_linear_then_rope_and_cache(heads, kv_he
     vc = torch.randn_like(kc)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     slots = torch.randperm(128, device="cuda")[:rows].to(torch.int32)
-    qkv, res = fused_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, pdl=pdl)
+    qkv, res = fused_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, pdl=pdl, whole_k=rows > 32)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     want = rope_and_cache(q, k, v, cos, sin, kc1, vc1, slots, pdl=pdl).reshape(rows, -1)
     got, got_res = fused_linear_rope(x, w, cos, sin, kc2, vc2, slots, heads, norm_weight=nw, eps=1e-5, residual=r,
