@@ -96,6 +96,10 @@ def fused_supported(model) -> str | None:
 #: (``bench_generate-8b-max-rows-ab-20261203-da2307b.json``). It also lets prompt lookup verify up to 31 drafts at
 #: batch 1 (``num_draft_tokens``).
 FUSED_LINEAR_MAX_ROWS = 72
+#: The same limit for models whose layers do not all fit the whole-K path (a matmul input wider than
+#: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX`, e.g. an intermediate size of 4864 or 8192): their K-loop
+#: tiles lost to cuBLAS at 32 rows in the measurement above (24.2 vs 22.4 us per SmolLM2-shaped layer).
+FUSED_LINEAR_K_LOOP_MAX_ROWS = 16
 FUSED_LINEAR_MAX_HIDDEN = 2048
 
 #: Steps of one token row (batch 1 decode) run every matmul, the LM head included, through
@@ -479,8 +483,9 @@ class DecodeStep:
             splits = self.num_splits if t == self.q_len else PREFILL_NUM_SPLITS
         residual, delta = hidden, None
         one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
-        small = (not one_row and self.small_linear
-                 and n <= min(FUSED_LINEAR_MAX_ROWS, max_rows(FUSED_LINEAR_WHOLE_K and self.linear_max_k <= WHOLE_K_MAX)))
+        whole = FUSED_LINEAR_WHOLE_K and self.linear_max_k <= WHOLE_K_MAX
+        limit = min(FUSED_LINEAR_MAX_ROWS, max_rows(whole) if whole else FUSED_LINEAR_K_LOOP_MAX_ROWS)
+        small = not one_row and self.small_linear and n <= limit
         # gemv and fused_linear take the same arguments: the layer's matmuls with norm / SwiGLU fused in
         linear = self._gemv if one_row else (self._split_linear if small else None)
         # Q/K/V with RoPE + the cache write as its epilogue (models without a per-head q/k norm): gemv_rope for

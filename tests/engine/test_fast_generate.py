@@ -673,6 +673,7 @@ def test_small_batch_fused_step_rope_epilogue(model_type, fused_rope, tiny, monk
     from hf_accel.engine import decode_step
 
     monkeypatch.setattr(decode_step, "FUSED_LINEAR_ROPE", fused_rope)
+    monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 16)  # the prefill's rows (more than 16) stay on cuBLAS
     calls = {"fused_rope": 0, "rope_kernel": 0}
     original, original_kernel = decode_step.fused_linear_rope, decode_step.rope_and_cache
 
@@ -736,6 +737,7 @@ def test_small_batch_fused_step_whole_k(tiny, monkeypatch):
     from hf_accel.engine import decode_step
 
     monkeypatch.setattr(decode_step, "FUSED_LINEAR_WHOLE_K", True)
+    monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 16)  # the prefill's rows (more than 16) stay on cuBLAS
     seen = {"whole_k": 0, "rope_whole_k": 0}
     linear, rope_linear = decode_step.fused_linear, decode_step.fused_linear_rope
 
@@ -763,6 +765,7 @@ def test_small_batch_fused_step_lm_head(model_type, tiny, monkeypatch):
     from hf_accel.engine import decode_step
 
     monkeypatch.setattr(decode_step, "FUSED_LINEAR_LM_HEAD", True)
+    monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 16)  # the prefill's rows (more than 16) stay on cuBLAS
     heads = []
     linear = decode_step.fused_linear
 

@@ -1115,12 +1115,17 @@ def test_batch_verify_passes_of_more_than_32_rows_through_fused_linear(tiny, mon
     assert 48 in rows_seen, sorted(set(rows_seen))
 
 
-def test_verify_passes_of_more_than_16_tokens_through_fused_linear(tiny, monkeypatch):
+@pytest.mark.parametrize("whole_k_fits", [True, False])
+def test_verify_passes_of_more_than_16_tokens_through_fused_linear(whole_k_fits, tiny, monkeypatch):
     """With FUSED_LINEAR_MAX_ROWS at 32, a batch-1 verify pass of k + 1 = 20 tokens runs its matmuls through
-    fused_linear's whole-K path in two 16-row blocks (interpreter), and greedy equals stock."""
+    fused_linear's whole-K path in two 16-row blocks (interpreter), and greedy equals stock. A model whose matmul
+    inputs do not all fit the whole-K path (WHOLE_K_MAX lowered here) keeps passes of more than
+    FUSED_LINEAR_K_LOOP_MAX_ROWS rows on cuBLAS."""
     from hf_accel.engine import decode_step
 
     monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 32)
+    if not whole_k_fits:
+        monkeypatch.setattr(decode_step, "WHOLE_K_MAX", 16)
     monkeypatch.setattr(_GatedChooser, "choose", lambda self, counts, max_remaining=None, burst=True:
                         (19 if any(counts[1:]) and (max_remaining is None or max_remaining > 19) else 0, 1))
     rows_seen = []
@@ -1128,5 +1133,7 @@ def test_verify_passes_of_more_than_16_tokens_through_fused_linear(tiny, monkeyp
     monkeypatch.setattr(decode_step, "fused_linear",
                         lambda x, w, **kw: rows_seen.append(x.shape[0]) or linear(x, w, **kw))
     ours = _batch1_fused_lookup_matches_stock(tiny, num_draft_tokens=19, max_new_tokens=30, lengths=(40, 9, 6))
-    assert 20 in rows_seen and speculative_stats(ours)["draft_lengths"].get("19"), (set(rows_seen),
-                                                                                  speculative_stats(ours))
+    assert speculative_stats(ours)["draft_lengths"].get("19"), speculative_stats(ours)
+    assert (20 in rows_seen) == whole_k_fits, sorted(set(rows_seen))
+    if not whole_k_fits:  # the 20-row passes ran on cuBLAS; nothing above the K-loop limit reached fused_linear
+        assert all(r <= decode_step.FUSED_LINEAR_K_LOOP_MAX_ROWS for r in rows_seen), sorted(set(rows_seen))
