@@ -16,6 +16,7 @@ Then, for each q_len under ``no_pdl``, a torch.profiler table of the kernels per
 device µs). Writes ``profile_verify_kernels-<date>.json``.
 
     python benchmarks/profile_verify_kernels.py [--q-lens 1,2,8,16] [--context 305] [--rounds 3]
+        [--settings 'base:,s4:FUSED_LINEAR_K_SLICES=4']
 """
 
 from __future__ import annotations
@@ -54,7 +55,13 @@ def main(argv=None):
     ap.add_argument("--q-lens", default="1,2,8,16")
     ap.add_argument("--context", type=int, default=305)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settings", default=None,
+                    help="named settings 'NAME:SPEC,NAME:SPEC' (SPEC: decode_step switches NAME=VALUE+...) instead "
+                         "of the three above; the kernel tables then run under the first")
     args = ap.parse_args(argv)
+    settings = dict(SETTINGS)
+    if args.settings:
+        settings = dict(item.split(":", 1) for item in args.settings.split(","))
     q_lens = [int(q) for q in args.q_lens.split(",")]
     model = smollm2_shaped_model()
     fast = model._hf_accel_engine
@@ -64,7 +71,7 @@ def main(argv=None):
         steps = {q: step_over_blocks(fast, step, ids, q, args.context) for q in q_lens}
     times: dict = {}
     for r in range(args.rounds):
-        for name, spec in SETTINGS.items():
+        for name, spec in settings.items():
             with decode_step_overrides(spec), torch.inference_mode():
                 for q, s in steps.items():
                     times.setdefault((name, q), []).append(time_graph(s._forward)[0])
@@ -72,20 +79,21 @@ def main(argv=None):
                   flush=True)
     shape = {"model": "smollm2-135m-shape", "dtype": "bfloat16", "bs": 1, "context": args.context}
     rows = [{"bench": "profile_verify_kernels", "provider": "ours", "shape": {**shape, "q_len": q, "setting": name,
-                                                                            "switches": SETTINGS[name]},
+                                                                            "switches": settings[name]},
              "metric": "forward_ms", "unit": "ms", "value": v} for (name, q), v in times.items()]
+    table_setting = "no_pdl" if args.settings is None else next(iter(settings))
     for q, s in steps.items():
-        with decode_step_overrides(SETTINGS["no_pdl"]), torch.inference_mode():
+        with decode_step_overrides(settings[table_setting]), torch.inference_mode():
             table = kernel_table(s._forward)
         total = sum(e["us"] for e in table)
-        print(f"-- q_len {q}, no_pdl: {sum(e['calls'] for e in table):.0f} kernels, {total:.1f} us summed")
+        print(f"-- q_len {q}, {table_setting}: {sum(e['calls'] for e in table):.0f} kernels, {total:.1f} us summed")
         for e in table[:14]:
             print(f"   {e['name'][:70]:70s} {e['calls']:6.1f} {e['us']:8.1f}")
         rows.append({"bench": "profile_verify_kernels", "provider": "ours",
-                     "shape": {**shape, "q_len": q, "setting": "no_pdl"}, "metric": "kernels",
+                     "shape": {**shape, "q_len": q, "setting": table_setting}, "metric": "kernels",
                      "unit": "us per replay (profiled)", "value": table})
     print("-- medians (ms)")
-    for name in SETTINGS:
+    for name in settings:
         print(f"   {name:8s} " + "  ".join(f"q{q} {statistics.median(times[(name, q)]):.4f}" for q in q_lens))
     write_results("profile_verify_kernels", rows)
 
