@@ -74,22 +74,10 @@ def _dot_t(x, w, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _dot_t_sliced(x, w, SLICES: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """``x @ w.T`` for ``x`` [M, K], ``w`` [N, K] as ``SLICES`` products over K slices of K / SLICES columns in one
-    batched (3-D) ``tl.dot``, summed in float32: the slices run side by side (the warps take the batch
-    dimension) instead of one chain of K / 16 dependent MMA steps. ``SLICES`` 1 = :func:`_dot_t`."""
-    if SLICES == 1:
-        return _dot_t(x, w, IEEE_DOT)
-    M: tl.constexpr = x.shape[0]
-    K: tl.constexpr = x.shape[1]
-    N: tl.constexpr = w.shape[0]
-    xs = tl.permute(tl.reshape(x, (M, SLICES, K // SLICES)), (1, 0, 2))  # [S, M, K/S]
-    ws = tl.permute(tl.reshape(w, (N, SLICES, K // SLICES)), (1, 2, 0))  # [S, K/S, N]
+def _dot_t_acc(x, w, acc, IEEE_DOT: tl.constexpr):
     if IEEE_DOT:
-        p = tl.dot(xs, ws, input_precision="ieee")
-    else:
-        p = tl.dot(xs, ws)
-    return tl.sum(p, axis=0)
+        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
 
 
 @triton.jit
@@ -171,8 +159,7 @@ def _normed(x, NormW, offs_k, k_ok, rstd, dt):
 def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K, up_offset, stride_wn, stride_rom,
                       eps, store_sum, dt, NORM: tl.constexpr, RESIDUAL: tl.constexpr, TWO: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
-                      IEEE_DOT: tl.constexpr, PDL: tl.constexpr, K_SLICES: tl.constexpr = 1,
-                      K_SLICES2: tl.constexpr = 1):
+                      IEEE_DOT: tl.constexpr, PDL: tl.constexpr, STAGE_W: tl.constexpr = False):
     """The whole-K path of :func:`_fused_linear_kernel`: the program's weights, all of K as two power-of-two
     column chunks ``[0, BLOCK_K)`` (full) and ``[BLOCK_K, BLOCK_K + BLOCK_K2)`` (masked past K; none when
     BLOCK_K2 is 0), are loaded before the PDL wait; after it one load of the input rows feeds the norm and
@@ -189,6 +176,20 @@ def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K
         wb = tl.load(w_rows + offs_b[None, :], mask=wmb, other=0.0)
         if TWO:
             wub = tl.load(w_rows + up_offset * stride_wn + offs_b[None, :], mask=wmb, other=0.0)
+    if STAGE_W:
+        # Products of zero rows with the weights before the wait: the weights' conversion to the MMA operand
+        # layout (through shared memory) is then done while the previous kernel drains, and the real products
+        # below reuse it (the same conversion of the same values); the zero products seed the accumulators.
+        za = tl.zeros([BLOCK_M, BLOCK_K], dtype=dt)
+        acc0 = _dot_t(za, wa, IEEE_DOT)
+        acc0_up = tl.zeros_like(acc0)
+        if TWO:
+            acc0_up = _dot_t(za, wua, IEEE_DOT)
+        if BLOCK_K2 > 0:
+            zb = tl.zeros([BLOCK_M, BLOCK_K2], dtype=dt)
+            acc0 = _dot_t_acc(zb, wb, acc0, IEEE_DOT)
+            if TWO:
+                acc0_up = _dot_t_acc(zb, wub, acc0_up, IEEE_DOT)
     if PDL:
         gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
     xa = _load_row_chunk(x_rows, r_rows, offs_a, row_ok[:, None], dt, RESIDUAL)
@@ -211,14 +212,20 @@ def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K
         xa = _normed(xa, NormW, offs_a, offs_a < K, rstd, dt)
         if BLOCK_K2 > 0:
             xb = _normed(xb, NormW, offs_b, kb_ok, rstd, dt)
-    acc = _dot_t_sliced(xa, wa, K_SLICES, IEEE_DOT)
-    acc_up = tl.zeros_like(acc)
-    if TWO:
-        acc_up = _dot_t_sliced(xa, wua, K_SLICES, IEEE_DOT)
-    if BLOCK_K2 > 0:
-        acc += _dot_t_sliced(xb, wb, K_SLICES2, IEEE_DOT)
+    if STAGE_W:
+        acc = _dot_t_acc(xa, wa, acc0, IEEE_DOT)
+        acc_up = acc0_up
         if TWO:
-            acc_up += _dot_t_sliced(xb, wub, K_SLICES2, IEEE_DOT)
+            acc_up = _dot_t_acc(xa, wua, acc0_up, IEEE_DOT)
+    else:
+        acc = _dot_t(xa, wa, IEEE_DOT)
+        acc_up = tl.zeros_like(acc)
+        if TWO:
+            acc_up = _dot_t(xa, wua, IEEE_DOT)
+    if BLOCK_K2 > 0:
+        acc += _dot_t(xb, wb, IEEE_DOT)
+        if TWO:
+            acc_up += _dot_t(xb, wub, IEEE_DOT)
     return acc, acc_up
 
 
@@ -246,8 +253,7 @@ def _fused_linear_kernel(
     ROPE: tl.constexpr,
     WHOLE_K: tl.constexpr = False,
     BLOCK_K2: tl.constexpr = 0,
-    K_SLICES: tl.constexpr = 1,
-    K_SLICES2: tl.constexpr = 1,
+    STAGE_W: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -274,7 +280,7 @@ def _fused_linear_kernel(
     if WHOLE_K:
         acc, acc_up = _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K, up_offset,
                                         stride_wn, stride_rom, eps, pid_n == 0, dt, NORM, RESIDUAL,
-                                        SWIGLU or ROPE, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT, PDL, K_SLICES, K_SLICES2)
+                                        SWIGLU or ROPE, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT, PDL, STAGE_W)
         if ROPE:
             _rope_epilogue2d(acc, acc_up, Bias, Y, Cos, Sin, KCache, VCache, SlotMapping, rows, row_ok, head, lane,
                              dt, stride_ym, stride_cm, num_heads, num_kv_heads, head_dim, block_size, stride_kcb,
@@ -526,14 +532,6 @@ def _whole_k_tiles(rows: int, k: int, block_n: int | None,
             block_k2, 8 if num_warps is None else num_warps, 1)
 
 
-def whole_k_slices(k_slices: int, block_k: int, block_k2: int) -> tuple[int, int]:
-    """The K slices of the whole-K path's two column chunks for ``k_slices`` (a power of two >= 1; ValueError
-    otherwise): each chunk takes ``k_slices`` slices, fewer where a slice would be narrower than 16 columns."""
-    if not isinstance(k_slices, int) or isinstance(k_slices, bool) or k_slices < 1 or k_slices & (k_slices - 1):
-        raise ValueError(f"k_slices must be a power of two >= 1, got {k_slices!r}")
-    return min(k_slices, max(1, block_k // 16)), min(k_slices, max(1, block_k2 // 16))
-
-
 def whole_k_chunks(k: int) -> tuple[int, int]:
     """The two power-of-two column chunks ``(BLOCK_K, BLOCK_K2)`` the whole-K path covers ``k`` with: the
     largest power of two <= k, then the next power of two >= the rest (0 when k is a power of two), each
@@ -574,7 +572,7 @@ def fused_linear(
     norm_k: int | None = None,
     small_tiles: bool = False,
     whole_k: bool = False,
-    k_slices: int = 1,
+    stage_weights: bool = False,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows (:data:`WHOLE_K_MAX_ROWS` with
     ``whole_k``), in one kernel.
@@ -617,9 +615,9 @@ def fused_linear(
             ``hidden`` <= :data:`WHOLE_K_MAX`; ``block_n`` default 32; rows in blocks of :data:`WHOLE_K_BLOCK_M`
             (one program per block and output tile); not with ``split_k`` > 1; ``block_k``, ``num_stages``,
             ``preload``, ``norm_k`` and ``small_tiles`` do not apply.
-        k_slices: whole-K path only: each program multiplies its K columns as this many slices in one batched
-            ``tl.dot`` (the warps take the slices side by side) and sums them, instead of one chain of dependent
-            MMA steps over all of K (:func:`whole_k_slices`). Only the order of the float32 sums changes.
+        stage_weights: whole-K path only: before the PDL wait, multiply zero rows by the weights, so that their
+            conversion to the MMA operand layout runs while the previous kernel drains (the products after the
+            wait reuse it). Same results.
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -650,7 +648,6 @@ def fused_linear(
             raise ValueError("whole_k does not take split_k > 1")
         block_m, m_blocks, block_n, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(rows, k, given_n,
                                                                                               given_warps)
-    slices = whole_k_slices(k_slices, block_k, block_k2) if whole_k else whole_k_slices(k_slices, 16, 16)
     r_in = residual if residual is not None else x
     norm_k = _norm_k(norm_k, block_k)
     pdl = use_pdl(pdl, x)
@@ -682,7 +679,7 @@ def fused_linear(
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0 and k_per_split % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=split_k, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=False,
-        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2, K_SLICES=slices[0], K_SLICES2=slices[1],
+        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2, STAGE_W=bool(stage_weights and whole_k),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (y, r_out) if residual is not None else y
@@ -728,7 +725,7 @@ def fused_linear_rope(
     small_tiles: bool = False,
     preload: bool = False,
     whole_k: bool = False,
-    k_slices: int = 1,
+    stage_weights: bool = False,
 ):
     """The merged Q/K/V projection of a few token rows with RoPE and the cache write as its epilogue:
     :func:`fused_linear` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one
@@ -750,7 +747,7 @@ def fused_linear_rope(
             Slots must be below ``num_blocks * block_size``: a device tensor, not checked here (the decode
             step computes them from its block table).
         num_heads: query heads.
-        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k, k_slices: as
+        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k, stage_weights: as
             :func:`fused_linear` (``preload`` default False); ``block_n`` (default the largest of 32 and 16 that
             divides it) must divide ``head_dim / 2``.
 
@@ -781,7 +778,6 @@ def fused_linear_rope(
     if whole_k:
         block_m, m_blocks, _, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(rows, k, block_n,
                                                                                         given_warps)
-    slices = whole_k_slices(k_slices, block_k, block_k2) if whole_k else whole_k_slices(k_slices, 16, 16)
     norm_k = _norm_k(norm_k, block_k)
     q = torch.empty(rows, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q
@@ -803,7 +799,7 @@ def fused_linear_rope(
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=1, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=True,
-        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2, K_SLICES=slices[0], K_SLICES2=slices[1],
+        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2, STAGE_W=bool(stage_weights and whole_k),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (q, r_out) if residual is not None else q

@@ -186,29 +186,19 @@ def test_whole_k_matches_reference_fp32(rows, hidden, out, mode):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,hidden,out,k_slices", [(3, 96, 48, 2), (16, 576, 32, 8), (20, 333, 40, 4),
-                                                      (2, 64, 16, 16)])
+@pytest.mark.parametrize("rows,hidden,out", [(3, 96, 48), (16, 576, 32), (20, 64, 40)])
 @pytest.mark.parametrize("mode", ["plain", "norm_residual_swiglu"])
-def test_whole_k_slices_match_reference_fp32(rows, hidden, out, k_slices, mode):
-    """K slices of the whole-K path (one batched dot over slices of K, summed): 576 = 512 in 8 slices + 64 in 4,
-    96 = 64 in 2 + 32 in 2, 333 = 256 in 4 + a masked 128 in 4; 16 slices of 64 columns are capped at 4 (a
-    slice is at least 16 columns)."""
-    from hf_accel.kernels.fused_linear import whole_k_chunks, whole_k_slices
-
+def test_whole_k_staged_weights_match_reference_fp32(rows, hidden, out, mode):
+    """``stage_weights`` (zero-row products before the wait seed the accumulators): the same results as the
+    reference, with one column chunk (64) and two (96 = 64 + 32, 576 = 512 + 64)."""
     x, r, w, nw, b = linear_inputs(rows, hidden, out * (2 if "swiglu" in mode else 1), torch.float32, seed=hidden)
     kw = linear_kwargs(mode, r, nw, b)
     want = fused_linear_ref(x, w, **kw)
-    got = fused_linear(x, w, whole_k=True, k_slices=k_slices, **kw)
+    got = fused_linear(x, w, whole_k=True, stage_weights=True, **kw)
     if "residual" in mode:
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
         got, want = got[0], want[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    a, b2 = whole_k_chunks(hidden)
-    sa, sb = whole_k_slices(k_slices, a, b2)
-    assert a // sa >= 16 and (b2 == 0 or b2 // sb >= 16) and sa <= k_slices and sb <= k_slices
-    for bad in (0, 3, True, 2.0):
-        with pytest.raises(ValueError, match="k_slices"):
-            fused_linear(x, w, whole_k=True, k_slices=bad)
 
 
 def test_whole_k_chunks_and_bad_arguments():
@@ -243,8 +233,8 @@ def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preloa
     """Q/K/V projection of several rows with RoPE + cache write as its epilogue: fused_linear followed by
     rope_and_cache_ref; each row's K/V lands in its own slot (-1: none), the rest of the cache untouched.
     With ``preload`` the first of several 16-column weight tiles is loaded before the PDL wait; with
-    ``whole_k`` all of K (96 = 64 + 32, 80 = 64 + a masked 16-column chunk) before it, in 2 K slices at even
-    row counts."""
+    ``whole_k`` all of K (96 = 64 + 32, 80 = 64 + a masked 16-column chunk) before it, at even row counts with
+    the weights staged for the MMA before the wait too."""
     from hf_accel.kernels.fused_linear import fused_linear_rope
     from hf_accel.kernels.rope_cache import rope_and_cache_ref
 
@@ -263,7 +253,8 @@ def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preloa
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     want_q = rope_and_cache_ref(q, k, v, cos, sin, kc1, vc1, slots)
-    tiles = dict(block_k=16, preload=True) if preload else ({"whole_k": True, "k_slices": 2 if rows % 2 == 0 else 1} if whole_k else {})
+    tiles = dict(block_k=16, preload=True) if preload else \
+        ({"whole_k": True, "stage_weights": rows % 2 == 0} if whole_k else {})
     got_q, got_res = fused_linear_rope(x, w, cos, sin, kc2, vc2, slots, heads, bias=b, norm_weight=nw, eps=1e-5,
                                        residual=r, **tiles)
     torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
