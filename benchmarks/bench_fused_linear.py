@@ -247,9 +247,7 @@ WHOLE_K_VARIANTS = [("loop", {}), ("whole-n16-w2", dict(whole_k=True, num_warps=
                     ("whole-n32-w8", dict(whole_k=True, block_n=32, num_warps=8)),
                     ("whole-n64-w8", dict(whole_k=True, block_n=64, num_warps=8)),
                     ("whole-n16-w1", dict(whole_k=True, block_n=16, num_warps=1)),
-                    ("whole-n128-w8", dict(whole_k=True, block_n=128, num_warps=8))] + \
-    [(f"whole-n{n}-w{w}-fma", dict(whole_k=True, block_n=n, num_warps=w, fma=True))  # products on CUDA cores
-     for n, w in ((2, 4), (4, 4), (8, 4), (4, 2), (8, 8), (16, 4), (4, 8))]
+                    ("whole-n128-w8", dict(whole_k=True, block_n=128, num_warps=8))]
 
 
 def _gemv_kind(kind, w, lm, x, r, o_in, a_in):

@@ -258,10 +258,6 @@ MULTI_ROW_ATTENTION_OVERLAP = True
 #: prompts, 5100 vs 3671 on the code prompts, 13074 vs 9560 open-ended.
 FUSED_LINEAR_WHOLE_K = True
 
-#: The step's whole-K fused_linear / fused_linear_rope calls multiply on CUDA cores (``fma``: 4 outputs per
-#: program, float32 multiply-adds reduced over K, as the one-row GEMV) instead of tensor-core ``tl.dot`` tiles.
-FUSED_LINEAR_FMA = False
-
 #: The in-graph greedy loop's pick + bookkeeping (argmax, pad for finished rows, token write, EOS check,
 #: next-step inputs, counters) runs as one :func:`~hf_accel.kernels.argmax.greedy_tail` launch on CUDA
 #: instead of ~10 PyTorch kernels (``torch.argmax`` of a 49k-entry row alone is a multi-block reduction).
@@ -500,8 +496,7 @@ class DecodeStep:
         elif small and FUSED_LINEAR_ROPE and (d // 2) % 16 == 0:
             rope_linear = functools.partial(fused_linear_rope, small_tiles=FUSED_LINEAR_SMALL_TILES,
                                             preload=FUSED_LINEAR_PRELOAD,
-                                            whole_k=FUSED_LINEAR_WHOLE_K and hidden.shape[1] <= WHOLE_K_MAX,
-                                            fma=FUSED_LINEAR_FMA and FUSED_LINEAR_WHOLE_K and hidden.shape[1] <= WHOLE_K_MAX)
+                                            whole_k=FUSED_LINEAR_WHOLE_K and hidden.shape[1] <= WHOLE_K_MAX)
         pdl = DECODE_PDL
         overlap = pdl and ATTENTION_PDL and (one_row or (MULTI_ROW_ATTENTION_OVERLAP and rope_linear is not None))
         attn_kw = {"merge_counters": self.merge_counters if FUSED_MERGE else None,
@@ -620,7 +615,7 @@ class DecodeStep:
             split = split_k_for(weight.shape[0] // (2 if kw.get("swiglu") else 1), weight.shape[1],
                                 FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM * self.sms)
         if FUSED_LINEAR_WHOLE_K and weight.shape[1] <= WHOLE_K_MAX:
-            return fused_linear(x, weight, whole_k=True, fma=FUSED_LINEAR_FMA, **kw)
+            return fused_linear(x, weight, whole_k=True, **kw)
         return fused_linear(x, weight, split_k=split, counters=self.linear_counters, norm_k=FUSED_LINEAR_NORM_K,
                             small_tiles=FUSED_LINEAR_SMALL_TILES, preload=FUSED_LINEAR_PRELOAD or None, **kw)
 

@@ -74,19 +74,6 @@ def _dot_t(x, w, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _dot_t_fma(x, w):
-    """``x @ w.T`` for ``x`` [M, K], ``w`` [N, K] on CUDA cores: float32 products reduced over K."""
-    return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-
-
-@triton.jit
-def _dot_any(x, w, IEEE_DOT: tl.constexpr, FMA: tl.constexpr):
-    if FMA:
-        return _dot_t_fma(x, w)
-    return _dot_t(x, w, IEEE_DOT)
-
-
-@triton.jit
 def _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU: tl.constexpr,
               HAS_BIAS: tl.constexpr):
     """Bias, rounding to the model dtype, SwiGLU; stores the output tile."""
@@ -165,7 +152,7 @@ def _normed(x, NormW, offs_k, k_ok, rstd, dt):
 def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K, up_offset, stride_wn, stride_rom,
                       eps, store_sum, dt, NORM: tl.constexpr, RESIDUAL: tl.constexpr, TWO: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
-                      IEEE_DOT: tl.constexpr, PDL: tl.constexpr, FMA: tl.constexpr = False):
+                      IEEE_DOT: tl.constexpr, PDL: tl.constexpr):
     """The whole-K path of :func:`_fused_linear_kernel`: the program's weights, all of K as two power-of-two
     column chunks ``[0, BLOCK_K)`` (full) and ``[BLOCK_K, BLOCK_K + BLOCK_K2)`` (masked past K; none when
     BLOCK_K2 is 0), are loaded before the PDL wait; after it one load of the input rows feeds the norm and
@@ -204,14 +191,14 @@ def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K
         xa = _normed(xa, NormW, offs_a, offs_a < K, rstd, dt)
         if BLOCK_K2 > 0:
             xb = _normed(xb, NormW, offs_b, kb_ok, rstd, dt)
-    acc = _dot_any(xa, wa, IEEE_DOT, FMA)
+    acc = _dot_t(xa, wa, IEEE_DOT)
     acc_up = tl.zeros_like(acc)
     if TWO:
-        acc_up = _dot_any(xa, wua, IEEE_DOT, FMA)
+        acc_up = _dot_t(xa, wua, IEEE_DOT)
     if BLOCK_K2 > 0:
-        acc += _dot_any(xb, wb, IEEE_DOT, FMA)
+        acc += _dot_t(xb, wb, IEEE_DOT)
         if TWO:
-            acc_up += _dot_any(xb, wub, IEEE_DOT, FMA)
+            acc_up += _dot_t(xb, wub, IEEE_DOT)
     return acc, acc_up
 
 
@@ -239,7 +226,6 @@ def _fused_linear_kernel(
     ROPE: tl.constexpr,
     WHOLE_K: tl.constexpr = False,
     BLOCK_K2: tl.constexpr = 0,
-    FMA: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -266,7 +252,7 @@ def _fused_linear_kernel(
     if WHOLE_K:
         acc, acc_up = _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K, up_offset,
                                         stride_wn, stride_rom, eps, pid_n == 0, dt, NORM, RESIDUAL,
-                                        SWIGLU or ROPE, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT, PDL, FMA)
+                                        SWIGLU or ROPE, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT, PDL)
         if ROPE:
             _rope_epilogue2d(acc, acc_up, Bias, Y, Cos, Sin, KCache, VCache, SlotMapping, rows, row_ok, head, lane,
                              dt, stride_ym, stride_cm, num_heads, num_kv_heads, head_dim, block_size, stride_kcb,
@@ -420,17 +406,6 @@ def _check_launch(num_warps, block_n, block_k, eps) -> None:
         raise ValueError(f"eps must be a Python float, got {type(eps).__name__}")
 
 
-def _check_fma(fma, whole_k, block_n) -> bool:
-    """Validated ``fma`` (whole-K path only; ``block_n`` a power of two in [1, 256])."""
-    if not fma:
-        return False
-    if not whole_k:
-        raise ValueError("fma needs whole_k=True")
-    if block_n is not None and (not _is_int(block_n) or block_n < 1 or block_n > 256 or block_n & (block_n - 1)):
-        raise ValueError(f"block_n must be a power of two in [1, 256] with fma, got {block_n!r}")
-    return True
-
-
 def check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads: int,
                     lanes: int) -> tuple[int, int]:
     """Checks shared by the Q/K/V projections with a RoPE + cache-write epilogue (:func:`fused_linear_rope`,
@@ -569,7 +544,6 @@ def fused_linear(
     norm_k: int | None = None,
     small_tiles: bool = False,
     whole_k: bool = False,
-    fma: bool = False,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows (:data:`WHOLE_K_MAX_ROWS` with
     ``whole_k``), in one kernel.
@@ -612,8 +586,6 @@ def fused_linear(
             ``hidden`` <= :data:`WHOLE_K_MAX`; ``block_n`` default 32; rows in blocks of :data:`WHOLE_K_BLOCK_M`
             (one program per block and output tile); not with ``split_k`` > 1; ``block_k``, ``num_stages``,
             ``preload``, ``norm_k`` and ``small_tiles`` do not apply.
-        fma: whole-K path only: the products on CUDA cores (float32 multiply-adds reduced over K) instead of
-            ``tl.dot``; ``block_n`` may then be any power of two up to 256 (default 4), ``num_warps`` default 4.
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -629,8 +601,7 @@ def fused_linear(
                          f"got {rows}")
     if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
         raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
-    fma = _check_fma(fma, whole_k, block_n)
-    _check_launch(num_warps, None if fma else block_n, block_k, eps)
+    _check_launch(num_warps, block_n, block_k, eps)
     y = torch.empty(rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     if rows == 0:
@@ -643,8 +614,8 @@ def fused_linear(
     if whole_k:
         if split_k != 1:
             raise ValueError("whole_k does not take split_k > 1")
-        block_m, m_blocks, block_n, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(
-            rows, k, given_n if (given_n or not fma) else 4, given_warps if (given_warps or not fma) else 4)
+        block_m, m_blocks, block_n, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(rows, k, given_n,
+                                                                                              given_warps)
     r_in = residual if residual is not None else x
     norm_k = _norm_k(norm_k, block_k)
     pdl = use_pdl(pdl, x)
@@ -676,7 +647,7 @@ def fused_linear(
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0 and k_per_split % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=split_k, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=False,
-        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2, FMA=fma,
+        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (y, r_out) if residual is not None else y
@@ -722,7 +693,6 @@ def fused_linear_rope(
     small_tiles: bool = False,
     preload: bool = False,
     whole_k: bool = False,
-    fma: bool = False,
 ):
     """The merged Q/K/V projection of a few token rows with RoPE and the cache write as its epilogue:
     :func:`fused_linear` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one
@@ -744,7 +714,7 @@ def fused_linear_rope(
             Slots must be below ``num_blocks * block_size``: a device tensor, not checked here (the decode
             step computes them from its block table).
         num_heads: query heads.
-        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k, fma: as
+        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k: as
             :func:`fused_linear` (``preload`` default False); ``block_n`` (default the largest of 32 and 16 that
             divides it) must divide ``head_dim / 2``.
 
@@ -760,13 +730,10 @@ def fused_linear_rope(
     if rows > max_rows(whole_k):
         raise ValueError(f"fused_linear_rope takes at most {max_rows(whole_k)} rows"
                          f"{' with whole_k' if whole_k else ''}, got {rows}")
-    fma = _check_fma(fma, whole_k, block_n)
     if block_n is None:
         half = key_cache.shape[3] // 2 if key_cache.dim() == 4 else 0
-        block_n = 4 if fma else (32 if half % 32 == 0 else 16)
-    if fma and num_warps is None:
-        num_warps = 4
-    _check_launch(num_warps, None if fma else block_n, block_k, eps)
+        block_n = 32 if half % 32 == 0 else 16
+    _check_launch(num_warps, block_n, block_k, eps)
     num_kv_heads, head_dim = check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads,
                                              block_n)
     half = head_dim // 2
@@ -799,7 +766,7 @@ def fused_linear_rope(
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=1, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=True,
-        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2, FMA=fma,
+        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (q, r_out) if residual is not None else q

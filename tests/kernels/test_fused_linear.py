@@ -186,26 +186,6 @@ def test_whole_k_matches_reference_fp32(rows, hidden, out, mode):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,hidden,out,block_n", [(3, 96, 48, None), (16, 576, 32, 8), (20, 64, 40, 2),
-                                                     (1, 333, 16, 16)])
-@pytest.mark.parametrize("mode", ["plain", "norm_residual_swiglu", "bias"])
-def test_whole_k_fma_matches_reference_fp32(rows, hidden, out, block_n, mode):
-    """``fma`` (the whole-K products on CUDA cores): 96 = 64 + 32, 576 = 512 + 64, 333 = 256 + a masked 128;
-    output tiles of 2-16 (default 4) ending in a partial tile at 48 / 40 outputs with 16 / 8."""
-    x, r, w, nw, b = linear_inputs(rows, hidden, out * (2 if "swiglu" in mode else 1), torch.float32, seed=hidden)
-    kw = linear_kwargs(mode, r, nw, b)
-    want = fused_linear_ref(x, w, **kw)
-    got = fused_linear(x, w, whole_k=True, fma=True, block_n=block_n, **kw)
-    if "residual" in mode:
-        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
-        got, want = got[0], want[0]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="fma needs whole_k"):
-        fused_linear(x, w, fma=True)
-    with pytest.raises(ValueError, match="block_n must be a power of two in \\[1, 256\\] with fma"):
-        fused_linear(x, w, whole_k=True, fma=True, block_n=3)
-
-
 def test_whole_k_chunks_and_bad_arguments():
     from hf_accel.kernels.fused_linear import WHOLE_K_MAX, whole_k_chunks
 
@@ -238,8 +218,7 @@ def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preloa
     """Q/K/V projection of several rows with RoPE + cache write as its epilogue: fused_linear followed by
     rope_and_cache_ref; each row's K/V lands in its own slot (-1: none), the rest of the cache untouched.
     With ``preload`` the first of several 16-column weight tiles is loaded before the PDL wait; with
-    ``whole_k`` all of K (96 = 64 + 32, 80 = 64 + a masked 16-column chunk) before it, at even row counts with
-    the products on CUDA cores (``fma``)."""
+    ``whole_k`` all of K (96 = 64 + 32, 80 = 64 + a masked 16-column chunk) before it."""
     from hf_accel.kernels.fused_linear import fused_linear_rope
     from hf_accel.kernels.rope_cache import rope_and_cache_ref
 
@@ -258,8 +237,7 @@ def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preloa
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     want_q = rope_and_cache_ref(q, k, v, cos, sin, kc1, vc1, slots)
-    tiles = dict(block_k=16, preload=True) if preload else \
-        ({"whole_k": True, "fma": rows % 2 == 0} if whole_k else {})
+    tiles = dict(block_k=16, preload=True) if preload else ({"whole_k": True} if whole_k else {})
     got_q, got_res = fused_linear_rope(x, w, cos, sin, kc2, vc2, slots, heads, bias=b, norm_weight=nw, eps=1e-5,
                                        residual=r, **tiles)
     torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
