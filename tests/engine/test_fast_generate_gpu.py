@@ -65,6 +65,34 @@ def test_fast_path_matches_stock_fp32_at_17_to_32_rows(batch):
     assert any(17 <= r <= 32 for r in rows_seen), sorted(set(rows_seen))
 
 
+@pytest.mark.parametrize("batch,prompt_len", [(1, 50), (2, 23), (48, 5)])
+def test_fast_path_matches_stock_fp32_at_33_to_72_rows(batch, prompt_len):
+    """Prefills and steps of 33-72 token rows also run their matmuls through fused_linear (16-row blocks of its
+    whole-K path; FUSED_LINEAR_MAX_ROWS = 72): a 50-token prompt, two left-padded prompts of 23, and a batch of 48
+    (decode steps of its batch bucket) give stock's float32 greedy tokens."""
+    from hf_accel.engine import decode_step
+
+    assert decode_step.FUSED_LINEAR_MAX_ROWS >= 72
+    model = _tiny("llama")
+    g = torch.Generator(device="cuda").manual_seed(batch + prompt_len)
+    ids = torch.randint(8, 256, (batch, prompt_len), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[::2, :3] = 0
+    ids[mask == 0] = 0
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    hf_accel.accelerate_model(model)
+    rows_seen = []
+    linear = decode_step.fused_linear
+    decode_step.fused_linear = lambda x, w, **kw: rows_seen.append(x.shape[0]) or linear(x, w, **kw)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    finally:
+        decode_step.fused_linear = linear
+    assert torch.equal(ref, out)
+    assert any(33 <= r <= 72 for r in rows_seen), sorted(set(rows_seen))
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("lag", [2, 0])
 def test_decoding_stops_within_the_eos_lag(lag, sampled, monkeypatch):
