@@ -84,8 +84,9 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     is left to transformers).
 
     Raises:
-        ValueError: a negative ``assistant_early_exit``; a ``prompt_lookup_num_tokens`` int below 1 (stock
-            transformers refuses it too, with a less specific message).
+        ValueError: an ``assistant_early_exit`` int below 1 (0 is not "no early exit": transformers' loop would run a
+            draft of 0 layers); a ``prompt_lookup_num_tokens`` int below 1 (stock transformers refuses it too, with a
+            less specific message).
     """
     gen_config = kwargs.get("generation_config") or model.generation_config
     assistant = kwargs.get("assistant_model")
@@ -95,7 +96,13 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     if isinstance(lookup, int) and not isinstance(lookup, bool) and lookup < 1:
         # 0 would otherwise read as "not asked for" and run without it, where transformers raises
         raise ValueError(f"prompt_lookup_num_tokens must be a positive number of draft tokens, got {lookup}")
-    early = kwargs.get("assistant_early_exit") or getattr(gen_config, "assistant_early_exit", None)
+    early = kwargs.get("assistant_early_exit")
+    if early is None:
+        early = getattr(gen_config, "assistant_early_exit", None)
+    if isinstance(early, int) and not isinstance(early, bool) and early < 1:
+        # 0 would otherwise read as "not asked for" and reach transformers' early-exit loop, which sets the model
+        # config's layer count to 0 for its draft (the paged cache of such a config cannot be built)
+        raise ValueError(f"assistant_early_exit must be a positive number of layers, got {early}")
     if assistant is None and not lookup and not early:
         return None, kwargs, None
     if kwargs.get("assistant_tokenizer") is not None or kwargs.get("tokenizer") is not None:
@@ -105,8 +112,6 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     for name, value in (("prompt_lookup_num_tokens", lookup), ("assistant_early_exit", early)):
         if value and (isinstance(value, bool) or not isinstance(value, int)):
             return None, kwargs, f"{name}={value!r} is not an int"
-    if early and early < 0:  # transformers' own loop fails on it with an unrelated error
-        raise ValueError(f"assistant_early_exit must be a positive number of layers, got {early}")
     layers = getattr(model.config, "num_hidden_layers", None)
     if early and layers is not None and int(early) >= layers:
         return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"

@@ -334,12 +334,19 @@ def test_draft_model_whose_cache_does_not_fit_takes_the_plain_fast_path(tiny, hf
     assert speculative_stats(ours)["method"] == "draft_model"
 
 
-def test_negative_assistant_early_exit_raises(tiny):
+@pytest.mark.parametrize("bad", [-2, 0])
+def test_assistant_early_exit_below_one_raises(tiny, bad):
+    """0 is not "no early exit": it raises naming the argument (it used to reach transformers' early-exit loop,
+    which set the config's layer count to 0, so the call failed inside the cache and the model stayed broken),
+    and the model is left as it was."""
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids[:1], mask[:1], tiny.PAD)
     ours = accelerate_model(copy.deepcopy(model))
-    with pytest.raises(ValueError, match="assistant_early_exit must be a positive number of layers, got -2"):
-        greedy(ours, ids[:1], mask[:1], tiny.PAD, assistant_early_exit=-2)
+    with pytest.raises(ValueError, match=f"assistant_early_exit must be a positive number of layers, got {bad}"):
+        greedy(ours, ids[:1], mask[:1], tiny.PAD, assistant_early_exit=bad)
+    assert ours.config.num_hidden_layers == LAYERS
+    assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD), stock)
 
 
 def test_accelerating_again_with_other_speculative_options_raises(tiny):
