@@ -60,6 +60,11 @@ class PagedStep:
 # "what fits" may take; the rest is left for activations, logits and captured graphs.
 KV_MEMORY_FRACTION = 0.9
 
+#: Largest block size accepted (token slots per block). A block is the unit the pools are reserved in, so a
+#: larger one only adds waste (up to ``block_size - 1`` slots per sequence); vLLM's CUDA block sizes stop at
+#: a few hundred tokens.
+MAX_BLOCK_SIZE = 1024
+
 
 def kv_block_bytes(config, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
     """Bytes of one cache block over all layers: K and V, ``block_size`` tokens, ``num_key_value_heads`` x
@@ -194,7 +199,7 @@ class PagedCache(Cache):
     Args:
         config: the model's config (``num_hidden_layers`` is read).
         num_blocks: blocks per layer pool. Give this or ``memory_fraction``.
-        block_size: token slots per block (default 16).
+        block_size: token slots per block (default 16, at most :data:`MAX_BLOCK_SIZE`).
         memory_fraction: size the pools to this fraction of the GPU's free memory at the first update.
 
     Raises:
@@ -211,9 +216,11 @@ class PagedCache(Cache):
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if memory_fraction is not None and not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
         num_layers = config.get_text_config().num_hidden_layers
+        if num_layers < 1:
+            raise ValueError(f"the model config has {num_layers} layers: a KV cache needs at least one")
         self.block_size = block_size
         self._num_blocks = num_blocks
         self._memory_fraction = memory_fraction

@@ -86,9 +86,9 @@ def accelerate_model(
         fast_decode: ``generate`` runs its decode loop on hf-accel's own step (model modules + paged
             kernels) for the configurations it supports (greedy/sampling with temperature, top-k,
             top-p, min/max lengths, EOS, streamers, left-padded batches); other calls log why and use
-            transformers' loop. Needs ``paged_cache``.
+            transformers' loop. Needs ``paged_cache`` (with ``paged_cache=False`` it is off, logged).
         cuda_graphs: on CUDA, capture that step in CUDA graphs (one per batch-size bucket).
-        block_size: tokens per KV block of that cache (>= 1).
+        block_size: tokens per KV block of that cache (1 to ``hf_accel.cache.paged_cache.MAX_BLOCK_SIZE``, 1024).
         merge_lora: for a ``PeftModel``: merge its LoRA adapters into the base weights in place
             (peft's ``merge_adapter``; undone exactly by :func:`revert_model`, which keeps a copy of the
             affected base weights meanwhile). With ``False`` a PeftModel is
@@ -126,8 +126,10 @@ def accelerate_model(
     model_type = hf_model.config.model_type
     if peft_model is not None and not merge_lora:
         raise ValueError("a PeftModel needs merge_lora=True (unmerged LoRA layers are not accelerated)")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    from hf_accel.cache.paged_cache import MAX_BLOCK_SIZE
+
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
     spec = None
     if speculative is not None:
         from hf_accel.speculative.config import SpeculativeConfig
@@ -167,6 +169,9 @@ def accelerate_model(
     if paged_cache:
         paged_generate.install(hf_model, block_size, fast_decode=fast_decode, cuda_graphs=cuda_graphs,
                                speculative=spec)
+    elif fast_decode:
+        logger.info("hf-accel: fast_decode is off: it runs on the paged cache (paged_cache=False); generate keeps "
+                    "transformers' loop and cache, with hf-accel's attention kernels")
     setattr(hf_model, _STATE_ATTR, state)
     path = "Triton kernel" if hf_model.device.type == "cuda" else "PyTorch reference (no GPU for this model)"
     logger.info(

@@ -562,6 +562,18 @@ def test_constructor_errors(tiny):
                {"memory_fraction": 1.5}, {"num_blocks": 4, "block_size": 0}):
         with pytest.raises(ValueError):
             PagedCache(config, **kw)
+    from hf_accel.cache.paged_cache import MAX_BLOCK_SIZE
+
+    for bad in (MAX_BLOCK_SIZE + 1, 10**9, 2.5, True):  # 10**9: the pool reservation would fail much later
+        with pytest.raises(ValueError, match=f"block_size must be an int in \\[1, {MAX_BLOCK_SIZE}\\]"):
+            PagedCache(config, num_blocks=1, block_size=bad)
+        with pytest.raises(ValueError, match=f"block_size must be an int in \\[1, {MAX_BLOCK_SIZE}\\]"):
+            accelerate_model(tiny.model("llama"), block_size=bad)
+    assert PagedCache(config, num_blocks=1, block_size=MAX_BLOCK_SIZE).block_size == MAX_BLOCK_SIZE
+    empty = tiny.config("llama")
+    empty.num_hidden_layers = 0  # e.g. left by an interrupted early-exit draft of another library
+    with pytest.raises(ValueError, match="0 layers"):
+        PagedCache(empty, num_blocks=4)
     if not torch.cuda.is_available():
         model = accelerate(tiny.model("llama"))
         ids, mask = tiny.batch(seed=1)

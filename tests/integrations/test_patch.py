@@ -156,6 +156,18 @@ def test_logs_active_path_once(tiny, caplog):
     assert any("now uses attention" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_fast_decode_without_paged_cache_is_logged(tiny, caplog, fast_decode):
+    """fast_decode runs on the paged cache: with paged_cache=False it is off, and said so when it was asked for
+    (it is the default) instead of being dropped without a word."""
+    caplog.set_level(logging.INFO, logger="hf_accel")
+    model = tiny.model("llama")
+    accelerate_model(model, paged_cache=False, fast_decode=fast_decode)
+    said = [r.getMessage() for r in caplog.records if "fast_decode is off" in r.getMessage()]
+    assert len(said) == (1 if fast_decode else 0)
+    assert "generate" not in vars(model)  # transformers' own generate
+
+
 def test_accelerate_twice_is_harmless(tiny):
     model = tiny.model("qwen2", seed=6)
     ids, mask = tiny.batch(seed=7)
