@@ -119,13 +119,19 @@ def _run_generate(args) -> int:
     model, tokenizer = _load(args.model, dtype, device, "model")
     # What accelerate_model would refuse is refused before the stock run, naming the option at fault.
     from hf_accel.integrations.patch import check_model_type
-    from hf_accel.speculative.engine import check_draft
+    from hf_accel.speculative.config import SpeculativeConfig
+    from hf_accel.speculative.engine import check_draft, check_speculative
 
     try:
         check_model_type(model)
     except ValueError as e:
         raise CLIError(f"--model {args.model}: {e}") from None
     speculative = args.speculative
+    if speculative:
+        try:
+            check_speculative(model, SpeculativeConfig.from_arg(speculative))
+        except ValueError as e:
+            raise CLIError(f"--speculative {speculative}: {e}") from None
     if args.draft_model:
         speculative, _ = _load(args.draft_model, dtype, device, "draft model")
         try:

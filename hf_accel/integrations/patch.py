@@ -138,14 +138,9 @@ def accelerate_model(
         if not (paged_cache and fast_decode):
             raise ValueError("speculative decoding runs on the fast decode path: it needs paged_cache=True and "
                              "fast_decode=True")
-        if spec.method == "early_exit" and spec.exit_layer is not None and (
-                spec.exit_layer >= hf_model.config.num_hidden_layers):
-            raise ValueError(f"exit_layer must be < the model's {hf_model.config.num_hidden_layers} layers, "
-                             f"got {spec.exit_layer}")
-        if spec.draft_model is not None:
-            from hf_accel.speculative.engine import check_draft
+        from hf_accel.speculative.engine import check_speculative
 
-            check_draft(hf_model, spec.draft_model)
+        check_speculative(hf_model, spec)
     options = {"paged_cache": bool(paged_cache), "fast_decode": bool(fast_decode), "cuda_graphs": bool(cuda_graphs),
                "block_size": block_size, "speculative": None if spec is None else _describe(spec)}
     previous = getattr(hf_model, _STATE_ATTR, None)

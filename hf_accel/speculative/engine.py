@@ -640,6 +640,20 @@ def check_draft(target, draft) -> None:
         raise ValueError(f"the draft model is on {draft.device}, the target on {target.device}")
 
 
+def check_speculative(model, config: SpeculativeConfig) -> None:
+    """Raise ValueError naming what ``accelerate_model(model, speculative=config)`` refuses, without building
+    anything (so a caller can check before other work): early exit on a model of fewer than 2 layers or an
+    ``exit_layer`` not below its layer count; a draft model :func:`check_draft` refuses."""
+    n_layers = model.config.num_hidden_layers
+    if config.method == "early_exit":
+        if n_layers < 2:
+            raise ValueError("early-exit drafting needs a model with at least 2 layers")
+        if config.exit_layer is not None and config.exit_layer >= n_layers:
+            raise ValueError(f"exit_layer must be < the model's {n_layers} layers, got {config.exit_layer}")
+    if config.draft_model is not None:
+        check_draft(model, config.draft_model)
+
+
 def engine_for(model, fast, config: SpeculativeConfig) -> SpeculativeEngine:
     """The model's cached :class:`SpeculativeEngine` for this method (and draft model), or a new one."""
     engines = model.__dict__.setdefault("_hf_accel_spec_engines", {})

@@ -43,6 +43,7 @@ def test_argument_errors_are_answered_before_torch_loads(argv):
 @pytest.mark.parametrize(("which", "message"), [
     ("model", "--model {model}: hf-accel does not support model_type 'gpt2'; supported: llama"),
     ("draft", "--draft-model {draft}: the draft model's vocab_size (50) differs from the target's"),
+    ("early_exit", "--speculative early_exit: early-exit drafting needs a model with at least 2 layers"),
 ])
 def test_models_hf_accel_cannot_run_are_refused_before_the_stock_run(which, message, tiny, tmp_path, capsys,
                                                                      monkeypatch):
@@ -55,7 +56,7 @@ def test_models_hf_accel_cannot_run_are_refused_before_the_stock_run(which, mess
     for path in paths.values():
         path.mkdir()
     target = (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)) if which == "model"
-              else tiny.model("llama"))
+              else tiny.model("llama", num_hidden_layers=1) if which == "early_exit" else tiny.model("llama"))
     loaded = {str(paths["model"]): target, str(paths["draft"]): tiny.model("llama", vocab_size=50)}
     monkeypatch.setattr(models, "load_model", lambda path, **k: (loaded[str(path)], None))
 
@@ -66,6 +67,8 @@ def test_models_hf_accel_cannot_run_are_refused_before_the_stock_run(which, mess
     argv = ["generate", "--prompt", "hi", "--device", "cpu", "--model", str(paths["model"])]
     if which == "draft":
         argv += ["--draft-model", str(paths["draft"])]
+    if which == "early_exit":
+        argv += ["--speculative", "early_exit"]
     assert main(argv) == EXIT_USAGE
     assert message.format(**paths) in capsys.readouterr().err
 
