@@ -48,11 +48,11 @@ def _add_generate(sub):
     p.set_defaults(func=_run_generate)
 
 
-def _load(path, dtype, device, what):
+def _load(path, dtype, device, what, tokenizer: bool = True):
     from hf_accel.models import ModelNotFoundError, load_model
 
     try:
-        return load_model(path, dtype=dtype, device=device)
+        return load_model(path, dtype=dtype, device=device, tokenizer=tokenizer)
     except ModelNotFoundError as e:
         raise CLIError(str(e)) from None
     except (OSError, ValueError, KeyError) as e:
@@ -133,7 +133,8 @@ def _run_generate(args) -> int:
         except ValueError as e:
             raise CLIError(f"--speculative {speculative}: {e}") from None
     if args.draft_model:
-        speculative, _ = _load(args.draft_model, dtype, device, "draft model")
+        # the draft shares the target's tokenizer: its folder needs no tokenizer files
+        speculative, _ = _load(args.draft_model, dtype, device, "draft model", tokenizer=False)
         try:
             check_draft(model, speculative)
         except ValueError as e:

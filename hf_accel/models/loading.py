@@ -60,7 +60,7 @@ def _resolve_dtype(dtype) -> torch.dtype:
     return names[dtype]
 
 
-def load_model(model: str | os.PathLike | None = None, *, dtype="float32", device="cpu"):
+def load_model(model: str | os.PathLike | None = None, *, dtype="float32", device="cpu", tokenizer: bool = True):
     """Load (model, tokenizer) for inference, in eval mode, on ``device``.
 
     Args:
@@ -68,6 +68,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
             local transformers model directory (``config.json`` + weights). Nothing is downloaded.
         dtype: torch dtype or one of "float32", "float16", "bfloat16" (aliases fp32/fp16/bf16).
         device: torch device string, e.g. "cpu" or "cuda".
+        tokenizer: False: load no tokenizer and return None in its place (a draft model, which shares the
+            target's tokenizer, needs no tokenizer files of its own).
 
     Raises:
         ModelNotFoundError: the model path does not exist, or the default model is not installed.
@@ -87,17 +89,17 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
             raise ModelNotFoundError(f"{str(path)!r} is a file but not a .gguf; pass a model directory or a .gguf")
         kwargs = {"gguf_file": path.name, "local_files_only": True}
         where = str(path.parent)
-        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        tok = AutoTokenizer.from_pretrained(where, **kwargs) if tokenizer else None
         hf_model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kwargs)
     else:
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True) if tokenizer else None
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     hf_model.to(device).eval()
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return hf_model, tokenizer
+    if tok is not None and tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return hf_model, tok
 
 
 def load_default_model(*, dtype="float32", device="cpu"):

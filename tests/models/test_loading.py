@@ -110,6 +110,19 @@ def test_directory_without_config(tmp_path):
         load_model(tmp_path)
 
 
+def test_directory_without_tokenizer_loads_with_tokenizer_false(tiny, tmp_path):
+    """A model folder with no tokenizer files (a draft model, which uses the target's tokenizer) loads with
+    ``tokenizer=False``; with the default the tokenizer is required."""
+    model = tiny.model("llama")
+    model.save_pretrained(tmp_path)
+    got, tok = load_model(tmp_path, tokenizer=False)
+    assert tok is None and not got.training
+    for name, p in model.state_dict().items():
+        assert torch.equal(got.state_dict()[name], p), name
+    with pytest.raises((OSError, ValueError)):  # what the CLI reports as "could not load"
+        load_model(tmp_path)
+
+
 def test_file_that_is_not_gguf(tmp_path):
     f = tmp_path / "weights.bin"
     f.write_bytes(b"\0" * 16)
