@@ -66,6 +66,12 @@ KV_MEMORY_FRACTION = 0.9
 MAX_BLOCK_SIZE = 1024
 
 
+def check_block_size(block_size) -> None:
+    """ValueError unless ``block_size`` is an int in [1, :data:`MAX_BLOCK_SIZE`]."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
+
+
 def kv_block_bytes(config, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
     """Bytes of one cache block over all layers: K and V, ``block_size`` tokens, ``num_key_value_heads`` x
     ``head_dim`` each (``num_layers`` defaults to ``config.num_hidden_layers``)."""
@@ -216,8 +222,7 @@ class PagedCache(Cache):
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if memory_fraction is not None and not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
+        check_block_size(block_size)
         num_layers = config.get_text_config().num_hidden_layers
         if num_layers < 1:
             raise ValueError(f"the model config has {num_layers} layers: a KV cache needs at least one")

@@ -126,10 +126,9 @@ def accelerate_model(
     model_type = hf_model.config.model_type
     if peft_model is not None and not merge_lora:
         raise ValueError("a PeftModel needs merge_lora=True (unmerged LoRA layers are not accelerated)")
-    from hf_accel.cache.paged_cache import MAX_BLOCK_SIZE
+    from hf_accel.cache.paged_cache import check_block_size
 
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
+    check_block_size(block_size)
     spec = None
     if speculative is not None:
         from hf_accel.speculative.config import SpeculativeConfig
