@@ -9,7 +9,7 @@
 """
 import json, os, statistics, sys, time
 sys.path.insert(0, 'benchmarks')
-import torch, triton
+import torch
 import bench_speculative as bs
 from common import meta
 import hf_accel.engine.decode_step as ds
