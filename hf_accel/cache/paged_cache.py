@@ -10,13 +10,16 @@ grow the cache.
 ``update`` returns the new K/V themselves on a sequence's first forward (the prefill then runs the
 contiguous kernel), and the pools afterwards; hf-accel's attention function recognises the pools and
 takes the step's block table from :func:`active_step`. Fallback paths (e.g. ``output_attentions``) get a
-contiguous copy from :meth:`PagedStep.gather`.
+contiguous copy from :meth:`PagedStep.gather`. A model whose attention is not hf-accel's (never accelerated,
+or reverted) gets that contiguous copy from ``update`` itself, with a logged note: correct, but each step
+copies the whole cache.
 
 Beam search works by forking block tables (copy-on-write), ``crop`` rolls back (speculative decoding).
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hf_accel._logging import log_once
 from hf_accel.cache.block_manager import BlockManager, OutOfBlocksError
 from hf_accel.kernels.paged_attention import gather_kv
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
@@ -171,6 +175,14 @@ class PagedLayer(CacheLayerMixin):
             _active.step = None
             return key_states, value_states
         step.key_cache, step.value_cache = self.keys, self.values
+        reader = self._cache._attention_reading_pools()
+        if reader is not None:
+            log_once(f"paged-cache-gather:{reader}",
+                     f"hf-accel: PagedCache under attention implementation {reader!r}, which cannot read the "
+                     "block pools: every step copies the cached K/V into contiguous tensors (correct, slow; "
+                     "hf_accel.accelerate_model(model) makes attention read the pools in place)")
+            _active.step = None
+            return step.gather()
         _active.step = step
         return self.keys, self.values
 
@@ -202,14 +214,22 @@ class PagedLayer(CacheLayerMixin):
 class PagedCache(Cache):
     """A paged KV cache for ``model.generate(past_key_values=PagedCache(model.config, ...))``.
 
+    Meant for a model prepared by :func:`hf_accel.accelerate_model`, whose attention reads the pools in place.
+    Under any other attention implementation (read from ``config._attn_implementation`` at every update) the
+    cache still gives the right K/V, as contiguous copies gathered every step (slow; logged once).
+
     Args:
-        config: the model's config (``num_hidden_layers`` is read).
+        config: the model's own config (``num_hidden_layers`` and ``_attn_implementation`` are read).
         num_blocks: blocks per layer pool. Give this or ``memory_fraction``.
         block_size: token slots per block (default 16, at most :data:`MAX_BLOCK_SIZE`).
         memory_fraction: size the pools to this fraction of the GPU's free memory at the first update.
 
     Raises:
-        ValueError: neither or both of ``num_blocks`` and ``memory_fraction``; bad values.
+        ValueError: neither or both of ``num_blocks`` and ``memory_fraction``; bad values (``num_blocks`` not
+            an int >= 1, ``memory_fraction`` not in (0, 1], ``block_size`` not an int in [1, 1024]); from
+            ``update``, a layer index the config does not have; from ``crop``, ``reorder_cache``,
+            ``batch_select_indices`` and ``batch_repeat_interleave``, non-integer or out-of-range arguments
+            (the cache is unchanged).
         OutOfBlocksError: (from ``update``) the pool cannot hold the new tokens; the cache is unchanged
             and the message says how many blocks were needed and free.
     """
@@ -218,14 +238,18 @@ class PagedCache(Cache):
                  memory_fraction: float | None = None):
         if (num_blocks is None) == (memory_fraction is None):
             raise ValueError("give exactly one of num_blocks and memory_fraction")
-        if num_blocks is not None and num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if memory_fraction is not None and not 0 < memory_fraction <= 1:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
+                                       or num_blocks < 1):
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        if memory_fraction is not None and (isinstance(memory_fraction, bool)
+                                            or not isinstance(memory_fraction, (int, float))
+                                            or not 0 < memory_fraction <= 1):
+            raise ValueError(f"memory_fraction must be a number in (0, 1], got {memory_fraction!r}")
         check_block_size(block_size)
         num_layers = config.get_text_config().num_hidden_layers
         if num_layers < 1:
             raise ValueError(f"the model config has {num_layers} layers: a KV cache needs at least one")
+        self._text_config = config.get_text_config()
         self.block_size = block_size
         self._num_blocks = num_blocks
         self._memory_fraction = memory_fraction
@@ -291,11 +315,31 @@ class PagedCache(Cache):
                                slots.reshape(-1).to(torch.int32).to(device, non_blocking=True), start + q_len)
         return self._step
 
+    def _attention_reading_pools(self) -> str | None:
+        """None when the model's attention is hf-accel's (it reads the pools through the step's block
+        table); else the name of the attention implementation, which needs contiguous K/V."""
+        from hf_accel.integrations.attention import ATTN_NAME  # late: that module imports this one
+
+        name = getattr(self._text_config, "_attn_implementation", None)
+        return None if name == ATTN_NAME else str(name)
+
     # -- transformers Cache API -------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write one layer's new K/V [batch, num_kv_heads, q_len, head_dim] and return what its attention
+        reads (see the module docstring). ValueError for a layer the cache was not built with."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"PagedCache was built for {len(self.layers)} layers and got an update of layer "
+                             f"{layer_idx}: build it from the model's own config (PagedCache(model.config, ...))")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def crop(self, max_length) -> None:
         """Roll back: a negative count removes that many tokens, 0 does nothing, a positive value is the
-        absolute length to keep (older transformers); a 0-d tensor is accepted."""
-        n = int(max_length.item()) if isinstance(max_length, torch.Tensor) else int(max_length)
+        absolute length to keep (older transformers); a 0-d integer tensor is accepted.
+
+        Raises:
+            ValueError: a non-integer or several-element value, or more tokens to remove than the cache holds.
+        """
+        n = _integer(max_length, "crop's max_length")
         length = self.get_seq_length()
         new_length = length + n if n < 0 else (length if n == 0 else min(n, length))
         if new_length < 0:
@@ -309,6 +353,10 @@ class PagedCache(Cache):
         self._step = None
 
     def _reindex(self, rows: list[int]) -> None:
+        batch = len(self.seq_ids)
+        bad = [r for r in rows if not 0 <= r < batch]
+        if bad:
+            raise ValueError(f"row indices {bad[:8]} out of range for a PagedCache of {batch} sequences")
         m = self.manager
         new_ids = [m.fork(self.seq_ids[r]) for r in rows]
         for s in self.seq_ids:
@@ -317,15 +365,22 @@ class PagedCache(Cache):
         self._step = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row r continues beam ``beam_idx[r]`` (block tables forked, copy-on-write)."""
+        """Beam search: row r continues beam ``beam_idx[r]`` (block tables forked, copy-on-write).
+
+        beam_idx: 1-D integer tensor of row indices in [0, batch). ValueError otherwise (nothing changed).
+        """
         if self.seq_ids:
-            self._reindex([int(i) for i in beam_idx.tolist()])
+            self._reindex(_row_indices(beam_idx, "beam_idx"))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (1-D integer tensor, in [0, batch)), in that order."""
         if self.seq_ids:
-            self._reindex([int(i) for i in indices.tolist()])
+            self._reindex(_row_indices(indices, "indices"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` (an int >= 1) times in place (block tables shared, copy-on-write)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
         if self.seq_ids:
             self._reindex([r for r in range(len(self.seq_ids)) for _ in range(repeats)])
 
@@ -381,3 +436,29 @@ class PagedCache(Cache):
             "bytes_allocated": m.num_allocated_blocks * per_block,
             "bytes_reserved": m.num_blocks * per_block,
         }
+
+
+def _integer(value, what: str) -> int:
+    """``value`` as an int: a Python int (or anything with ``__index__``) or a one-element integer tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ValueError(f"{what} must be an int or a one-element integer tensor, got a {value.dtype} "
+                             f"tensor of shape {tuple(value.shape)}")
+        return int(value.item())
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an int, got {value!r}") from None
+
+
+def _row_indices(indices, what: str) -> list[int]:
+    """Row indices from a 1-D integer tensor (or a list of ints); ValueError for bool or float values."""
+    if isinstance(indices, torch.Tensor):
+        if indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype.is_complex \
+                or indices.dtype == torch.bool:
+            raise ValueError(f"{what} must be a 1-D integer tensor of row indices, got a {indices.dtype} tensor "
+                             f"of shape {tuple(indices.shape)}")
+        return [int(i) for i in indices.tolist()]
+    return [_integer(i, what) for i in indices]

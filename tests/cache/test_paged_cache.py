@@ -316,6 +316,7 @@ def test_crop_argument_forms(tiny):
 
 def test_update_returns_new_kv_then_pools_with_matching_mask_sizes(tiny):
     config = tiny.config("llama")
+    config._attn_implementation = hf_attn.register()  # what accelerate_model selects
     cache = PagedCache(config, num_blocks=10, block_size=4)
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 2, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
@@ -687,3 +688,86 @@ def test_output_attentions_on_paged_step_matches_stock(model_type, q_len, tiny, 
     # the next plain step is back on the paged kernel path and still right
     nxt = _tokens(19, 3, 1)
     torch.testing.assert_close(ours.step(nxt), ref.step(nxt), rtol=1e-4, atol=1e-5)
+
+
+# --- a PagedCache under another attention implementation; bad arguments -------------------------------
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("how", ["never-accelerated", "reverted"])
+def test_paged_cache_under_stock_attention_matches_stock(model_type, how, tiny, caplog, one_thread):
+    """A model whose attention cannot read the pools gets contiguous K/V from ``update`` (logged), so greedy
+    output equals the stock cache's; before, SDPA failed on the pools' shape."""
+    from hf_accel import revert_model
+
+    model = tiny.model(model_type, seed=21)
+    ids, mask = tiny.batch(seed=21)
+    want = tiny.greedy(model, ids, mask)
+    if how == "reverted":
+        model = revert_model(accelerate(model))
+    cache = PagedCache(model.config, num_blocks=64, block_size=4)
+    with caplog.at_level("INFO", logger="hf_accel"):
+        got = tiny.greedy(model, ids, mask, **{CACHE_KWARG: cache})
+    assert torch.equal(got, want)
+    assert "cannot read the block pools" in caplog.text
+    assert cache.get_seq_length() == ids.shape[1] + MAX_NEW - 1
+
+
+def test_update_under_sdpa_returns_contiguous_kv(tiny):
+    config = tiny.config("llama")
+    config._attn_implementation = "sdpa"
+    cache = PagedCache(config, num_blocks=10, block_size=4)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    cache.update(k, v, 0)
+    k1, v1 = torch.randn(2, 2, 3, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g)
+    keys, values = cache.update(k1, v1, 0)
+    assert paged_cache_mod.active_step(keys) is None
+    torch.testing.assert_close(keys, torch.cat([k, k1], 2), rtol=0, atol=0)
+    torch.testing.assert_close(values, torch.cat([v, v1], 2), rtol=0, atol=0)
+
+
+def test_update_of_a_layer_the_config_lacks(tiny):
+    model = accelerate(tiny.model("llama"))
+    short = tiny.config("llama", num_hidden_layers=1)
+    ids, mask = tiny.batch(seed=2)
+    with pytest.raises(ValueError, match="built for 1 layers and got an update of layer 1"):
+        Stepper(model, PagedCache(short, num_blocks=40, block_size=4), ids, mask)
+
+
+def test_bad_arguments_raise_and_leave_the_cache_unchanged(tiny):
+    config = tiny.config("llama")
+    for kw in ({"num_blocks": 2.5}, {"num_blocks": "4"}, {"num_blocks": True}, {"memory_fraction": "0.5"},
+               {"memory_fraction": True}):
+        with pytest.raises(ValueError, match="num_blocks must be an int|memory_fraction must be a number"):
+            PagedCache(config, **kw)
+
+    model = accelerate(tiny.model("llama", seed=4))
+    ids, mask = tiny.batch(seed=4)
+    s = Stepper(model, PagedCache(model.config, num_blocks=60, block_size=4), ids, mask)
+    s.step(_tokens(5, 3, 2))
+    cache = s.cache
+    before = _state(cache)
+    bad_calls = [
+        ("reorder_cache", torch.tensor([0, 3, 1]), "out of range"),
+        ("reorder_cache", torch.tensor([0, -1, 1]), "out of range"),
+        ("reorder_cache", torch.tensor([True, False, True]), "integer tensor"),
+        ("reorder_cache", torch.tensor([0.0, 1.0, 2.0]), "integer tensor"),
+        ("batch_select_indices", torch.tensor([[0, 1]]), "1-D integer tensor"),
+        ("batch_select_indices", torch.tensor([5]), "out of range"),
+        ("batch_repeat_interleave", 0, "repeats must be an int >= 1"),
+        ("batch_repeat_interleave", -1, "repeats must be an int >= 1"),
+        ("batch_repeat_interleave", 2.0, "repeats must be an int >= 1"),
+        ("crop", 2.7, "must be an int"),
+        ("crop", -0.5, "must be an int"),
+        ("crop", torch.tensor(1.0), "one-element integer tensor"),
+        ("crop", torch.tensor([1, 2]), "one-element integer tensor"),
+        ("crop", True, "must be an int"),
+    ]
+    for name, arg, match in bad_calls:
+        with pytest.raises(ValueError, match=match):
+            getattr(cache, name)(arg)
+        cache.manager.check()
+        _assert_same_state(_state(cache), dict(before, pools=[(k.clone(), v.clone()) for k, v in before["pools"]]))
+    cache.release()
+    assert cache.memory_stats()["blocks_allocated"] == 0
