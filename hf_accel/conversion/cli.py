@@ -9,12 +9,13 @@ recovery fine-tune, measures again and writes a safetensors checkpoint that stoc
 token, perplexity on the fixed pydoc topics text (:mod:`hf_accel.evaluation`) and, when CUDA is
 present, decode tokens/s through ``hf_accel.accelerate_model`` + ``generate``.
 
-Errors print one line to stderr and return 2.
+Errors print one line to stderr and return 2. A write that fails removes what it created under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -114,6 +115,29 @@ def format_table(before: dict, after: dict, ppl_label: str, no_gpu: bool) -> str
     return "\n".join(lines)
 
 
+def _write_checkpoint(model, tokenizer, out: Path) -> None:
+    """``save_pretrained`` of the model and the tokenizer into ``out``. If that fails in any way, what this
+    call created is removed before the error propagates: the directories it made (``out`` and its missing
+    parents), or else the entries it added to an existing ``out`` (files replaced under ``--overwrite`` stay
+    replaced); no empty or half-written output is left behind."""
+    created = [p for p in (out, *out.parents) if not p.exists()]  # out first, then its missing parents
+    existing = set() if created else set(out.iterdir())
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    except BaseException:
+        if created:
+            shutil.rmtree(created[-1], ignore_errors=True)
+        else:
+            for entry in set(out.iterdir()) - existing:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        raise
+
+
 def _run(args) -> int:
     from hf_accel.conversion.gqa import convert_to_gqa, kv_head_choices
     from hf_accel.conversion.recovery import recover_with_lora
@@ -166,9 +190,7 @@ def _run(args) -> int:
               f"{stats.last_loss:.3f}", file=sys.stderr)
     after = _measure(model, tokenizer, eval_ids, args, device)
 
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    _write_checkpoint(model, tokenizer, out)
     label = (f"perplexity (pydoc, {eval_ids.shape[1]} tok)" if eval_ids is not None else "perplexity (skipped)")
     print(format_table(before, after, label, not device.startswith("cuda")))
     print(f"wrote {out} (method={args.method}, grouping={args.grouping}"

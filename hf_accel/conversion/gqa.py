@@ -60,8 +60,8 @@ def _check_model(model) -> None:
 
 def _drop_gguf_marker(model) -> None:
     """A model loaded from a GGUF file holds dense, dequantised weights but keeps transformers' GGUF
-    quantizer object, which makes ``save_pretrained`` refuse. After conversion the weights no longer
-    match that file anyway, so the marker is removed (weights untouched)."""
+    quantizer object, which makes ``save_pretrained`` refuse. Every conversion (also one that changes
+    nothing) removes that marker, weights untouched, so its result saves as a plain checkpoint."""
     quantizer = getattr(model, "hf_quantizer", None)
     method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
     if quantizer is not None and str(getattr(method, "value", method)) == "gguf":
@@ -156,7 +156,9 @@ def convert_to_gqa(
         progress: show tqdm progress bars.
 
     Returns:
-        The same model, converted.
+        The same model, converted. ``num_kv_heads`` equal to the current count pools nothing (logged) and
+        leaves the weights as they are; like any conversion it drops the GGUF quantizer marker of a model
+        loaded with ``gguf_file=``, so ``save_pretrained`` works on the result.
 
     Raises:
         TypeError: not a transformers model, or calibration_text of the wrong type.
@@ -191,8 +193,9 @@ def convert_to_gqa(
             "query-side compensation); use method='mean', 'norm' or 'activation'"
         )
     modules = attention_modules(model)
-    if num_kv_heads == current:
-        logger.info("hf-accel: model already has %d KV heads; nothing to convert", current)
+    if num_kv_heads == current:  # nothing to pool; the same post-conditions as a pooling (saves like one)
+        _drop_gguf_marker(model)
+        logger.info("hf-accel: model already has %d KV heads; no pooling needed (weights unchanged)", current)
         return model
     needs_data = method in pooling.CALIBRATED_METHODS or (grouping == "similarity" and num_kv_heads > 1)
     moments = None

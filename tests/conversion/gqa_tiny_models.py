@@ -55,3 +55,55 @@ def tokens(batch: int = 2, seq: int = 24) -> torch.Tensor:
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits
 
+
+
+def write_gguf(path, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 8, layers: int = 2, seed: int = 0):
+    """Write a tiny random llama GGUF file (float32 tensors, a byte-level BPE tokenizer of 258 tokens) to
+    ``path`` and return it; transformers' ``gguf_file=`` loader (and so ``hf_accel.models.load_model``) reads
+    it like the embedded SmolLM2, GGUF quantizer object included."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = [*bytes_to_unicode().values(), "Ġt", "<|endoftext|>"]
+    hidden, ffn = num_heads * head_dim, 64
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(len(vocab))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(vocab)
+    writer.add_token_types([1] * (len(vocab) - 1) + [3])  # 3: control
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(len(vocab) - 1)
+    writer.add_eos_token_id(len(vocab) - 1)
+    rng = np.random.default_rng(seed)
+
+    def tensor(name, *shape):
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+
+    tensor("token_embd.weight", len(vocab), hidden)
+    tensor("output_norm.weight", hidden)
+    tensor("output.weight", len(vocab), hidden)
+    for i in range(layers):
+        tensor(f"blk.{i}.attn_norm.weight", hidden)
+        tensor(f"blk.{i}.ffn_norm.weight", hidden)
+        tensor(f"blk.{i}.attn_q.weight", num_heads * head_dim, hidden)
+        tensor(f"blk.{i}.attn_k.weight", num_kv_heads * head_dim, hidden)
+        tensor(f"blk.{i}.attn_v.weight", num_kv_heads * head_dim, hidden)
+        tensor(f"blk.{i}.attn_output.weight", hidden, num_heads * head_dim)
+        tensor(f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        tensor(f"blk.{i}.ffn_up.weight", ffn, hidden)
+        tensor(f"blk.{i}.ffn_down.weight", hidden, ffn)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from hf_accel.conversion.cli import main
 from hf_accel.evaluation import pydoc_topics_text
 
-from gqa_tiny_models import build
+from gqa_tiny_models import build, write_gguf
 
 
 def _tokenizer():
@@ -80,3 +80,51 @@ def test_missing_model_and_busy_out_dir(model_dir, tmp_path, capsys):
     (busy / "x").write_text("x")
     assert main(["--model", str(model_dir), "--num-kv-heads", "1", "--out", str(busy), *ARGS]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_gguf_file_at_its_own_kv_head_count_is_written(tmp_path, capsys):
+    """--num-kv-heads equal to the GGUF model's own count: nothing to pool, and the checkpoint is still written
+    (without the GGUF quantizer object that makes save_pretrained refuse) and loads in stock transformers."""
+    gguf = write_gguf(tmp_path / "tiny.gguf", num_heads=4, num_kv_heads=2)
+    out = tmp_path / "out"
+    rc = main(["--model", str(gguf), "--num-kv-heads", "2", "--out", str(out), *ARGS])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.num_key_value_heads == 2
+    assert (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("error", [OSError("No space left on device"), RuntimeError("interrupted")],
+                         ids=["user-error", "other-error"])
+@pytest.mark.parametrize("out_kind", ["new-nested", "existing-empty"])
+def test_a_failed_save_leaves_no_output_behind(model_dir, tmp_path, monkeypatch, capsys, error, out_kind):
+    """A failure while writing the checkpoint (here: after the weights, before the tokenizer) removes what
+    the command created: the directories it made, or the files it wrote into an --out that existed empty."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.save_pretrained
+
+    def save_then_fail(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        raise error
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_then_fail)
+    if out_kind == "new-nested":
+        top = tmp_path / "new"
+        out = top / "sub" / "out"
+    else:
+        top = out = tmp_path / "empty"
+        out.mkdir()
+    argv = ["--model", str(model_dir), "--num-kv-heads", "2", "--out", str(out), "--eval-tokens", "0",
+            "--device", "cpu"]
+    if isinstance(error, OSError):  # a user error: one line, exit status 2
+        assert main(argv) == 2
+        assert "No space left on device" in capsys.readouterr().err
+    else:
+        with pytest.raises(RuntimeError, match="interrupted"):
+            main(argv)
+    if out_kind == "new-nested":
+        assert not top.exists()
+    else:
+        assert out.is_dir() and not any(out.iterdir())

@@ -19,7 +19,7 @@ from hf_accel.conversion import (
 )
 from hf_accel.conversion.heads import attention_modules
 
-from gqa_tiny_models import build, logits, tokens
+from gqa_tiny_models import build, logits, tokens, write_gguf
 
 TIGHT = dict(rtol=1e-9, atol=1e-9)
 
@@ -210,6 +210,29 @@ def test_save_pretrained_roundtrip_with_stock_transformers(tmp_path, model_type)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert loaded.config.num_key_value_heads == 1
     assert attention_modules(loaded)[0].k_proj.weight.shape == (8, 64)
+    torch.testing.assert_close(logits(loaded, ids), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("new_kv", [2, 1], ids=["same-count", "pooled"])
+def test_gguf_model_saves_after_conversion(tmp_path, hf_log, new_kv):
+    """A model read from a GGUF file keeps transformers' GGUF quantizer object, which save_pretrained
+    refuses; every conversion, also one to the model's own KV head count (nothing to pool), drops it, so the
+    converted model saves and stock transformers loads the same function back."""
+    from hf_accel.models.loading import load_model
+
+    model, _ = load_model(write_gguf(tmp_path / "tiny.gguf", num_heads=4, num_kv_heads=2), tokenizer=False)
+    assert model.hf_quantizer is not None  # the case under test: transformers' gguf_file= loader
+    ids = tokens()
+    before = logits(model, ids)
+    assert convert_to_gqa(model, new_kv) is model
+    ref = logits(model, ids)
+    if new_kv == 2:
+        torch.testing.assert_close(ref, before, rtol=0, atol=0)
+        assert any("already has 2 KV heads" in r.getMessage() for r in hf_log.records)
+    model.save_pretrained(tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert loaded.config.num_key_value_heads == new_kv
+    assert getattr(loaded.config, "quantization_config", None) is None
     torch.testing.assert_close(logits(loaded, ids), ref, rtol=0, atol=0)
 
 
