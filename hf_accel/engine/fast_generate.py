@@ -177,6 +177,30 @@ class CallLock:
         return False
 
 
+def model_reason(model) -> str | None:
+    """Why ``model`` cannot take the fast decode path (None if it can): training mode, parameters on several
+    devices, sliding-window layers, a dtype the kernels do not take, head_dim above the kernels' limit, or a
+    rope type whose frequencies depend on the sequence length. Reads the model only (no engine needed)."""
+    cfg = model.config
+    if model.training:
+        return "the model is in training mode"
+    if len({p.device for p in model.parameters()}) > 1:
+        return "the model is spread over several devices"
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return "sliding-window layers"
+    dtype = next(model.parameters()).dtype
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} (the kernels take {', '.join(str(d) for d in SUPPORTED_DTYPES)})"
+    head_dim = model.model.layers[0].self_attn.head_dim
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope not in _ROPE_OK:
+        return f"rope_type {rope!r} (its frequencies depend on the sequence length)"
+    return None
+
+
 class FastEngine:
     """Per-model state of the fast path: a persistent PagedCache (pools kept between calls) and the
     captured decode steps, keyed by (batch bucket, block-table width bucket). ``call_lock`` (a
@@ -240,25 +264,7 @@ class FastEngine:
         return reason
 
     def _model_reason_uncached(self) -> str | None:
-        m = self.model
-        cfg = m.config
-        if m.training:
-            return "the model is in training mode"
-        if len({p.device for p in m.parameters()}) > 1:
-            return "the model is spread over several devices"
-        layer_types = getattr(cfg, "layer_types", None)
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            return "sliding-window layers"
-        dtype = next(m.parameters()).dtype
-        if dtype not in SUPPORTED_DTYPES:
-            return f"dtype {dtype} (the kernels take {', '.join(str(d) for d in SUPPORTED_DTYPES)})"
-        head_dim = m.model.layers[0].self_attn.head_dim
-        if head_dim > MAX_HEAD_DIM:
-            return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
-        rope = getattr(m.model.rotary_emb, "rope_type", "default")
-        if rope not in _ROPE_OK:
-            return f"rope_type {rope!r} (its frequencies depend on the sequence length)"
-        return None
+        return model_reason(self.model)
 
     def check(self, gc, model_kwargs) -> str | None:
         """Reason why this call can't take the fast path, or None."""

@@ -40,7 +40,8 @@ def _lora_base_weights(peft_model) -> dict:
     return saved
 
 
-def _merge_lora(peft_model) -> None:
+def _check_lora_only(peft_model) -> None:
+    """Raise NotImplementedError (naming the adapter types found) if the peft model has non-LoRA adapters."""
     from peft import PeftType
 
     kinds = {cfg.peft_type for cfg in peft_model.peft_config.values()}
@@ -50,7 +51,6 @@ def _merge_lora(peft_model) -> None:
             f"hf-accel supports peft models with LoRA adapters only (found: {names}); "
             "merge the adapter with peft (merge_and_unload) and pass the plain model"
         )
-    peft_model.merge_adapter()
 
 
 def check_model_type(hf_model) -> None:
@@ -110,7 +110,13 @@ def accelerate_model(
             PeftModel is given with ``merge_lora=False``.
         NotImplementedError: a PeftModel with non-LoRA adapters.
         ValueError: also for ``speculative`` without ``fast_decode``/``paged_cache``, or a draft model
-            with another vocabulary size, on another device, or of an unsupported type.
+            with another vocabulary size, on another device, of an unsupported type, or unable to run
+            the fast decode step (training mode, a dtype the kernels do not take, accelerated by the
+            caller without ``fast_decode``; the message names it).
+
+    A call that raises changes nothing: the options and a draft model are checked before either model is
+    touched, and an error after that (building the decode engine, say) is re-raised once the model's
+    attention, ``generate`` and LoRA merge are restored and a draft model it accelerated is reverted.
 
     Attention falls back to SDPA per call (logged once with the reason) where the kernel does not
     apply: training, autograd, ``output_attentions``, sliding-window/softcap/sink kwargs, dtypes other
@@ -126,6 +132,8 @@ def accelerate_model(
     model_type = hf_model.config.model_type
     if peft_model is not None and not merge_lora:
         raise ValueError("a PeftModel needs merge_lora=True (unmerged LoRA layers are not accelerated)")
+    if peft_model is not None:
+        _check_lora_only(peft_model)
     from hf_accel.cache.paged_cache import check_block_size
 
     check_block_size(block_size)
@@ -151,21 +159,27 @@ def accelerate_model(
         logger.info("hf-accel: model already accelerated; nothing to do")
         return model
 
+    # Everything above only checks; below the instance (and a draft model, in install) changes. An error from
+    # here on is re-raised after _restore has undone what was done, so a failed call changes nothing.
     name = register()
     state = {"attn_implementation": hf_model.config._attn_implementation, "lora_merged": False,
              "paged_cache": bool(paged_cache), "options": options}
-    if peft_model is not None:
-        # Merge/unmerge in floating point is not exact: keep the base weights to restore them bit for bit.
-        state["lora_base_weights"] = _lora_base_weights(peft_model)
-        _merge_lora(peft_model)
-        state["lora_merged"] = True
-    hf_model.set_attn_implementation(name)
-    if paged_cache:
-        paged_generate.install(hf_model, block_size, fast_decode=fast_decode, cuda_graphs=cuda_graphs,
-                               speculative=spec)
-    elif fast_decode:
-        logger.info("hf-accel: fast_decode is off: it runs on the paged cache (paged_cache=False); generate keeps "
-                    "transformers' loop and cache, with hf-accel's attention kernels")
+    try:
+        if peft_model is not None:
+            # Merge/unmerge in floating point is not exact: keep the base weights to restore them bit for bit.
+            state["lora_base_weights"] = _lora_base_weights(peft_model)
+            peft_model.merge_adapter()
+            state["lora_merged"] = True
+        hf_model.set_attn_implementation(name)
+        if paged_cache:
+            paged_generate.install(hf_model, block_size, fast_decode=fast_decode, cuda_graphs=cuda_graphs,
+                                   speculative=spec)
+        elif fast_decode:
+            logger.info("hf-accel: fast_decode is off: it runs on the paged cache (paged_cache=False); generate "
+                        "keeps transformers' loop and cache, with hf-accel's attention kernels")
+    except BaseException:
+        _restore(hf_model, peft_model, state)
+        raise
     setattr(hf_model, _STATE_ATTR, state)
     path = "Triton kernel" if hf_model.device.type == "cuda" else "PyTorch reference (no GPU for this model)"
     logger.info(
@@ -205,19 +219,27 @@ def revert_model(model):
     state = getattr(hf_model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("this model was not accelerated by hf_accel.accelerate_model")
+    _restore(hf_model, peft_model, state)
+    logger.info("hf-accel: reverted %s to attention %r", type(hf_model).__name__, state["attn_implementation"])
+    return model
+
+
+def _restore(hf_model, peft_model, state: dict) -> None:
+    """Undo accelerate_model's changes recorded in ``state``, also those of a call that failed part-way:
+    attention implementation, generate (and a draft model its speculative engine accelerated), LoRA merge
+    (base weights copied back bit for bit from the copies taken before merging)."""
     hf_model.set_attn_implementation(state["attn_implementation"])
     paged_generate.uninstall(hf_model)
-    if state["lora_merged"] and peft_model is not None:
+    saved = state.get("lora_base_weights")
+    if saved is not None and peft_model is not None:
         peft_model.unmerge_adapter()
         modules = dict(peft_model.named_modules())
         with torch.no_grad():
-            for name, params in state.get("lora_base_weights", {}).items():
+            for name, params in saved.items():
                 base = modules[name].get_base_layer()
                 for k, v in params.items():
                     getattr(base, k).copy_(v)
     hf_model.__dict__.pop(_STATE_ATTR, None)
-    logger.info("hf-accel: reverted %s to attention %r", type(hf_model).__name__, state["attn_implementation"])
-    return model
 
 
 def is_accelerated(model) -> bool:

@@ -156,18 +156,26 @@ class SpeculativeEngine:
         self.last_stats: dict | None = None
 
     def _draft_engine(self, draft):
-        from hf_accel.integrations.patch import accelerate_model, is_accelerated
+        """The draft model's FastEngine; accelerates the draft if it is not yet (reverted again if a check
+        after that fails, so a refused draft is left as it was)."""
+        from hf_accel.integrations.patch import accelerate_model, is_accelerated, revert_model
 
         check_draft(self.model, draft)
         self.draft_accelerated_here = not is_accelerated(draft)
         if self.draft_accelerated_here:
             accelerate_model(draft)
-        engine = getattr(draft, "_hf_accel_engine", None)
-        if engine is None:
-            raise ValueError("the draft model was accelerated without fast_decode; it has no decode step to draft with")
-        reason = engine._model_reason()
-        if reason:
-            raise ValueError(f"the draft model cannot run hf-accel's decode step: {reason}")
+        try:
+            engine = getattr(draft, "_hf_accel_engine", None)
+            if engine is None:
+                raise ValueError(_NO_DRAFT_STEP)
+            reason = engine._model_reason()
+            if reason:
+                raise ValueError(f"the draft model cannot run hf-accel's decode step: {reason}")
+        except BaseException:
+            if self.draft_accelerated_here:
+                revert_model(draft)
+                self.draft_accelerated_here = False
+            raise
         engine.fused = self.fast.fused
         return engine
 
@@ -619,12 +627,19 @@ class SpeculativeEngine:
         return min(1.0, ratio + 0.1)
 
 
+_NO_DRAFT_STEP = ("the draft model was accelerated without fast_decode; it has no decode step to draft with "
+                  "(revert_model(draft) first, or accelerate it with paged_cache=True, fast_decode=True)")
+
+
 def check_draft(target, draft) -> None:
     """Raise ValueError if ``draft`` cannot draft for ``target``: not a supported transformers causal LM,
-    another vocabulary size (it must share the tokenizer), another device, or the target itself."""
+    another vocabulary size (it must share the tokenizer), another device, the target itself, accelerated
+    without the fast decode step, or unable to run that step (training mode, a dtype the kernels do not
+    take, ...: :func:`~hf_accel.engine.fast_generate.model_reason`). Changes neither model."""
     from transformers import PreTrainedModel
 
-    from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES
+    from hf_accel.engine.fast_generate import model_reason
+    from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, is_accelerated
 
     if not isinstance(draft, PreTrainedModel) or not hasattr(draft, "lm_head"):
         raise ValueError(f"the draft model must be a transformers causal LM, got {type(draft).__qualname__}")
@@ -638,6 +653,11 @@ def check_draft(target, draft) -> None:
                          f"from the target's ({target.config.vocab_size}); it must share the tokenizer")
     if draft.device != target.device:
         raise ValueError(f"the draft model is on {draft.device}, the target on {target.device}")
+    if is_accelerated(draft) and getattr(draft, "_hf_accel_engine", None) is None:
+        raise ValueError(_NO_DRAFT_STEP)
+    reason = model_reason(draft)
+    if reason:
+        raise ValueError(f"the draft model cannot run hf-accel's decode step: {reason}")
 
 
 def check_speculative(model, config: SpeculativeConfig) -> None:
