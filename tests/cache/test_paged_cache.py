@@ -152,7 +152,8 @@ def _route_to_triton(monkeypatch, calls):
 @pytest.mark.parametrize(
     "model_type,block_size,path",
     [("llama", 16, "reference"), ("llama", 4, "reference"), ("qwen2", 16, "reference"), ("qwen2", 4, "reference"),
-     ("llama", 4, "triton"), ("qwen2", 16, "triton")],
+     pytest.param("llama", 4, "triton", marks=pytest.mark.interpreter),
+     pytest.param("qwen2", 16, "triton", marks=pytest.mark.interpreter)],
 )
 def test_generate_token_identical_left_padded(model_type, block_size, path, tiny, monkeypatch, one_thread):
     """transformers' generate loop on the PagedCache the wrapper creates."""

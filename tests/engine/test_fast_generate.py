@@ -136,6 +136,7 @@ def test_greedy_identical_to_stock_module_step(model_type, case, tiny, decode_st
 FUSED = [(t, "max_new_tokens") for t in MODEL_TYPES] + [("qwen3", "min_new_tokens")]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("model_type", "case"), FUSED)
 def test_greedy_identical_to_stock_fused_step(model_type, case, tiny, decode_steps, monkeypatch):
     """The fused Triton step (interpreter): in-graph greedy, and the host loop with a processor; the
@@ -170,6 +171,7 @@ def test_prefill_buckets():
         assert n <= fg.prefill_bucket(n) <= max(16, 1.5 * n)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("half_steps", [True, False], ids=["bucket-24", "bucket-32"])
 def test_fused_prefill_in_a_half_step_bucket_identical_to_stock(tiny, monkeypatch, half_steps):
     """A 20-token prompt (batch of 2, left padded) prefilled padded to 24 tokens (32 without the 1.5x
@@ -569,6 +571,7 @@ def test_all_padding_row_falls_back_with_its_own_reason(tiny, hf_log):
     assert not _messages(hf_log, "right-padded batch")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("gemv_rope,head_norm", [(False, True), (True, True), (False, False)],
                          ids=["rope-kernel", "rope-in-gemv", "lm-head-norm-kernel"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
@@ -609,6 +612,7 @@ def _fused_five_tokens_match_stock(tiny, seed: int, *model_args, **model_kwargs)
     return model, ours
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("gather_by_index", [True, False], ids=["index", "embedding"])
 def test_fused_step_gathers_embeddings_and_rotary_rows(gather_by_index, tiny, monkeypatch):
     """The fused step's token-embedding and rotary-row gathers (by indexing, or through the embedding
@@ -634,6 +638,7 @@ def test_fused_step_gathers_embeddings_and_rotary_rows(gather_by_index, tiny, mo
     assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
 
 
+@pytest.mark.interpreter
 def test_fused_step_split_k_and_in_kernel_merge(tiny, monkeypatch):
     """Batch-3 fused decode steps with fused_linear split into 2 K shares per output tile and 3 KV splits
     merged inside the attention kernel (both through the step's arrival counters, reused by every layer
@@ -664,6 +669,7 @@ def test_fused_step_split_k_and_in_kernel_merge(tiny, monkeypatch):
         assert int(step.merge_counters.abs().sum()) == 0 and int(step.linear_counters.abs().sum()) == 0
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("fused_rope", [True, False], ids=["rope-in-fused-linear", "rope-kernel"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_small_batch_fused_step_rope_epilogue(model_type, fused_rope, tiny, monkeypatch):
@@ -694,6 +700,7 @@ def test_small_batch_fused_step_rope_epilogue(model_type, fused_rope, tiny, monk
     assert calls["rope_kernel"] == (layers if fused_rope else 5 * layers)
 
 
+@pytest.mark.interpreter
 def test_small_batch_fused_step_preload_and_attention_overlap(tiny, monkeypatch):
     """Batch-3 fused decode steps with FUSED_LINEAR_PRELOAD (first weight tile before the PDL wait) and
     MULTI_ROW_ATTENTION_OVERLAP (attention preloading its cached K/V, triggering the merge): the options reach
@@ -731,6 +738,7 @@ def test_small_batch_fused_step_preload_and_attention_overlap(tiny, monkeypatch)
     assert seen["preload_kv"] == seen["trigger"] == 4 * layers
 
 
+@pytest.mark.interpreter
 def test_small_batch_fused_step_whole_k(tiny, monkeypatch):
     """Batch-3 fused decode steps with FUSED_LINEAR_WHOLE_K (no K loop in the 3-row matmuls): it reaches every
     3-row matmul, and greedy output stays token-identical to stock in float32."""
@@ -757,6 +765,7 @@ def test_small_batch_fused_step_whole_k(tiny, monkeypatch):
     assert seen["whole_k"] == 3 * 4 * layers  # o, gate/up, down
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_small_batch_fused_step_lm_head(model_type, tiny, monkeypatch):
     """Batch-3 fused decode steps with FUSED_LINEAR_LM_HEAD (final residual add + RMSNorm + LM head in one
@@ -808,6 +817,7 @@ def test_model_reason_follows_mode_dtype_and_layers(tiny):
     assert torch.equal(out, stock)
 
 
+@pytest.mark.interpreter
 def test_after_fused_generate_model_stays_trainable_and_castable(tiny):
     """A fused generate merges q/k/v and gate/up into shared matrices inside inference mode. The parameters
     must stay ordinary trainable tensors (requires_grad kept, backward and load_state_dict work, also after
@@ -843,6 +853,7 @@ def test_after_fused_generate_model_stays_trainable_and_castable(tiny):
     assert all(a is b for a, b in zip(params, model.parameters()))  # the same Parameter objects throughout
 
 
+@pytest.mark.interpreter
 def test_fused_flag_change_rebuilds_steps(tiny, monkeypatch):
     """Switching the engine between its PyTorch and Triton step after a call takes effect at the next call."""
     from hf_accel.engine import decode_step

@@ -21,12 +21,14 @@ from hf_accel import SUPPORTED_MODEL_TYPES, accelerate_model, is_accelerated, re
 
 MODEL_TYPES = ["llama", "qwen2", "mistral", "qwen3"]
 MAX_NEW = 10
+# The Triton variants run the kernels on the tiny models' CPU tensors: Triton's interpreter.
+PATHS = ["reference", pytest.param("triton", marks=pytest.mark.interpreter)]
 
 
 # --- greedy generation, logits, revert --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_greedy_generate_token_identical(model_type, path, tiny, attention_spy):
     model = tiny.model(model_type)
@@ -61,7 +63,7 @@ GENERATE_PATHS = {
 
 
 @pytest.mark.parametrize("generate_path", list(GENERATE_PATHS))
-@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("path", PATHS)
 def test_generate_cache_paths(generate_path, path, tiny, attention_spy):
     """Prefill runs the contiguous kernel; decode runs on generate's fast path (default), on
     transformers' loop over a PagedCache (fast_decode=False) or over its DynamicCache
@@ -123,6 +125,7 @@ def test_unpadded_batch_passes_no_mask(tiny, attention_spy):
     assert spy.kernel_masks == [None] * (2 * model.config.num_hidden_layers)
 
 
+@pytest.mark.interpreter
 def test_decode_with_cache_matches_full_forward(tiny, attention_spy):
     """Prefill, then a 1-token and a 3-token step over HF's DynamicCache (q_len < kv_len)."""
     from transformers import DynamicCache

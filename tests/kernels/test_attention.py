@@ -151,7 +151,11 @@ def test_left_padding_key_mask(q_len, kv_len, heads, dtype):
     # Padding matters: without the mask the padded row's answer changes.
     unmasked = attention(q, k, v, causal=True)
     assert (out[1].float() - unmasked[1].float()).abs().max() > 1e-2
-    torch.testing.assert_close(out[0], unmasked[0], atol=0, rtol=0)
+    # The unpadded row is unaffected: bitwise under the interpreter. On a GPU the masked launch is another compiled
+    # kernel (HAS_KEY_MASK is a constexpr) whose float operations may be ordered differently (H200: one fp16
+    # element of 3,584 one ulp apart), so the dtype's default tolerance there.
+    exact = {} if HAS_CUDA else dict(atol=0, rtol=0)
+    torch.testing.assert_close(out[0], unmasked[0], **exact)
 
 
 def test_key_mask_dtypes_agree():

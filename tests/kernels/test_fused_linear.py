@@ -7,6 +7,9 @@ from linear_cases import MODES, linear_inputs, linear_kwargs
 
 from hf_accel.kernels.fused_linear import MAX_ROWS, fused_linear, fused_linear_ref
 
+# CPU tensors through Triton's interpreter; tests/kernels/test_fused_gpu.py runs the kernels on a GPU.
+pytestmark = pytest.mark.interpreter
+
 
 @pytest.mark.parametrize("rows,hidden,out", [(1, 64, 48), (3, 96, 80), (16, 40, 16), (20, 333, 40)])
 @pytest.mark.parametrize("mode", MODES)

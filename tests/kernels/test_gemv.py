@@ -8,6 +8,9 @@ from linear_cases import MODES, linear_inputs, linear_kwargs
 from hf_accel.kernels.fused_linear import fused_linear_ref
 from hf_accel.kernels.gemv import gemv
 
+# CPU tensors through Triton's interpreter; tests/kernels/test_fused_gpu.py runs the kernels on a GPU.
+pytestmark = pytest.mark.interpreter
+
 
 def _inputs(hidden, out, dtype, seed=0):
     return linear_inputs(1, hidden, out, dtype, seed)

@@ -155,8 +155,9 @@ def test_slot_mapping_matches_reference(q_len):
 
     g = torch.Generator().manual_seed(q_len)
     block_size, max_blocks = 4, 6
-    table = torch.randperm(40, generator=g)[: 3 * max_blocks].view(3, max_blocks).to(torch.int32)
-    cache_lens = torch.tensor([0, 9, 4 * max_blocks - 2], dtype=torch.int32)  # the last row runs off the table
+    table = torch.randperm(40, generator=g)[: 3 * max_blocks].view(3, max_blocks).to(DEVICE, torch.int32)
+    # the last row runs off the table
+    cache_lens = torch.tensor([0, 9, 4 * max_blocks - 2], dtype=torch.int32, device=DEVICE)
     got = slot_mapping(cache_lens, table, q_len, block_size)
     want = slot_mapping_ref(cache_lens, table, q_len, block_size)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

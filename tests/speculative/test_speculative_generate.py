@@ -98,6 +98,7 @@ def test_greedy_identical_to_plain(model_type, method, batch, adaptive, tiny):
         assert stats["acceptance_rate"] == 1.0 and 3.0 <= stats["mean_tokens_per_step"] <= 4.0
 
 
+@pytest.mark.interpreter
 def test_fused_triton_step_greedy_identical(tiny):
     """The fused step's Triton kernels (interpreter) verifying q_len = k + 1 tokens per row."""
     model = tiny.model("llama", num_hidden_layers=LAYERS)
@@ -862,6 +863,7 @@ def test_gated_chooser_times_a_plain_round_once_a_verify_round_is_timed():
     assert chooser.times == {k: 1.8, 0: 1.0}
 
 
+@pytest.mark.interpreter
 def test_match_gated_fused_triton_step_with_every_draft_length(tiny, monkeypatch):
     """The one-launch lookup and commit kernels (interpreter) under match gating: k cycles through every
     candidate below k_max (the drafts are column slices of the state's k_max-wide lookup), plain rounds
@@ -908,6 +910,7 @@ def _batch1_fused_lookup_matches_stock(tiny, num_draft_tokens: int, max_new_toke
     return ours
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("counts_kernel", [True, False], ids=["counts-in-lookup", "counts-scatter"])
 def test_match_gated_fused_triton_step_batch1_class_counts(counts_kernel, tiny, monkeypatch):
     """Batch 1 (interpreter): the lookup kernel writes the class counts itself (LOOKUP_CLASS_COUNTS_KERNEL) or the
@@ -1101,6 +1104,7 @@ def test_prompt_lookup_num_tokens_below_one_raises(tiny, bad):
         greedy(ours, ids[:1], mask[:1], tiny.PAD, generation_config=config)
 
 
+@pytest.mark.interpreter
 def test_batch_verify_passes_of_more_than_32_rows_through_fused_linear(tiny, monkeypatch):
     """Batch 3 with 15 drafts: verify passes of 48 token rows run their matmuls through fused_linear's whole-K
     path in 16-row blocks when FUSED_LINEAR_MAX_ROWS allows (interpreter), and greedy equals stock."""
@@ -1122,6 +1126,7 @@ def test_batch_verify_passes_of_more_than_32_rows_through_fused_linear(tiny, mon
     assert 48 in rows_seen, sorted(set(rows_seen))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("whole_k_fits", [True, False])
 def test_verify_passes_of_more_than_16_tokens_through_fused_linear(whole_k_fits, tiny, monkeypatch):
     """With FUSED_LINEAR_MAX_ROWS at 32, a batch-1 verify pass of k + 1 = 20 tokens runs its matmuls through
