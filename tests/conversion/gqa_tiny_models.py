@@ -58,14 +58,14 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def write_gguf(path, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 8, layers: int = 2, seed: int = 0):
-    """Write a tiny random llama GGUF file (float32 tensors, a byte-level BPE tokenizer of 258 tokens) to
+    """Write a tiny random llama GGUF file (float32 tensors, a byte-level BPE tokenizer of 259 tokens) to
     ``path`` and return it; transformers' ``gguf_file=`` loader (and so ``hf_accel.models.load_model``) reads
     it like the embedded SmolLM2, GGUF quantizer object included."""
     import gguf
     import numpy as np
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab = [*bytes_to_unicode().values(), "Ġt", "<|endoftext|>"]
+    vocab = [*bytes_to_unicode().values(), "Ġt", "Ġa", "<|endoftext|>"]
     hidden, ffn = num_heads * head_dim, 64
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(256)
@@ -81,7 +81,9 @@ def write_gguf(path, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(vocab)
     writer.add_token_types([1] * (len(vocab) - 1) + [3])  # 3: control
-    writer.add_token_merges(["Ġ t"])
+    # Two merges: transformers' GGUF reader turns a one-element list into its element (a string), which older
+    # tokenizers releases refuse as BPE merges ("failed to extract enum PyMerges").
+    writer.add_token_merges(["Ġ t", "Ġ a"])
     writer.add_bos_token_id(len(vocab) - 1)
     writer.add_eos_token_id(len(vocab) - 1)
     rng = np.random.default_rng(seed)
