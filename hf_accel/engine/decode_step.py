@@ -34,7 +34,7 @@ import triton
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import greedy_tail, scratch_for
-from hf_accel.kernels.fused_linear import WHOLE_K_MAX, fused_linear, fused_linear_rope, max_rows, split_k_for
+from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope, max_rows, split_k_for, whole_k_fits
 from hf_accel.kernels.gemv import gemv, gemv_rope
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
 from hf_accel.kernels.prefill import prefill_attention
@@ -247,8 +247,10 @@ MULTI_ROW_ATTENTION_OVERLAP = True
 #: The step's fused_linear / fused_linear_rope calls (2-16 rows) take the whole-K path (``whole_k`` of
 #: :func:`~hf_accel.kernels.fused_linear.fused_linear`): each program loads its weight rows over all input
 #: columns before its PDL wait, then the input rows once, as the one-row GEMV does, instead of a K loop whose
-#: every tile is a memory round trip after the wait. Inputs wider than
-#: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX` keep the loop (and :data:`FUSED_LINEAR_PRELOAD`,
+#: every tile is a memory round trip after the wait. Inputs the path does not take
+#: (:func:`~hf_accel.kernels.fused_linear.whole_k_fits`: wider than
+#: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX`, float32 on a GPU, a GPU with less shared memory than the
+#: H200) keep the loop (and :data:`FUSED_LINEAR_PRELOAD`,
 #: :data:`FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM`, :data:`FUSED_LINEAR_NORM_K` apply only to the loop). H200,
 #: SmolLM2-shaped random bf16 weights, 305-token prompt, CUDA graphs, medians of 4 timings in one run
 #: (``profile_verify_switches-whole-k-20261202-c8967fe.json``): verify forward of 16 tokens 0.704 ms vs 0.826
@@ -483,7 +485,8 @@ class DecodeStep:
             splits = self.num_splits if t == self.q_len else PREFILL_NUM_SPLITS
         residual, delta = hidden, None
         one_row = self.gemv_linear and GEMV_ONE_ROW and n == 1
-        whole = FUSED_LINEAR_WHOLE_K and self.linear_max_k <= WHOLE_K_MAX
+        # every matmul of the layer on the whole-K path (programs of up to 64 weight rows: SwiGLU / RoPE pairs)
+        whole = FUSED_LINEAR_WHOLE_K and whole_k_fits(self.linear_max_k, hidden.dtype, hidden.device, 64)
         limit = min(FUSED_LINEAR_MAX_ROWS, max_rows(whole) if whole else FUSED_LINEAR_K_LOOP_MAX_ROWS)
         small = not one_row and self.small_linear and n <= limit
         # gemv and fused_linear take the same arguments: the layer's matmuls with norm / SwiGLU fused in
@@ -496,7 +499,8 @@ class DecodeStep:
         elif small and FUSED_LINEAR_ROPE and (d // 2) % 16 == 0:
             rope_linear = functools.partial(fused_linear_rope, small_tiles=FUSED_LINEAR_SMALL_TILES,
                                             preload=FUSED_LINEAR_PRELOAD,
-                                            whole_k=FUSED_LINEAR_WHOLE_K and hidden.shape[1] <= WHOLE_K_MAX)
+                                            whole_k=FUSED_LINEAR_WHOLE_K and whole_k_fits(hidden.shape[1], hidden.dtype,
+                                                                                          hidden.device, 64))
         pdl = DECODE_PDL
         overlap = pdl and ATTENTION_PDL and (one_row or (MULTI_ROW_ATTENTION_OVERLAP and rope_linear is not None))
         attn_kw = {"merge_counters": self.merge_counters if FUSED_MERGE else None,
@@ -614,7 +618,7 @@ class DecodeStep:
         if FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM > 0:
             split = split_k_for(weight.shape[0] // (2 if kw.get("swiglu") else 1), weight.shape[1],
                                 FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM * self.sms)
-        if FUSED_LINEAR_WHOLE_K and weight.shape[1] <= WHOLE_K_MAX:
+        if FUSED_LINEAR_WHOLE_K and whole_k_fits(weight.shape[1], x.dtype, x.device, 64 if kw.get("swiglu") else 32):
             return fused_linear(x, weight, whole_k=True, **kw)
         return fused_linear(x, weight, split_k=split, counters=self.linear_counters, norm_k=FUSED_LINEAR_NORM_K,
                             small_tiles=FUSED_LINEAR_SMALL_TILES, preload=FUSED_LINEAR_PRELOAD or None, **kw)

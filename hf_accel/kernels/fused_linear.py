@@ -25,6 +25,8 @@ accumulation); where it pays is measured in ``benchmarks/bench_fused_linear.py``
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -487,10 +489,49 @@ WHOLE_K_MAX = 4096
 WHOLE_K_BLOCK_M = 16
 
 
-def _whole_k_tiles(rows: int, k: int, block_n: int | None,
-                   num_warps: int | None) -> tuple[int, int, int, int, int, int, int]:
+#: Shared memory per block (bytes, opt-in) of the GPU the whole-K path was measured and tested on in fp16/bf16
+#: (H200, inputs up to :data:`WHOLE_K_MAX` wide); GPUs with less keep the K loop for 16-bit inputs.
+WHOLE_K_MIN_SHARED_MEMORY = 232448
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_per_block(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    if optin is None:  # older torch: Hopper-class (compute capability 9+) has the H200's 227 KiB
+        return WHOLE_K_MIN_SHARED_MEMORY if props.major >= 9 else 0
+    return int(optin)
+
+
+def whole_k_fits(k: int, dtype: torch.dtype, device: torch.device | str, weight_rows: int = 32) -> bool:
+    """Whether the whole-K path (``whole_k`` of :func:`fused_linear`) takes ``k`` input features of ``dtype``
+    on ``device`` for programs holding ``weight_rows`` weight rows (``block_n``; twice that with SwiGLU's
+    gate/up or fused_linear_rope's pairs).
+
+    Always ``k`` <= :data:`WHOLE_K_MAX`. Under Triton's interpreter (CPU tensors) nothing else. On a GPU, fp16/bf16
+    needs :data:`WHOLE_K_MIN_SHARED_MEMORY` bytes of shared memory per block (where it was tested); float32
+    needs its weight and :data:`WHOLE_K_BLOCK_M` input rows over the padded K (:func:`whole_k_chunks`) in
+    shared memory: on the H200 a float32 K of 1536 with 32 weight rows asked for (32 + 16) x 1536 x 4 = 294,912
+    bytes of its 232,448 (Triton's OutOfResources at launch), while K 576 with 64 rows (184,320) ran."""
+    if k > WHOLE_K_MAX:
+        return False
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    available = _shared_memory_per_block(index)
+    if dtype in (torch.float16, torch.bfloat16):
+        return available >= WHOLE_K_MIN_SHARED_MEMORY
+    if dtype == torch.float32:
+        return (weight_rows + WHOLE_K_BLOCK_M) * sum(whole_k_chunks(k)) * 4 <= available
+    return False
+
+
+def _whole_k_tiles(rows: int, k: int, block_n: int | None, num_warps: int | None, x: torch.Tensor,
+                   products: int) -> tuple[int, int, int, int, int, int, int]:
     """``(block_m, m_blocks, block_n, block_k, block_k2, num_warps, num_stages)`` of the whole-K path for ``rows``
-    input rows (ValueError past :data:`WHOLE_K_MAX`): rows in blocks of :data:`WHOLE_K_BLOCK_M`, 32 outputs per
+    input rows (ValueError where :func:`whole_k_fits` is False for ``products`` x ``block_n`` weight rows): rows
+    in blocks of :data:`WHOLE_K_BLOCK_M`, 32 outputs per
     program and 8 warps unless given. H200, bf16, SmolLM2 shapes, 30
     layers' weights in one graph, with PDL (``bench_fused_linear-whole-k-20261202-0c90d5b.json``): a layer's
     four matmuls at 16 rows 13.2 us with 32 outputs and 4 warps vs 21.7 with 16 outputs per program (down 3.8
@@ -499,8 +540,13 @@ def _whole_k_tiles(rows: int, k: int, block_n: int | None,
     (10.3 at 2), 4 warps 13.1 (12.4), 2 warps 78.7, 64 outputs and 8 warps 11.9."""
     if k > WHOLE_K_MAX:
         raise ValueError(f"whole_k takes at most {WHOLE_K_MAX} input features, got {k}")
+    block_n = 32 if block_n is None else block_n
+    if not whole_k_fits(k, x.dtype, x.device, products * block_n):
+        raise ValueError(f"whole_k does not fit {k} input features of {x.dtype} with {products * block_n} weight "
+                         f"rows per program in the shared memory of {x.device} (see whole_k_fits); use the K loop "
+                         "(whole_k=False).")
     block_k, block_k2 = whole_k_chunks(k)
-    return (WHOLE_K_BLOCK_M, triton.cdiv(rows, WHOLE_K_BLOCK_M), 32 if block_n is None else block_n, block_k,
+    return (WHOLE_K_BLOCK_M, triton.cdiv(rows, WHOLE_K_BLOCK_M), block_n, block_k,
             block_k2, 8 if num_warps is None else num_warps, 1)
 
 
@@ -583,7 +629,8 @@ def fused_linear(
         whole_k: no K loop: each program loads its weight rows over all of ``hidden`` (two power-of-two
             column chunks, :func:`whole_k_chunks`) before the PDL wait and the input rows once after it, so
             only one memory round trip follows the wait (the one-row :func:`~.gemv.gemv` works the same way).
-            ``hidden`` <= :data:`WHOLE_K_MAX`; ``block_n`` default 32; rows in blocks of :data:`WHOLE_K_BLOCK_M`
+            ``hidden`` <= :data:`WHOLE_K_MAX` and what :func:`whole_k_fits` allows on a GPU (fp16/bf16; float32
+            while its tiles fit shared memory); ``block_n`` default 32; rows in blocks of :data:`WHOLE_K_BLOCK_M`
             (one program per block and output tile); not with ``split_k`` > 1; ``block_k``, ``num_stages``,
             ``preload``, ``norm_k`` and ``small_tiles`` do not apply.
 
@@ -593,7 +640,8 @@ def fused_linear(
     Raises:
         ValueError: more rows than :func:`max_rows` allows, shape/dtype mismatches, a combination the kernel does
             not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``), ``split_k`` not an int
-            >= 1, ``num_warps`` not a power of two <= 16, or ``counters`` that are not a contiguous int32 tensor of enough elements on x's device.
+            >= 1, ``num_warps`` not a power of two <= 16, ``counters`` that are not a contiguous int32 tensor of
+            enough elements on x's device, or ``whole_k`` where :func:`whole_k_fits` is False.
     """
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
     if rows > max_rows(whole_k):
@@ -615,7 +663,8 @@ def fused_linear(
         if split_k != 1:
             raise ValueError("whole_k does not take split_k > 1")
         block_m, m_blocks, block_n, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(rows, k, given_n,
-                                                                                              given_warps)
+                                                                                              given_warps, x,
+                                                                                              2 if swiglu else 1)
     r_in = residual if residual is not None else x
     norm_k = _norm_k(norm_k, block_k)
     pdl = use_pdl(pdl, x)
@@ -744,7 +793,7 @@ def fused_linear_rope(
     block_k2, m_blocks = 0, 1
     if whole_k:
         block_m, m_blocks, _, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(rows, k, block_n,
-                                                                                        given_warps)
+                                                                                        given_warps, x, 2)
     norm_k = _norm_k(norm_k, block_k)
     q = torch.empty(rows, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q

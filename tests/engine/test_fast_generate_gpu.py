@@ -9,13 +9,13 @@ import hf_accel
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _tiny(kind):
+def _tiny(kind, intermediate_size=256):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
            "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
     cfg = cls[0](hidden_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                 intermediate_size=256, vocab_size=256, pad_token_id=0, eos_token_id=7)
+                 intermediate_size=intermediate_size, vocab_size=256, pad_token_id=0, eos_token_id=7)
     torch.manual_seed(0)
     return cls[1](cfg).cuda().eval()
 
@@ -36,6 +36,33 @@ def test_fast_path_matches_stock_fp32(kind):
         assert torch.equal(ref, out)
     steps = list(model._hf_accel_engine.steps.values())
     assert steps and all(s.fused and s.use_graph for s in steps)
+
+
+def test_fast_path_float32_with_inputs_too_wide_for_whole_k():
+    """float32 down projections of 1536 inputs (SmolLM2's intermediate size) do not fit the whole-K path's
+    shared memory (H200: 294,912 bytes asked of 232,448, an OutOfResources at the first generate before
+    whole_k_fits): the step takes the K loop for them, and the tokens are stock's."""
+    from hf_accel.engine import decode_step
+    from hf_accel.kernels.fused_linear import whole_k_fits
+
+    model = _tiny("llama", intermediate_size=1536)
+    assert not whole_k_fits(1536, torch.float32, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ids = torch.randint(8, 256, (2, 9), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[mask == 0] = 0
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    hf_accel.accelerate_model(model)
+    calls = []
+    linear = decode_step.fused_linear
+    decode_step.fused_linear = lambda x, w, **kw: calls.append((w.shape[1], kw.get("whole_k"))) or linear(x, w, **kw)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    finally:
+        decode_step.fused_linear = linear
+    assert torch.equal(ref, out)
+    assert (1536, True) not in calls and any(k == 1536 for k, _ in calls)
 
 
 @pytest.mark.parametrize("batch,prompt_len,rows", [(20, 9, (17, 32)), (32, 9, (17, 32)), (1, 50, (33, 72)),

@@ -132,6 +132,21 @@ def test_fused_linear_bf16(rows, hidden, out, mode, split_k):
                        mode)
 
 
+def test_fused_linear_whole_k_float32_beyond_shared_memory_raises():
+    """float32 over all of K 1536 does not fit the H200's shared memory (whole_k_fits): a clear ValueError
+    instead of Triton's OutOfResources; K 576 runs and matches the reference."""
+    from hf_accel.kernels.fused_linear import fused_linear, fused_linear_ref, whole_k_fits
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, w = torch.randn(4, 1536, device="cuda", generator=g), torch.randn(64, 1536, device="cuda", generator=g)
+    if whole_k_fits(1536, torch.float32, "cuda"):
+        pytest.skip("this GPU's shared memory holds float32 K 1536")
+    with pytest.raises(ValueError, match="whole_k does not fit 1536 input features of torch.float32"):
+        fused_linear(x, w, whole_k=True)
+    x, w = x[:, :576].contiguous(), w[:, :576].contiguous() / 24
+    torch.testing.assert_close(fused_linear(x, w, whole_k=True), fused_linear_ref(x, w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rows,hidden,out", [(2, 576, 960), (16, 576, 3072), (16, 1536, 576), (5, 4096, 1024),
                                              (16, 576, 49152), (32, 1536, 576), (19, 576, 3072), (64, 576, 3072),
