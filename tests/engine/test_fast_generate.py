@@ -465,7 +465,8 @@ def test_smollm2_text_streamer_and_pipeline(smollm2, decode_steps, hf_log, capsy
                                                                         skip_special_tokens=True))
         printed = capsys.readouterr().out
         steps_before = len(decode_steps)
-        chat = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        # device: the pipeline would move the shared CPU model to a GPU when one is present
+        chat = pipeline("text-generation", model=model, tokenizer=tokenizer, device=model.device)
         reply = chat(messages, **kwargs)[0]["generated_text"][-1]["content"]
         return out, printed, reply, len(decode_steps) - steps_before
 
