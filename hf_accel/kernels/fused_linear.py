@@ -496,11 +496,15 @@ WHOLE_K_MIN_SHARED_MEMORY = 232448
 
 @functools.lru_cache(maxsize=None)
 def _shared_memory_per_block(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    optin = getattr(props, "shared_memory_per_block_optin", None)
-    if optin is None:  # older torch: Hopper-class (compute capability 9+) has the H200's 227 KiB
-        return WHOLE_K_MIN_SHARED_MEMORY if props.major >= 9 else 0
-    return int(optin)
+    """The limit Triton checks a compiled kernel's shared memory against at launch ("Hardware limit" of its
+    OutOfResources), from Triton's driver; torch's ``shared_memory_per_block_optin`` where that is missing."""
+    try:
+        from triton.runtime import driver
+
+        return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - another Triton backend or version: ask torch
+        props = torch.cuda.get_device_properties(device_index)
+        return int(getattr(props, "shared_memory_per_block_optin", 0))
 
 
 def whole_k_fits(k: int, dtype: torch.dtype, device: torch.device | str, weight_rows: int = 32) -> bool:
