@@ -1131,13 +1131,13 @@ def test_batch_verify_passes_of_more_than_32_rows_through_fused_linear(tiny, mon
 def test_verify_passes_of_more_than_16_tokens_through_fused_linear(whole_k_fits, tiny, monkeypatch):
     """With FUSED_LINEAR_MAX_ROWS at 32, a batch-1 verify pass of k + 1 = 20 tokens runs its matmuls through
     fused_linear's whole-K path in two 16-row blocks (interpreter), and greedy equals stock. A model whose matmul
-    inputs do not all fit the whole-K path (WHOLE_K_MAX lowered here) keeps passes of more than
-    FUSED_LINEAR_K_LOOP_MAX_ROWS rows on cuBLAS."""
+    inputs do not all fit the whole-K path (whole_k_fits made to refuse inputs wider than 16 here) keeps passes of
+    more than FUSED_LINEAR_K_LOOP_MAX_ROWS rows on cuBLAS."""
     from hf_accel.engine import decode_step
 
     monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 32)
     if not whole_k_fits:
-        monkeypatch.setattr(decode_step, "WHOLE_K_MAX", 16)
+        monkeypatch.setattr(decode_step, "whole_k_fits", lambda k, *args: k <= 16)
     monkeypatch.setattr(_GatedChooser, "choose", lambda self, counts, max_remaining=None, burst=True:
                         (19 if any(counts[1:]) and (max_remaining is None or max_remaining > 19) else 0, 1))
     rows_seen = []
