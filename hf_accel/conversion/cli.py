@@ -139,7 +139,7 @@ def _write_checkpoint(model, tokenizer, out: Path) -> None:
 
 
 def _run(args) -> int:
-    from hf_accel.conversion.gqa import convert_to_gqa, kv_head_choices
+    from hf_accel.conversion.gqa import _check_model, convert_to_gqa, kv_head_choices
     from hf_accel.conversion.recovery import recover_with_lora
     from hf_accel.evaluation import calibration_text, evaluation_ids
     from hf_accel.models.loading import load_model
@@ -147,6 +147,8 @@ def _run(args) -> int:
     for name in ("calibration_tokens", "context_length", "decode_tokens"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.context_length < 2:  # perplexity predicts each token from those before it in the window
+        raise CliError(f"--context-length must be >= 2; got {args.context_length}")
     if args.num_kv_heads < 1:  # before the model loads (its own head count is checked after)
         raise CliError(f"--num-kv-heads must be >= 1; got {args.num_kv_heads}")
     if args.eval_tokens < 0 or args.recovery_steps < 0:
@@ -167,6 +169,7 @@ def _run(args) -> int:
 
     t0 = time.perf_counter()
     model, tokenizer = load_model(None if args.model in (None, "default") else args.model, dtype=dtype, device=device)
+    _check_model(model)  # a model type the conversion does not take: its one-line error before anything else
     print(f"loaded {type(model).__name__} ({model.config.model_type}, {model.config.num_attention_heads} heads, "
           f"{model.config.num_key_value_heads} KV heads, {dtype}, {device}) in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)

@@ -219,6 +219,12 @@ class FastEngine:
         self.merged = None  # MergedLayer list once the fused step merged the projections
         self.call_lock = CallLock()
 
+    def __reduce__(self):
+        """``copy.deepcopy(model)`` and ``torch.save(model)`` carry the engine's options and its model only: the
+        copy starts without pools, captured steps and lock (CUDA graphs and thread locks do not copy) and builds
+        them on its first call."""
+        return (FastEngine, (self.model, self.block_size, self.use_cuda_graphs, self.sync_every, self._fused))
+
     @property
     def fused(self) -> bool | None:
         return self._fused

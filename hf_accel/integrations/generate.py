@@ -266,7 +266,9 @@ def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool 
         engine_for(model, engine, speculative)  # checks the draft model now
     model._hf_accel_engine = engine
     model.generate = functools.partial(paged_generate, model, original, block_size, engine, speculative=speculative)
-    functools.update_wrapper(model.generate, original)
+    # name, doc and __wrapped__ (inspect.signature follows it), not __annotations__: transformers' hold ForwardRefs,
+    # which do not pickle (torch.save(model) of an accelerated model)
+    functools.update_wrapper(model.generate, original, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
 
 
 def uninstall(model) -> None:

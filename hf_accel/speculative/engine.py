@@ -674,9 +674,18 @@ def check_speculative(model, config: SpeculativeConfig) -> None:
         check_draft(model, config.draft_model)
 
 
+class EngineCache(dict):
+    """A model's :class:`SpeculativeEngine` objects by (method, draft model id, exit layer). A copy of the model
+    (``copy.deepcopy``, ``torch.save``) gets an empty cache: the engines hold captured graphs and are keyed by
+    the original draft's id; the copy builds its own on its first speculative call."""
+
+    def __reduce__(self):
+        return (EngineCache, ())
+
+
 def engine_for(model, fast, config: SpeculativeConfig) -> SpeculativeEngine:
     """The model's cached :class:`SpeculativeEngine` for this method (and draft model), or a new one."""
-    engines = model.__dict__.setdefault("_hf_accel_spec_engines", {})
+    engines = model.__dict__.setdefault("_hf_accel_spec_engines", EngineCache())
     key = (config.method, id(config.draft_model) if config.draft_model is not None else None, config.exit_layer)
     engine = engines.get(key)
     if engine is None:

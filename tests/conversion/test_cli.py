@@ -72,6 +72,27 @@ def test_bad_num_kv_heads_is_refused_before_the_model_loads(tmp_path, capsys):
     assert "--num-kv-heads must be >= 1" in err and "does not exist" not in err
 
 
+def test_short_context_length_is_refused_before_the_model_loads(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--context-length", "1",
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--context-length must be >= 2; got 1" in err and "does not exist" not in err
+
+
+def test_unsupported_model_type_is_one_line_and_exit_2(tmp_path, capsys):
+    """A GPT2 folder: the conversion's own error (no num_key_value_heads in its config to report)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=96)).save_pretrained(gpt2)
+    _tokenizer().save_pretrained(gpt2)
+    rc = main(["--model", str(gpt2), "--num-kv-heads", "1", "--out", str(tmp_path / "o"), *ARGS])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert err[-1].startswith("hf-accel convert-gqa: error:") and "does not support model_type 'gpt2'" in err[-1]
+    assert not any("Traceback" in line for line in err) and not (tmp_path / "o").exists()
+
+
 def test_missing_model_and_busy_out_dir(model_dir, tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -549,3 +549,31 @@ def test_smollm2_left_padded_batch_identical(smollm2, attention_spy, monkeypatch
 def test_public_api_exports():
     for name in ("accelerate_model", "revert_model", "is_accelerated", "SUPPORTED_MODEL_TYPES"):
         assert hasattr(hf_accel, name)
+
+
+@pytest.mark.parametrize("speculative", [None, "prompt_lookup", "draft"])
+def test_accelerated_model_deep_copies_and_pickles(tiny, speculative):
+    """copy.deepcopy and torch.save/torch.load of an accelerated model that has generated (pools, steps and a
+    call lock built) give an accelerated model of its own: its engine points at the copy, its tokens are
+    stock's, and revert_model on it restores stock generate. The original keeps working."""
+    import io
+
+    model = tiny.model("llama", seed=30)
+    ids, mask = tiny.batch(seed=31)
+    stock = tiny.greedy(model, ids, mask)
+    spec = tiny.model("llama", seed=32, num_hidden_layers=1) if speculative == "draft" else speculative
+    accelerate_model(model, speculative=spec)
+    assert torch.equal(tiny.greedy(model, ids, mask), stock)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for copied in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        assert is_accelerated(copied) and copied.model is not model.model
+        assert copied._hf_accel_engine.model is copied and copied._hf_accel_engine is not model._hf_accel_engine
+        assert copied._hf_accel_engine.cache is None and not copied._hf_accel_engine.steps
+        assert torch.equal(tiny.greedy(copied, ids, mask), stock)
+        revert_model(copied)
+        assert not is_accelerated(copied) and "generate" not in copied.__dict__
+        assert torch.equal(tiny.greedy(copied, ids, mask), stock)
+    assert torch.equal(tiny.greedy(model, ids, mask), stock)
+    revert_model(model)
