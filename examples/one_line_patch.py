@@ -28,4 +28,4 @@ model = accelerate_model(model)  # <- the one line
 messages = [{"role": "user", "content": args.prompt}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 inputs = inputs.to(device)
-model.generate(**inputs, max_new_tokens=96, do_sample=False, streamer=TextStreamer(tokenizer, skip_prompt=True))
+model.generate(**inputs, max_new_tokens=96, do_sample=False, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))

@@ -45,6 +45,9 @@ def _add_generate(sub):
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding with this draft model (local directory or .gguf, same tokenizer)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results to this JSON file")
+    # -v after the subcommand too (SUPPRESS: absent here leaves the top-level flag's value)
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log what hf-accel patches and which path runs")
     p.set_defaults(func=_run_generate)
 
 
@@ -97,11 +100,14 @@ def _run_generate(args) -> int:
     if args.speculative and args.draft_model:
         raise CLIError("give either --speculative or --draft-model, not both")
     if args.json_out is not None:
+        if not args.json_out.strip():
+            raise CLIError("--json needs a file path; got an empty string")
         parent = os.path.dirname(os.path.abspath(args.json_out))
         if os.path.isdir(args.json_out):
             raise CLIError(f"--json {args.json_out}: is a folder; give a file path")
         if not os.path.isdir(parent):
             raise CLIError(f"--json {args.json_out}: folder {parent} does not exist")
+        _check_writable(args.json_out)
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
         if path is not None and not os.path.exists(path):
             raise CLIError(f"{flag} {path!r} does not exist")
@@ -212,6 +218,19 @@ def _add_optional(sub, name, module, help_text, load: bool):
         return
     mod.add_arguments(p)
     p.set_defaults(func=mod.run)
+
+
+def _check_writable(path: str) -> None:
+    """CLIError unless ``path`` can be opened for writing (checked before the models load; a file this check
+    creates is removed again)."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise CLIError(f"--json {path}: cannot be written ({e.strerror or e})") from None
+    if not existed:
+        os.remove(path)
 
 
 def build_parser(argv=None) -> argparse.ArgumentParser:

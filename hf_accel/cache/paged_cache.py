@@ -222,7 +222,8 @@ class PagedCache(Cache):
         config: the model's own config (``num_hidden_layers`` and ``_attn_implementation`` are read).
         num_blocks: blocks per layer pool. Give this or ``memory_fraction``.
         block_size: token slots per block (default 16, at most :data:`MAX_BLOCK_SIZE`).
-        memory_fraction: size the pools to this fraction of the GPU's free memory at the first update.
+        memory_fraction: size the pools to this fraction of the GPU's free memory at the first update (CUDA
+            K/V only: with CPU tensors that update raises ValueError; give ``num_blocks`` there).
 
     Raises:
         ValueError: neither or both of ``num_blocks`` and ``memory_fraction``; bad values (``num_blocks`` not
@@ -230,6 +231,7 @@ class PagedCache(Cache):
             ``update``, a layer index the config does not have; from ``crop``, ``reorder_cache``,
             ``batch_select_indices`` and ``batch_repeat_interleave``, non-integer or out-of-range arguments
             (the cache is unchanged).
+        TypeError: ``config`` is not a transformers config.
         OutOfBlocksError: (from ``update``) the pool cannot hold the new tokens; the cache is unchanged
             and the message says how many blocks were needed and free.
     """
@@ -246,6 +248,8 @@ class PagedCache(Cache):
                                             or not 0 < memory_fraction <= 1):
             raise ValueError(f"memory_fraction must be a number in (0, 1], got {memory_fraction!r}")
         check_block_size(block_size)
+        if not callable(getattr(config, "get_text_config", None)):
+            raise TypeError(f"config must be a transformers PretrainedConfig (model.config); got {type(config).__name__}")
         num_layers = config.get_text_config().num_hidden_layers
         if num_layers < 1:
             raise ValueError(f"the model config has {num_layers} layers: a KV cache needs at least one")

@@ -189,7 +189,7 @@ def _run(args) -> int:
                    calibration_tokens=args.calibration_tokens, context_length=args.context_length, progress=True)
     if args.recovery_steps:
         model, stats = recover_with_lora(model, cal_ids, steps=args.recovery_steps, progress=True)
-        print(f"LoRA recovery: {stats.steps} steps in {stats.seconds:.0f} s, loss {stats.first_loss:.3f} -> "
+        print(f"LoRA recovery: {stats.steps} step{'s' if stats.steps != 1 else ''} in {stats.seconds:.0f} s, loss {stats.first_loss:.3f} -> "
               f"{stats.last_loss:.3f}", file=sys.stderr)
     after = _measure(model, tokenizer, eval_ids, args, device)
 

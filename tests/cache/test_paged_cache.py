@@ -772,3 +772,9 @@ def test_bad_arguments_raise_and_leave_the_cache_unchanged(tiny):
         _assert_same_state(_state(cache), dict(before, pools=[(k.clone(), v.clone()) for k, v in before["pools"]]))
     cache.release()
     assert cache.memory_stats()["blocks_allocated"] == 0
+
+
+@pytest.mark.parametrize("config", [None, {"num_hidden_layers": 2}], ids=["none", "dict"])
+def test_a_config_that_is_not_a_transformers_config_raises(config):
+    with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig"):
+        PagedCache(config, num_blocks=4)

@@ -19,11 +19,29 @@ from hf_accel.cli import EXIT_USAGE, main
     (["generate", "--prompt", "hi", "--device", ""], "--device must be cpu, cuda or cuda:N (got '')"),
     (["generate", "--prompt", "hi", "--json", "/nonexistent-dir/x.json"], "folder /nonexistent-dir does not exist"),
     (["generate", "--prompt", "hi", "--json", "/"], "--json /: is a folder"),
+    (["generate", "--prompt", "hi", "--json", ""], "--json needs a file path"),
+    (["generate", "--prompt", "hi", "--json", "/proc/x.json"], "--json /proc/x.json: cannot be written"),
     (["generate", "--prompt", "hi", "--draft-model", "/nonexistent-model"], "--draft-model '/nonexistent-model' does"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == EXIT_USAGE
     assert message in capsys.readouterr().err
+
+
+def test_json_path_check_leaves_no_file_behind(tmp_path, capsys):
+    """The writability check creates the --json file only to remove it again (a later error: no file)."""
+    out = tmp_path / "r.json"
+    assert main(["generate", "--prompt", "hi", "--json", str(out), "--model", str(tmp_path / "none")]) == EXIT_USAGE
+    assert "does not exist" in capsys.readouterr().err and not out.exists()
+
+
+def test_verbose_flag_after_the_subcommand():
+    from hf_accel.cli import build_parser
+
+    argv = ["generate", "--prompt", "hi"]
+    assert build_parser(argv).parse_args([*argv, "-v"]).verbose is True
+    assert build_parser(argv).parse_args(["-v", *argv]).verbose is True
+    assert build_parser(argv).parse_args(argv).verbose is False
 
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", " "], ["generate", "--prompt", "hi", "--dtype", "float64"],
