@@ -81,10 +81,18 @@ def _within_context(max_new: int, prompt_len: int, config) -> int:
 
 def backoff_hint(spec: dict) -> str | None:
     """Why a speculative call ran mostly plain steps, from its ``speculative_stats`` (None if it did not):
-    the measured round times (ms, host turnaround included) of a plain step and of the verify rounds."""
+    the measured round times (ms, host turnaround included) of a plain step and of the verify rounds, or, where
+    no verify round ran at all, how the draft length chooser gets to one."""
     times = spec.get("round_ms") or {}
     plain = times.get("0")
     verify = [t for k, t in times.items() if k != "0"]
+    if spec.get("verify_steps", 0) == 0 and spec.get("backed_off_steps", 0) > 0:
+        from hf_accel.speculative.draft_length import _PROBE_EVERY
+
+        what = ("prompt lookup drafts where the last tokens repeat earlier text" if spec.get("method") == "prompt_lookup"
+                else f"until rounds are measured the adaptive draft length weighs drafting by its priors; while "
+                f"they favour plain steps it tries a draft round after every {_PROBE_EVERY} plain steps")
+        return f"  no verify round ran in this answer: {what}; a longer answer gives it more chances"
     if spec.get("backed_off_steps", 0) <= spec.get("verify_steps", 0) or plain is None or not verify:
         return None
     return (f"  mostly plain steps: here a verify round took {min(verify):.2f}-{max(verify):.2f} ms against "

@@ -149,4 +149,8 @@ def test_backoff_hint_names_the_round_times_only_when_mostly_backed_off():
     assert "217.00-230.50 ms" in hint and "47.00 ms for a plain step" in hint
     assert backoff_hint({**spec, "verify_steps": 20}) is None
     assert backoff_hint({**spec, "round_ms": {"0": 47.0}}) is None  # no verify round timed
-    assert backoff_hint({"verify_steps": 0, "backed_off_steps": 3, "round_ms": {}}) is None
+    none_ran = backoff_hint({"method": "early_exit", "verify_steps": 0, "backed_off_steps": 11, "round_ms": {}})
+    assert "no verify round ran" in none_ran and "after every 16 plain steps" in none_ran
+    lookup = backoff_hint({"method": "prompt_lookup", "verify_steps": 0, "backed_off_steps": 11, "round_ms": {}})
+    assert "repeat earlier text" in lookup
+    assert backoff_hint({"method": "early_exit", "verify_steps": 0, "backed_off_steps": 0, "round_ms": {}}) is None
