@@ -72,7 +72,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
             target's tokenizer, needs no tokenizer files of its own).
 
     Raises:
-        ModelNotFoundError: the model path does not exist, or the default model is not installed.
+        ModelNotFoundError: the model path does not exist, the default model is not installed, or (with
+            ``tokenizer``) a model directory has no tokenizer files.
         ValueError: unknown dtype.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -94,12 +95,28 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
     else:
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True) if tokenizer else None
+        tok = _load_tokenizer(path) if tokenizer else None
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     hf_model.to(device).eval()
     if tok is not None and tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return hf_model, tok
+
+
+def _load_tokenizer(path: Path):
+    """The tokenizer of model directory ``path``; ModelNotFoundError naming the folder where it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        if any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise  # the files are there: transformers' own error says what is wrong with them
+        raise ModelNotFoundError(f"{str(path)!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); save the "
+                                 "tokenizer into the model directory (tokenizer.save_pretrained)") from e
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_default_model(*, dtype="float32", device="cpu"):
