@@ -276,8 +276,9 @@ def uninstall(model) -> None:
     engine = model.__dict__.pop("_hf_accel_engine", None)
     if engine is not None:
         engine.release()
-    for spec in model.__dict__.pop("_hf_accel_spec_engines", {}).values():
-        spec.close()  # reverts a draft model it accelerated
+    engines = model.__dict__.pop("_hf_accel_spec_engines", None)
+    if engines is not None:
+        engines.close()  # reverts the draft models its engines accelerated
     for name in ("_hf_accel_spec_stats", "_hf_accel_last_cache_stats", "_hf_accel_generation_configs"):
         model.__dict__.pop(name, None)
 

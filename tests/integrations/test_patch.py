@@ -577,3 +577,37 @@ def test_accelerated_model_deep_copies_and_pickles(tiny, speculative):
         assert torch.equal(tiny.greedy(copied, ids, mask), stock)
     assert torch.equal(tiny.greedy(model, ids, mask), stock)
     revert_model(model)
+
+
+@pytest.mark.parametrize("generate_first", [False, True])
+def test_revert_of_a_copy_reverts_its_copied_draft(tiny, generate_first):
+    """A deep copy of a model whose draft model hf-accel accelerated carries an accelerated copy of the draft;
+    revert_model on the copy reverts that copy too (whether or not the copy generated), and leaves the original
+    pair as it was. A draft the user accelerated stays accelerated."""
+    model = tiny.model("llama", seed=40)
+    ids, mask = tiny.batch(seed=41)
+    stock = tiny.greedy(model, ids, mask)
+    draft = tiny.model("llama", seed=42, num_hidden_layers=1)
+    accelerate_model(model, speculative=draft)
+    assert torch.equal(tiny.greedy(model, ids, mask), stock) and is_accelerated(draft)
+    copied = copy.deepcopy(model)
+    copied_draft = copied.generate.keywords["speculative"].draft_model
+    assert copied_draft is not draft and is_accelerated(copied_draft)
+    if generate_first:
+        assert torch.equal(tiny.greedy(copied, ids, mask), stock)
+    revert_model(copied)
+    assert not is_accelerated(copied) and not is_accelerated(copied_draft)
+    assert is_accelerated(model) and is_accelerated(draft)
+    assert torch.equal(tiny.greedy(model, ids, mask), stock)
+    revert_model(model)
+    assert not is_accelerated(draft)
+
+    user_draft = accelerate_model(tiny.model("llama", seed=43, num_hidden_layers=1))
+    accelerate_model(model, speculative=user_draft)
+    assert torch.equal(tiny.greedy(model, ids, mask), stock)
+    copied = copy.deepcopy(model)
+    copied_draft = copied.generate.keywords["speculative"].draft_model
+    revert_model(copied)
+    assert is_accelerated(copied_draft) and is_accelerated(user_draft)
+    revert_model(model)
+    assert is_accelerated(user_draft)
