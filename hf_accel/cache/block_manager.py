@@ -23,7 +23,7 @@ class OutOfBlocksError(RuntimeError):
         super().__init__(
             f"paged KV cache out of blocks: needed {needed} more block(s) of {block_size} tokens, "
             f"{available} free of {num_blocks}; create the cache with a larger num_blocks "
-            "(or a larger memory fraction), or use a smaller batch / max_new_tokens"
+            "(or a larger memory fraction, or PagedCache(..., growable=True)), or use a smaller batch / max_new_tokens"
         )
 
 
@@ -158,6 +158,15 @@ class BlockManager:
         s = self._seqs.pop(seq_id)
         for b in s.blocks:
             self._release(b)
+
+    def grow(self, extra: int) -> None:
+        """Add ``extra`` (>= 0) free blocks, ids ``num_blocks ..``; existing block tables are unchanged."""
+        if extra < 0:
+            raise ValueError(f"extra must be >= 0, got {extra}")
+        old = self.num_blocks
+        self.num_blocks += extra
+        self._free[:0] = range(self.num_blocks - 1, old - 1, -1)  # taken after the blocks free already
+        self._refcount += [0] * extra
 
     def free_all(self) -> None:
         for seq_id in list(self._seqs):

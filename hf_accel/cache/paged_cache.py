@@ -224,6 +224,10 @@ class PagedCache(Cache):
         block_size: token slots per block (default 16, at most :data:`MAX_BLOCK_SIZE`).
         memory_fraction: size the pools to this fraction of the GPU's free memory at the first update (CUDA
             K/V only: with CPU tensors that update raises ValueError; give ``num_blocks`` there).
+        growable: when an update needs more blocks than are free, enlarge every layer's pools (at least
+            doubling them; the cached K/V are copied into the new pools) instead of raising
+            :class:`OutOfBlocksError`. ``generate`` on an accelerated model returns its cache growable (with
+            ``return_dict_in_generate=True``), so that it can be passed back for the next turn.
 
     Raises:
         ValueError: neither or both of ``num_blocks`` and ``memory_fraction``; bad values (``num_blocks`` not
@@ -237,7 +241,7 @@ class PagedCache(Cache):
     """
 
     def __init__(self, config, *, num_blocks: int | None = None, block_size: int = 16,
-                 memory_fraction: float | None = None):
+                 memory_fraction: float | None = None, growable: bool = False):
         if (num_blocks is None) == (memory_fraction is None):
             raise ValueError("give exactly one of num_blocks and memory_fraction")
         if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
@@ -257,6 +261,7 @@ class PagedCache(Cache):
         self.block_size = block_size
         self._num_blocks = num_blocks
         self._memory_fraction = memory_fraction
+        self.growable = bool(growable)
         self.manager: BlockManager | None = None
         self.seq_ids: list[int] = []
         self._step: PagedStep | None = None
@@ -292,6 +297,8 @@ class PagedCache(Cache):
             raise RuntimeError(f"PagedCache out of sync: a layer starts at {start}, the block tables hold "
                                f"{[m.length(s) for s in self.seq_ids]} tokens")
         needed = sum(m.blocks_needed(s, q_len) for s in self.seq_ids)
+        if needed > m.num_free_blocks and self.growable:
+            self._grow(max(needed - m.num_free_blocks, m.num_blocks))
         if needed > m.num_free_blocks:
             if fresh:  # leave the cache as it was: empty, not tied to this batch size
                 for s in self.seq_ids:
@@ -318,6 +325,18 @@ class PagedCache(Cache):
                                seq_lens.to(device, non_blocking=True),
                                slots.reshape(-1).to(torch.int32).to(device, non_blocking=True), start + q_len)
         return self._step
+
+    def _grow(self, extra: int) -> None:
+        """``extra`` more blocks in the manager and in every initialized layer's pools (copied over)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                for name in ("keys", "values"):
+                    pool = getattr(layer, name)
+                    bigger = pool.new_empty((pool.shape[0] + extra, *pool.shape[1:]))
+                    bigger[: pool.shape[0]].copy_(pool)
+                    setattr(layer, name, bigger)
+        self.manager.grow(extra)
+        self._num_blocks = self.manager.num_blocks if self._num_blocks is not None else None
 
     def _attention_reading_pools(self) -> str | None:
         """None when the model's attention is hf-accel's (it reads the pools through the step's block

@@ -4,7 +4,8 @@
 (:mod:`hf_accel.engine.fast_generate`: paged prefill + CUDA-graph decode steps); where that path does
 not apply (the reason is logged once) it sizes a PagedCache for the call (exactly the blocks its rows
 can reach), passes it to transformers' own ``generate`` and frees every block when the call returns
-(also on error). The caller's own cache (``past_key_values``/``cache``) or
+(also on error), unless the call returns the cache (``return_dict_in_generate=True``): then the caller
+gets it filled and growable, to pass back for the next turn. The caller's own cache (``past_key_values``/``cache``) or
 ``cache_implementation``, ``use_cache=False``, beam search and assisted generation keep transformers'
 behaviour, with a log line saying why.
 
@@ -240,11 +241,19 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         num_blocks = max(fit, 1)
     cache = PagedCache(model.config, num_blocks=num_blocks, block_size=block_size)
     log_once("generate-paged", f"hf-accel: generate uses PagedCache (block_size {block_size})")
+    returned = False
     try:
-        return original_generate(*args, **{CACHE_KWARG: cache}, **kwargs)
+        out = original_generate(*args, **{CACHE_KWARG: cache}, **kwargs)
+        # return_dict_in_generate: the caller gets the cache, filled, to pass back for the next turn (as
+        # transformers' own DynamicCache); it grows from then on, since its pool was sized for this call
+        returned = any(v is cache for v in (getattr(out, name, None) for name in ("past_key_values", "cache")))
+        if returned:
+            cache.growable = True
+        return out
     finally:
         model._hf_accel_last_cache_stats = cache.memory_stats()
-        cache.release()
+        if not returned:
+            cache.release()
 
 
 def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool = True,

@@ -160,6 +160,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert m.num_free_blocks == free + freed
         del self.tokens[s]
 
+    @precondition(lambda self: self.m is not None and self.m.num_blocks < 40)
+    @rule(extra=st.integers(0, 6))
+    def grow(self, extra):
+        before = _snapshot(self.m)
+        self.m.grow(extra)
+        tables, free, _, num_free = before
+        assert {s: (self.m.block_table(s), self.m.length(s)) for s in self.m.sequences()} == tables
+        assert self.m.num_free_blocks == num_free + extra
+        assert self.m._free[-len(free):] == free if free else True  # blocks free already are taken first
+
     @precondition(lambda self: self.m is not None and len(self.tokens) > 2)
     @rule()
     def free_all(self):

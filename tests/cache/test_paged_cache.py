@@ -778,3 +778,66 @@ def test_bad_arguments_raise_and_leave_the_cache_unchanged(tiny):
 def test_a_config_that_is_not_a_transformers_config_raises(config):
     with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig"):
         PagedCache(config, num_blocks=4)
+
+
+# --- a cache generate returns, passed back for the next turn ---------------------------------------------
+
+
+def _cache_of(out):
+    """The cache a generate output carries (``cache`` in newer transformers, ``past_key_values`` before)."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(out, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+@pytest.mark.parametrize("loop", ["transformers", "fast"])
+@pytest.mark.parametrize("lengths", [(9,), (11, 6, 3)])
+def test_returned_cache_continues_the_next_turn_like_stock(loop, lengths, tiny, one_thread):
+    """``return_dict_in_generate=True`` hands the caller the PagedCache filled (not released), as stock hands
+    its DynamicCache; passing it back with the first turn's sequences plus new tokens continues from it (the
+    pool, sized for the first call, grows) with stock's tokens, and equals a fresh call on the whole text."""
+    stock = tiny.model("llama", seed=50)
+    model = accelerate(copy.deepcopy(stock), loop=loop)
+    ids, mask = tiny.batch(seed=51, lengths=lengths)
+    kw = dict(do_sample=False, pad_token_id=tiny.PAD, return_dict_in_generate=True)
+    turns = []
+    for m in (stock, model):
+        with torch.no_grad():
+            first = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, **kw)
+            cache = _cache_of(first)
+            assert cache is not None and cache.get_seq_length() == ids.shape[1] + 4
+            more = _tokens(52, len(lengths), 7)
+            ids2 = torch.cat([first.sequences, more], 1)
+            mask2 = torch.cat([mask, torch.ones(ids2.shape[0], ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+            second = m.generate(input_ids=ids2, attention_mask=mask2, max_new_tokens=12, min_new_tokens=12,
+                                **{CACHE_KWARG: cache}, **kw)
+        turns.append((first, cache, second))
+    (s1, _, s2), (o1, cache, o2) = turns
+    assert isinstance(cache, PagedCache)
+    assert torch.equal(o1.sequences, s1.sequences) and torch.equal(o2.sequences, s2.sequences)
+    assert cache.get_seq_length() == o2.sequences.shape[1] - 1 and cache.manager.num_blocks > 0
+    cache.manager.check()
+    fresh = tiny.greedy(model, ids2, mask2, max_new_tokens=12)
+    assert torch.equal(fresh, o2.sequences)
+
+
+def test_growable_cache_grows_and_keeps_its_contents(tiny, one_thread):
+    """A growable PagedCache of 2 blocks takes a prefill and steps far past them: the pools grow (the cached
+    K/V copied over), the logits equal those of a cache large enough from the start; a non-growable one
+    raises OutOfBlocksError, unchanged."""
+    model = accelerate(tiny.model("llama", seed=53))
+    ids, mask = tiny.batch(seed=54)
+    small = Stepper(model, PagedCache(model.config, num_blocks=2, block_size=4, growable=True), ids, mask)
+    big = Stepper(model, PagedCache(model.config, num_blocks=80, block_size=4), ids, mask)
+    for i in range(6):
+        x = _tokens(55 + i, 3, 1 + i % 3)
+        torch.testing.assert_close(small.step(x), big.step(x), rtol=0, atol=1e-5)
+        small.cache.manager.check()
+    assert small.cache.manager.num_blocks > 2
+    assert small.cache.memory_stats()["num_blocks"] == small.cache.manager.num_blocks
+    fixed = PagedCache(model.config, num_blocks=2, block_size=4)
+    with pytest.raises(OutOfBlocksError, match="needed"):
+        Stepper(model, fixed, ids, mask)
+    assert fixed.memory_stats()["blocks_allocated"] == 0
