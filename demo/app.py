@@ -34,7 +34,11 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import torch  # noqa: E402
 
 import hf_accel  # noqa: E402
+from hf_accel.cache.paged_cache import MAX_BLOCK_SIZE  # noqa: E402
 from hf_accel.models import ModelNotFoundError, load_model  # noqa: E402
+
+#: The most new tokens a request may ask for: the slider's end, the request check and the launcher's flag.
+MAX_NEW_TOKENS = 1024
 
 log = logging.getLogger("hf_accel.demo")
 
@@ -149,8 +153,8 @@ def _paged_options(on: bool, block_size) -> dict:
     if not on:
         return {"paged_cache": False}
     n = parse_int(block_size, "KV block size")
-    if n < 1:
-        raise ValueError(f"KV block size must be >= 1 (got {n})")
+    if not 1 <= n <= MAX_BLOCK_SIZE:
+        raise ValueError(f"KV block size must be between 1 and {MAX_BLOCK_SIZE} (got {n})")
     return {"paged_cache": True, "block_size": n}
 
 
@@ -261,8 +265,8 @@ def validate_request(prompt, max_new_tokens, decoding, temperature, top_p, run_m
     if not text:
         raise ValueError(EMPTY_PROMPT_MESSAGE)
     n = parse_int(max_new_tokens, "Max new tokens")
-    if not 1 <= n <= 4096:
-        raise ValueError(f"Max new tokens must be between 1 and 4096 (got {n})")
+    if not 1 <= n <= MAX_NEW_TOKENS:
+        raise ValueError(f"Max new tokens must be between 1 and {MAX_NEW_TOKENS} (got {n})")
     if decoding not in DECODING:
         raise ValueError(f"Decoding must be one of {', '.join(DECODING)} (got {decoding!r})")
     do_sample = decoding == "Sampling"
@@ -709,7 +713,7 @@ def build_app(store: ModelStore, *, default_model: str | None = None, default_ma
             status = gr.HTML(status_html(""), elem_id="status", scale=4)
         with gr.Accordion("Generation settings and features", open=True):
             with gr.Row():
-                max_new = gr.Slider(1, 512, value=default_max_new_tokens, step=1, label="Max new tokens",
+                max_new = gr.Slider(1, MAX_NEW_TOKENS, value=default_max_new_tokens, step=1, label="Max new tokens",
                                     elem_id="max-new-tokens")
                 decoding = gr.Radio(list(DECODING), value="Greedy", label="Decoding", elem_id="decoding")
                 temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature (sampling)")
@@ -889,8 +893,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"hf-accel demo: error: {e}", file=sys.stderr)
         return 2
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        print(f"hf-accel demo: error: --max-new-tokens must be >= 1 (got {args.max_new_tokens})", file=sys.stderr)
+    if args.max_new_tokens is not None and not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        print(f"hf-accel demo: error: --max-new-tokens must be between 1 and {MAX_NEW_TOKENS} "
+              f"(got {args.max_new_tokens})", file=sys.stderr)
         return 2
     n_default = args.max_new_tokens or (32 if device.device == "cpu" else 128)
     store = ModelStore(device)

@@ -19,15 +19,18 @@ from hf_accel.models import load_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=None, help="local HF model directory or .gguf (default: embedded SmolLM2)")
-parser.add_argument("--method", default="prompt_lookup", choices=["prompt_lookup", "early_exit"])
+parser.add_argument("--method", default=None, choices=["prompt_lookup", "early_exit"],
+                    help="proposer without a second model (default: prompt_lookup)")
 parser.add_argument("--draft-model", default=None, help="a smaller model with the same tokenizer (directory or .gguf)")
 parser.add_argument("--max-new-tokens", type=int, default=96)
 args = parser.parse_args()
+if args.method is not None and args.draft_model is not None:
+    parser.error("give either --method or --draft-model, not both")
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
 model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-speculative = load_model(args.draft_model, dtype=dtype, device=device)[0] if args.draft_model else args.method
+speculative = load_model(args.draft_model, dtype=dtype, device=device)[0] if args.draft_model else (args.method or "prompt_lookup")
 
 model = accelerate_model(model, speculative=speculative)  # <- the one line, with speculative decoding
 

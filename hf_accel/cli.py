@@ -31,14 +31,26 @@ def _fmt_s(s):
     return "n/a" if s is None else f"{s * 1000:.1f} ms"
 
 
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _dtype_name(value: str) -> str:
+    """``--dtype``: float32 / float16 / bfloat16, or the aliases fp32 / fp16 / bf16 (as ``load_model`` takes)."""
+    name = _DTYPE_ALIASES.get(value.lower(), value.lower())
+    if name not in ("float32", "float16", "bfloat16"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from float32, float16, bfloat16, "
+                                         "fp32, fp16, bf16)")
+    return name
+
+
 def _add_generate(sub):
     p = sub.add_parser("generate", help="stream an answer and compare stock HF generate vs hf-accel")
     p.add_argument("--prompt", required=True, help="the user prompt (chat template applied if the tokenizer has one)")
     p.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", default=None, type=_dtype_name, metavar="{float32,float16,bfloat16}",
+                   help="(or fp32, fp16, bf16) default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--speculative", default=None, choices=["prompt_lookup", "early_exit"],
                    help="speculative decoding on the accelerated side (greedy output stays the same)")

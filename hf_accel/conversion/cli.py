@@ -155,6 +155,8 @@ def _run(args) -> int:
         raise CliError("--eval-tokens and --recovery-steps must be >= 0")
     if 0 < args.eval_tokens < 2:
         raise CliError("--eval-tokens must be 0 (skip) or >= 2")
+    if not args.out.strip():  # Path("") is the current directory
+        raise CliError("--out must name a directory; got an empty string")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.overwrite)):
         raise CliError(f"--out {str(out)!r} exists and is not an empty directory (pass --overwrite to reuse it)")

@@ -65,6 +65,15 @@ def test_user_errors_are_one_line_and_exit_2(model_dir, tmp_path, capsys, argv, 
     assert not any("Traceback" in line for line in err)
 
 
+@pytest.mark.parametrize("out", ["", "  "])
+def test_empty_out_is_refused_before_the_model_loads(out, tmp_path, capsys, monkeypatch):
+    """--out "" would be the current directory (Path("")); refused, nothing written there."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--out", out, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "--out must name a directory; got an empty string" in err and not any(tmp_path.iterdir())
+
+
 def test_bad_num_kv_heads_is_refused_before_the_model_loads(tmp_path, capsys):
     """A count below 1 needs no model to refuse: the nonexistent --model is never looked at."""
     assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "-2", "--out", str(tmp_path / "o")]) == 2

@@ -132,7 +132,8 @@ def test_validate_request_ok_and_stripped():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(max_new_tokens=0), "between 1 and 4096"),
+    (dict(max_new_tokens=0), "between 1 and 1024"),
+    (dict(max_new_tokens=1025), "between 1 and 1024"),
     (dict(max_new_tokens=2.5), "whole number"),
     (dict(max_new_tokens="x"), "whole number"),
     (dict(decoding="Beam"), "Decoding must be"),
@@ -305,8 +306,9 @@ def test_build_accelerated_requires_and_bad_settings():
     feats = app.available_features()
     with pytest.raises(ValueError, match="Paged KV cache needs hf-accel attention"):
         app.build_accelerated(_tiny_llama(), {"paged": 16}, feats)
-    with pytest.raises(ValueError, match="KV block size must be >= 1"):
-        app.build_accelerated(_tiny_llama(), {"attention": None, "paged": 0}, feats)
+    for bad in (0, app.MAX_BLOCK_SIZE + 1, 5000):  # the paged feature's own message, not the attention's
+        with pytest.raises(ValueError, match=rf"^Paged KV cache: KV block size must be between 1 and 1024 \(got {bad}\)"):
+            app.build_accelerated(_tiny_llama(), {"attention": None, "paged": bad}, feats)
 
 
 def test_build_accelerated_order_and_options(monkeypatch):
@@ -506,3 +508,23 @@ def test_launcher_missing_app_is_one_line(monkeypatch, capsys, tmp_path):
 def test_app_main_rejects_bad_options(capsys):
     assert app.main(["--device", "cuda:7"] if not torch.cuda.is_available() else ["--max-new-tokens", "0"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("n", [0, 1025, 100000])
+def test_app_main_rejects_max_new_tokens_outside_the_slider(n, capsys):
+    """The launcher's --max-new-tokens is the slider's default: one the slider (and the request check) would
+    refuse on every Generate is refused at launch, in one line, before the model is touched."""
+    pytest.importorskip("gradio")
+    assert app.main(["--max-new-tokens", str(n), "--no-preload"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--max-new-tokens must be between 1 and {app.MAX_NEW_TOKENS} (got {n})" in err
+
+
+def test_slider_and_request_check_share_the_limit():
+    gr = pytest.importorskip("gradio")
+
+    demo = app.build_app(app.ModelStore(app.pick_device("cpu")), default_max_new_tokens=app.MAX_NEW_TOKENS)
+    sliders = [b for b in demo.blocks.values() if isinstance(b, gr.Slider) and b.elem_id == "max-new-tokens"]
+    assert len(sliders) == 1 and sliders[0].maximum == app.MAX_NEW_TOKENS and sliders[0].value == app.MAX_NEW_TOKENS
+    assert app.validate_request("hi", app.MAX_NEW_TOKENS, "Greedy", 0.7, 0.9, "sequential")[1].max_new_tokens == \
+        app.MAX_NEW_TOKENS

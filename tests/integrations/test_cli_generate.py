@@ -154,3 +154,22 @@ def test_backoff_hint_names_the_round_times_only_when_mostly_backed_off():
     lookup = backoff_hint({"method": "prompt_lookup", "verify_steps": 0, "backed_off_steps": 11, "round_ms": {}})
     assert "repeat earlier text" in lookup
     assert backoff_hint({"method": "early_exit", "verify_steps": 0, "backed_off_steps": 0, "round_ms": {}}) is None
+
+
+@pytest.mark.parametrize(("given", "expected"), [("fp16", "float16"), ("BF16", "bfloat16"), ("fp32", "float32"),
+                                                 ("bfloat16", "bfloat16")])
+def test_dtype_takes_the_aliases_load_model_takes(given, expected):
+    from hf_accel.cli import build_parser
+
+    argv = ["generate", "--prompt", "hi", "--dtype", given]
+    assert build_parser(argv).parse_args(argv).dtype == expected
+
+
+def test_unknown_dtype_names_the_choices(capsys):
+    from hf_accel.cli import build_parser
+
+    argv = ["generate", "--prompt", "hi", "--dtype", "float64"]
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args(argv)
+    assert "invalid choice: 'float64' (choose from float32, float16, bfloat16, fp32, fp16, bf16)" in \
+        capsys.readouterr().err
