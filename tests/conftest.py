@@ -205,7 +205,8 @@ class AttentionSpy:
         self.calls: list[tuple[str, object]] = []
         self.fallbacks: list[str] = []
         names = ("attention", "attention_ref", "attention_sdpa", "paged_attention", "paged_attention_ref",
-                 "sdpa_attention_forward", "eager_attention_forward")
+                 "paged_attention_sdpa", "sdpa_attention_forward", "eager_attention_forward")
+        cpu_paths = ("paged_attention_ref", "paged_attention_sdpa")
         originals = {name: getattr(hf_attn, name) for name in names if hasattr(hf_attn, name)}
 
         def record(kind, key_mask):
@@ -223,7 +224,7 @@ class AttentionSpy:
         def paged(name):
             def spy(q, kc, vc, table, seq_lens, max_seq_len=None, key_mask=None, **kw):
                 record("paged", key_mask)
-                if route_to_triton and name == "paged_attention_ref":
+                if route_to_triton and name in cpu_paths:
                     kw.pop("compute_dtype", None)
                     return originals["paged_attention"](q, kc, vc, table, seq_lens, max_seq_len, key_mask, **kw)
                 return originals[name](q, kc, vc, table, seq_lens, max_seq_len, key_mask, **kw)
@@ -237,7 +238,8 @@ class AttentionSpy:
 
         for name, wrap in [("attention", dense), ("attention_ref", dense), ("attention_sdpa", dense),
                            ("paged_attention", paged),
-                           ("paged_attention_ref", paged), ("sdpa_attention_forward", fallback),
+                           ("paged_attention_ref", paged), ("paged_attention_sdpa", paged),
+                           ("sdpa_attention_forward", fallback),
                            ("eager_attention_forward", fallback)]:
             if name in originals:
                 monkeypatch.setattr(hf_attn, name, wrap(name))
@@ -247,13 +249,13 @@ class AttentionSpy:
             import hf_accel.engine.decode_step as engine_step
         except ImportError:
             return
-        engine_originals = {n: getattr(engine_step, n) for n in ("paged_attention", "paged_attention_ref")
+        engine_originals = {n: getattr(engine_step, n) for n in ("paged_attention", *cpu_paths)
                             if hasattr(engine_step, n)}
 
         def engine(name):
             def spy(q, kc, vc, table, seq_lens, max_seq_len=None, key_mask=None, **kw):
                 record("engine", key_mask)
-                if route_to_triton and name == "paged_attention_ref" and "paged_attention" in engine_originals:
+                if route_to_triton and name in cpu_paths and "paged_attention" in engine_originals:
                     kw.pop("compute_dtype", None)
                     return engine_originals["paged_attention"](q, kc, vc, table, seq_lens, max_seq_len, key_mask,
                                                                **kw)

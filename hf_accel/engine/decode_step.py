@@ -36,7 +36,7 @@ from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import greedy_tail, scratch_for
 from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope, max_rows, split_k_for, whole_k_fits
 from hf_accel.kernels.gemv import gemv, gemv_rope
-from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
+from hf_accel.kernels.paged_attention import paged_attention, paged_attention_sdpa
 from hf_accel.kernels.prefill import prefill_attention
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from hf_accel.kernels.reshape_and_cache import slot_mapping as slot_mapping_kernel
@@ -630,7 +630,7 @@ class DecodeStep:
         n = b * t
         on_cuda = input_ids.is_cuda
         write = reshape_and_cache if on_cuda else reshape_and_cache_ref
-        attend = paged_attention if on_cuda else paged_attention_ref
+        attend = paged_attention if on_cuda else paged_attention_sdpa
         hidden = inner.embed_tokens(input_ids.reshape(n))  # [n, hidden]
         cos, sin = inner.rotary_emb(hidden[:, None], position_ids.reshape(n, 1))  # [n, 1, d]
         cos, sin = cos.view(n, 1, d), sin.view(n, 1, d)

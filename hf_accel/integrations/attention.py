@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from hf_accel._logging import log_once, logger
 from hf_accel.cache.paged_cache import active_step
 from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, allowed_mask, attention, attention_sdpa
-from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
+from hf_accel.kernels.paged_attention import paged_attention, paged_attention_sdpa
 from hf_accel.kernels.prefill import prefill_attention
 
 ATTN_NAME = "hf_accel"
@@ -167,7 +167,7 @@ def hf_accel_attention_forward(
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
                                       scaling=scaling, is_causal=False, **kwargs)
     if step is not None:
-        fn = paged_attention if query.is_cuda else paged_attention_ref
+        fn = paged_attention if query.is_cuda else paged_attention_sdpa
         out = fn(query, step.key_cache, step.value_cache, step.block_table, step.seq_lens, step.max_seq_len,
                  attention_mask, causal=causal, sm_scale=scaling)
         return out, None

@@ -30,7 +30,9 @@ import triton.language as tl
 
 from hf_accel.kernels.device import check_launch_device
 
-from hf_accel.kernels.attention import _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref
+from hf_accel.kernels.attention import (
+    _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref, attention_sdpa,
+)
 from hf_accel.kernels.arrival import check_counters, last_to_arrive, reset_arrivals
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
@@ -501,6 +503,58 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, row:
     pos = torch.arange(seq_len, device=cache.device)
     blocks = block_table[row, pos // block_size].long()
     return cache[blocks, pos % block_size].transpose(0, 1)
+
+
+def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[batch, num_kv_heads, length, head_dim] of every row's first ``length`` slots: a view of the pool when
+    the batch is one row whose blocks are consecutive ids (the block manager hands out low ids first), else
+    a gathered copy."""
+    block_size = cache.shape[1]
+    blocks = -(-length // block_size)
+    table = block_table[:, :blocks].long()
+    if table.shape[0] == 1 and blocks > 0:
+        first = int(table[0, 0])
+        if first + blocks <= cache.shape[0] and torch.equal(
+                table[0], torch.arange(first, first + blocks, device=table.device)):
+            return cache[first: first + blocks].flatten(0, 1)[:length].transpose(0, 1)[None]
+    pos = torch.arange(length, device=cache.device)
+    return cache[table[:, pos // block_size], pos % block_size].transpose(1, 2)
+
+
+def paged_attention_sdpa(query, key_cache, value_cache, block_table, seq_lens, max_seq_len=None, key_mask=None,
+                         *, causal=True, sm_scale=None) -> torch.Tensor:
+    """The same op as :func:`paged_attention` computed with PyTorch: each row's K/V read from the pools up to
+    the longest row (a view for one row in consecutive blocks, else a gathered copy), then
+    :func:`hf_accel.kernels.attention.attention_sdpa` with the rows' lengths as a key mask. The runtime path
+    on machines without a GPU (CPU tensors): one ``scaled_dot_product_attention`` per call instead of
+    :func:`paged_attention_ref`'s per-row float32 score tensors. Same arguments and output as
+    :func:`paged_attention`; rows with no visible key are 0."""
+    batch, num_heads, _, q_len, head_dim = _check(query, key_cache, value_cache, block_table, seq_lens, key_mask)
+    lengths = seq_lens.long()
+    length = int(lengths.max()) if batch else 0
+    if length == 0:  # no keys anywhere: every row is 0, as in the kernel
+        return query.new_zeros(batch, q_len, num_heads, head_dim)
+    k = _gather_rows(key_cache, block_table, length)
+    v = _gather_rows(value_cache, block_table, length)
+    mask = None
+    if key_mask is not None:
+        mask = key_mask[:, :length].bool()
+    if bool((lengths != length).any()):  # shorter rows: their slots past seq_len are not theirs
+        within = torch.arange(length, device=query.device)[None, :] < lengths[:, None]
+        mask = within if mask is None else mask & within
+        # those slots may hold anything (NaN included), and a zero probability times NaN is NaN
+        k = k.masked_fill(~within[:, None, :, None], 0.0)
+        v = v.masked_fill(~within[:, None, :, None], 0.0)
+    if causal and q_len > 1 and bool((lengths != length).any()):
+        # bottom-right causal per row: query i of a row of length n sees keys j <= i + n - q_len
+        i = torch.arange(q_len, device=query.device)[None, :, None]
+        j = torch.arange(length, device=query.device)[None, None, :]
+        allowed = (j <= i + (lengths[:, None, None] - q_len)) & mask[:, None, :]
+        visible = allowed.any(-1, keepdim=True)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, k, v, attn_mask=(allowed | ~visible)[:, None], scale=sm_scale, enable_gqa=num_heads != k.shape[1])
+        return out.masked_fill(~visible[:, None], 0.0).transpose(1, 2).contiguous()
+    return attention_sdpa(query, k, v, mask, causal=causal, sm_scale=sm_scale)
 
 
 def paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, max_seq_len=None, key_mask=None,

@@ -3,8 +3,8 @@
 Forward steps are driven by hand with a PagedCache passed as the cache argument (``cache`` in
 transformers >= 5.2x, ``past_key_values`` before: :data:`CACHE_KWARG`), and compared with the same
 steps on a fresh cache or on stock transformers (DynamicCache, SDPA). On CPU the paged decode runs
-``paged_attention_ref`` and the writes ``reshape_and_cache_ref``; the ``triton`` variants route both
-through the Triton kernels (interpreter), so the kernels themselves run inside ``generate``.
+``paged_attention_sdpa`` (the PyTorch runtime path) and the writes ``reshape_and_cache_ref``; the ``triton``
+variants route both through the Triton kernels (interpreter), so the kernels themselves run inside ``generate``.
 """
 
 from __future__ import annotations
@@ -122,15 +122,15 @@ def _gathered(cache: PagedCache):
 
 @pytest.fixture
 def paged_calls(monkeypatch):
-    """Counts paged attention calls from hf-accel's attention function (the CPU reference path)."""
+    """Counts paged attention calls from hf-accel's attention function (the CPU runtime path)."""
     calls = []
-    ref = hf_attn.paged_attention_ref
+    ref = hf_attn.paged_attention_sdpa
 
     def spy(*a, **kw):
         calls.append(a[0].shape)
         return ref(*a, **kw)
 
-    monkeypatch.setattr(hf_attn, "paged_attention_ref", spy)
+    monkeypatch.setattr(hf_attn, "paged_attention_sdpa", spy)
     return calls
 
 
@@ -142,7 +142,7 @@ def _route_to_triton(monkeypatch, calls):
         kw.pop("compute_dtype", None)
         return paged_attention(q, kc, vc, table, lens, max_len, key_mask, **kw)
 
-    monkeypatch.setattr(hf_attn, "paged_attention_ref", kernel)
+    monkeypatch.setattr(hf_attn, "paged_attention_sdpa", kernel)
     monkeypatch.setattr(paged_cache_mod, "reshape_and_cache_ref", reshape_and_cache)
 
 
@@ -165,8 +165,8 @@ def test_generate_token_identical_left_padded(model_type, block_size, path, tiny
     if path == "triton":
         _route_to_triton(monkeypatch, calls)
     else:
-        ref = hf_attn.paged_attention_ref
-        monkeypatch.setattr(hf_attn, "paged_attention_ref", lambda *a, **kw: calls.append(a[0].shape) or ref(*a, **kw))
+        ref = hf_attn.paged_attention_sdpa
+        monkeypatch.setattr(hf_attn, "paged_attention_sdpa", lambda *a, **kw: calls.append(a[0].shape) or ref(*a, **kw))
     accelerate(model, block_size=block_size)
     ours = tiny.greedy(model, ids, mask, MAX_NEW)
 

@@ -440,3 +440,48 @@ def test_preload_kv_matches_reference(q_len, num_splits):
     mask = _left_pad_mask([q_len + 12, 45, 33], [0, 3, 0])
     case.check(mask, num_splits=num_splits, block_n=16, preload_kv=True)
     case.check(num_splits=num_splits, block_n=16, preload_kv=True)
+
+
+# --- the PyTorch runtime path for CPU tensors -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("seq_lens", [[45], [5, 17, 45], [17, 17]], ids=["one-row", "ragged", "equal"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "left-padded"])
+def test_sdpa_path_matches_reference(seq_lens, heads, q_len, masked):
+    """paged_attention_sdpa (CPU runtime path) vs the float64 reference on scattered, NaN-poisoned pools:
+    ragged rows (slots past a row's length never leak in), left padding, GQA/MQA, multi-token causal rows."""
+    num_heads, num_kv_heads = heads
+    case = Case(seq_lens, num_heads, num_kv_heads, q_len, 16, dtype=torch.float64, seed=len(seq_lens) + q_len)
+    q, kc, vc, table, lens, max_len = case.args()
+    mask = _left_pad_mask(seq_lens, [min(3, n - q_len) for n in seq_lens]) if masked else None
+    ref = paged_attention_ref(q, kc, vc, table, lens, max_len, mask)
+    got = pa.paged_attention_sdpa(q.cpu(), kc.cpu(), vc.cpu(), table.cpu(), lens.cpu(), max_len,
+                                  None if mask is None else mask.cpu())
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref.cpu(), rtol=1e-10, atol=1e-10)
+
+
+def test_sdpa_path_one_row_in_consecutive_blocks_reads_a_view(monkeypatch):
+    """One row in consecutive blocks (the block manager's usual layout for a single sequence) is read as a
+    view of the pool, not gathered; the result still equals the reference, also for a fully masked row."""
+    g = torch.Generator().manual_seed(7)
+    kc, vc = (torch.randn(6, 4, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    q = torch.randn(1, 4, 1, 8, dtype=torch.float64, generator=g)
+    table = torch.tensor([[1, 2, 3, 0]], dtype=torch.int32)
+    lens = torch.tensor([10], dtype=torch.int32)
+    gathered = []
+    real_gather = pa._gather_rows
+
+    def spy(cache, block_table, length):
+        out = real_gather(cache, block_table, length)
+        gathered.append(out.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr())
+        return out
+    monkeypatch.setattr(pa, "_gather_rows", spy)
+    got = pa.paged_attention_sdpa(q, kc, vc, table, lens, 10)
+    torch.testing.assert_close(got, paged_attention_ref(q, kc, vc, table, lens, 10), rtol=1e-12, atol=1e-12)
+    assert gathered == [True, True]
+    none = torch.zeros(1, 10, dtype=torch.bool)
+    assert torch.equal(pa.paged_attention_sdpa(q, kc, vc, table, lens, 10, none), torch.zeros(1, 1, 4, 8,
+                                                                                              dtype=torch.float64))
