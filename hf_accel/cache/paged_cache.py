@@ -238,6 +238,9 @@ class PagedCache(Cache):
         TypeError: ``config`` is not a transformers config.
         OutOfBlocksError: (from ``update``) the pool cannot hold the new tokens; the cache is unchanged
             and the message says how many blocks were needed and free.
+        RuntimeError: (from ``update``) a forward that failed part-way (any other error, an interrupt) left
+            the layers that ran a step ahead of the others; the next forward stops at the first layer that
+            lags, naming the ``crop`` that drops the partial step.
     """
 
     def __init__(self, config, *, num_blocks: int | None = None, block_size: int = 16,
@@ -294,8 +297,13 @@ class PagedCache(Cache):
         if len(self.seq_ids) != batch:
             raise ValueError(f"PagedCache holds {len(self.seq_ids)} sequences but the batch has {batch} rows")
         if any(m.length(s) != start for s in self.seq_ids):
-            raise RuntimeError(f"PagedCache out of sync: a layer starts at {start}, the block tables hold "
-                               f"{[m.length(s) for s in self.seq_ids]} tokens")
+            lengths = [layer.length for layer in self.layers]
+            shown = lengths if len(lengths) <= 8 else f"{lengths[:4]} ... {lengths[-4:]}"
+            raise RuntimeError(
+                f"PagedCache out of sync: a layer starts at {start}, the block tables hold "
+                f"{[m.length(s) for s in self.seq_ids]} tokens and the layers {shown}: a forward failed "
+                f"part-way after some layers wrote their K/V. cache.crop({min(lengths)}) drops the partial "
+                "step (and the caller's inputs must start there again); cache.release() empties the cache")
         needed = sum(m.blocks_needed(s, q_len) for s in self.seq_ids)
         if needed > m.num_free_blocks and self.growable:
             self._grow(max(needed - m.num_free_blocks, m.num_blocks))
@@ -377,6 +385,9 @@ class PagedCache(Cache):
 
     def _reindex(self, rows: list[int]) -> None:
         batch = len(self.seq_ids)
+        if not rows:
+            raise ValueError(f"need at least one row index for a PagedCache of {batch} sequences "
+                             "(cache.release() empties it)")
         bad = [r for r in rows if not 0 <= r < batch]
         if bad:
             raise ValueError(f"row indices {bad[:8]} out of range for a PagedCache of {batch} sequences")

@@ -313,7 +313,8 @@ def speculative_stats(model) -> dict | None:
     the next one's, so the host's turnaround between rounds is included; recent rounds weigh more, as
     the adaptive k uses them; the estimates are kept from call to call for calls of the same shape, so k
     values this call did not run can appear). The keys of ``draft_lengths`` and ``round_ms`` are the k values as strings.
-    Rates are None when nothing was drafted."""
+    ``acceptance_rate`` is None when nothing was drafted; the two per-step means are None when no verify step
+    ran (a verify step in which no row had a draft counts: 0 accepted, 1 token per row)."""
     from hf_accel.integrations.patch import _unwrap_peft
 
     hf_model, _ = _unwrap_peft(model)

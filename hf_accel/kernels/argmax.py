@@ -64,7 +64,7 @@ def _launch_shape(x: torch.Tensor, op: str) -> tuple[int, int, int]:
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{op}: x must be [rows, vocab] float32/bfloat16/float16 with contiguous rows, got "
                          f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
-    check_launch_device(x, op)
+    check_launch_device(x, op, "torch.argmax(x, dim=-1)" if op == "argmax_rows" else None)
     rows, vocab = x.shape
     if rows < 1 or vocab < 1 or vocab >= 2**31:
         raise ValueError(f"{op}: need >= 1 row and 1 <= vocab < 2^31, got {tuple(x.shape)}")

@@ -23,11 +23,11 @@ def kernels_interpreted() -> bool:
     return _INTERPRETED
 
 
-def check_launch_device(t: torch.Tensor, op: str) -> None:
+def check_launch_device(t: torch.Tensor, op: str, reference: str | None = None) -> None:
     """ValueError when ``op``'s Triton kernel would be launched on a tensor it cannot run on: a CPU tensor
-    while the kernels were compiled for a GPU (Triton itself would fail with "0 active drivers"). The
-    ``<op>_ref`` functions are the PyTorch equivalents for any device."""
+    while the kernels were compiled for a GPU (Triton itself would fail with "0 active drivers"). The message
+    names ``reference`` (default ``<op>_ref``), the PyTorch equivalent for any device."""
     if t.device.type == "cpu" and not kernels_interpreted():
         raise ValueError(f"{op} runs its Triton kernel on CUDA tensors, or on CPU only under Triton's interpreter "
-                         f"(TRITON_INTERPRET=1 set before hf_accel is imported); got a CPU tensor. {op}_ref is the "
-                         "PyTorch version for any device.")
+                         f"(TRITON_INTERPRET=1 set before hf_accel is imported); got a CPU tensor. "
+                         f"{reference or op + '_ref'} is the PyTorch version for any device.")

@@ -806,7 +806,7 @@ def fused_linear_rope(
     r_in = residual if residual is not None else x
     pdl = use_pdl(pdl, x)
     grid = ((num_heads + 2 * num_kv_heads) * (half // block_n), 1, m_blocks)
-    check_launch_device(x, "fused_linear_rope")
+    check_launch_device(x, "fused_linear_rope", "fused_linear_ref (then RoPE and the cache write)")
     _fused_linear_kernel[grid](
         x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, q, r_out,
         q, q,

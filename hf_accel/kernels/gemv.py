@@ -325,7 +325,7 @@ def gemv(
     pdl = use_pdl(pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
     grid = (triton.cdiv(out_features, block_n),)
-    check_launch_device(x, "gemv")
+    check_launch_device(x, "gemv", "fused_linear_ref")
     _gemv_kernel[grid](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else x, y, r_out,
@@ -400,7 +400,7 @@ def gemv_rope(
     pdl = use_pdl(pdl, x)
     extra = {"launch_pdl": True} if pdl else {}
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2 // block_n),)
-    check_launch_device(x, "gemv_rope")
+    check_launch_device(x, "gemv_rope", "fused_linear_ref (then RoPE and the cache write)")
     _gemv_kernel[grid](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else x, q, r_out,

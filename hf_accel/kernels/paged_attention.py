@@ -388,6 +388,8 @@ def paged_attention(
         raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     group = num_heads // num_kv_heads
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be a host int >= 0 (>= every seq_lens entry); got {max_seq_len!r}")
     if key_mask is not None and key_mask.shape[1] < max_seq_len:
         raise ValueError(f"key_mask has {key_mask.shape[1]} columns, fewer than max_seq_len={max_seq_len}")
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
@@ -528,7 +530,8 @@ def paged_attention_sdpa(query, key_cache, value_cache, block_table, seq_lens, m
     :func:`hf_accel.kernels.attention.attention_sdpa` with the rows' lengths as a key mask. The runtime path
     on machines without a GPU (CPU tensors): one ``scaled_dot_product_attention`` per call instead of
     :func:`paged_attention_ref`'s per-row float32 score tensors. Same arguments and output as
-    :func:`paged_attention`; rows with no visible key are 0."""
+    :func:`paged_attention`, except that ``max_seq_len`` is not read (each row's ``seq_lens`` entry is) and a
+    block table too short for ``seq_lens`` raises IndexError; rows with no visible key are 0."""
     batch, num_heads, _, q_len, head_dim = _check(query, key_cache, value_cache, block_table, seq_lens, key_mask)
     lengths = seq_lens.long()
     length = int(lengths.max()) if batch else 0
@@ -560,7 +563,9 @@ def paged_attention_sdpa(query, key_cache, value_cache, block_table, seq_lens, m
 def paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, max_seq_len=None, key_mask=None,
                         *, causal=True, sm_scale=None, compute_dtype=None) -> torch.Tensor:
     """PyTorch reference of :func:`paged_attention`: gathers each sequence's K/V and calls
-    :func:`hf_accel.kernels.attention.attention_ref` per sequence. Same arguments and output."""
+    :func:`hf_accel.kernels.attention.attention_ref` per sequence. Same arguments and output, except that
+    ``max_seq_len`` is not read (the kernel's rows longer than it are NaN; here they are computed in full) and a
+    block table too short for ``seq_lens`` raises IndexError (the kernel's rows are NaN)."""
     batch, num_heads, _, q_len, head_dim = _check(query, key_cache, value_cache, block_table, seq_lens, key_mask)
     outs = []
     for b in range(batch):

@@ -762,7 +762,10 @@ def prefill_attention_varlen(
         out [total_q, num_heads, head_dim], query's dtype, or ``(out, lse)``.
 
     Raises:
-        ValueError: mismatched shapes/dtypes, unsupported dtype/head_dim, bad cu_seqlens shapes.
+        ValueError: mismatched shapes/dtypes, unsupported dtype/head_dim, bad cu_seqlens shapes; offsets
+            that do not start at 0, decrease, or end elsewhere than at total_q / total_k; a query sequence
+            longer than ``max_seqlen_q``. (The offsets are read on the host, one small copy, except while a
+            CUDA graph is being captured: there they are the caller's to get right.)
     """
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
         raise ValueError("varlen expects query [total_q, H, D] and key/value [total_k, H_kv, D]")
@@ -776,6 +779,9 @@ def prefill_attention_varlen(
     if cu_seqlens_q.dim() != 1 or cu_seqlens_k.shape != cu_seqlens_q.shape or cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q/k must be 1-D [batch + 1] of equal length")
     batch = cu_seqlens_q.shape[0] - 1
+    if not (query.is_cuda and torch.cuda.is_current_stream_capturing()):  # values: one small copy to the host
+        _check_cu_seqlens(cu_seqlens_q, total_q, "q", max_seqlen_q)
+        _check_cu_seqlens(cu_seqlens_k, total_k, "k", None)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     if out is None:
@@ -855,6 +861,20 @@ def prefill_attention_ref(
         return out
     lse = torch.logsumexp(scores, dim=-1).reshape(batch, num_heads, q_len).to(torch.float32)
     return out, lse
+
+
+def _check_cu_seqlens(cu: torch.Tensor, total: int, which: str, max_seqlen: int | None) -> None:
+    """ValueError unless ``cu`` are offsets 0 <= ... <= total ending at ``total`` (each length <= max_seqlen)."""
+    if cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens_{which} must be an integer tensor; got {cu.dtype}")
+    offsets = cu.tolist()
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    if offsets[0] != 0 or offsets[-1] != total or any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens_{which} must rise from 0 to the {total} rows of the packed "
+                         f"{'query' if which == 'q' else 'key/value'} tensor; got {offsets}")
+    if max_seqlen is not None and lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"max_seqlen_{which}={max_seqlen} is shorter than a sequence of cu_seqlens_{which} "
+                         f"({max(lengths)} tokens)")
 
 
 def prefill_attention_varlen_ref(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=True,

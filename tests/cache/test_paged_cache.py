@@ -756,6 +756,8 @@ def test_bad_arguments_raise_and_leave_the_cache_unchanged(tiny):
         ("reorder_cache", torch.tensor([0.0, 1.0, 2.0]), "integer tensor"),
         ("batch_select_indices", torch.tensor([[0, 1]]), "1-D integer tensor"),
         ("batch_select_indices", torch.tensor([5]), "out of range"),
+        ("batch_select_indices", torch.tensor([], dtype=torch.long), "need at least one row index"),
+        ("reorder_cache", [], "need at least one row index"),
         ("batch_repeat_interleave", 0, "repeats must be an int >= 1"),
         ("batch_repeat_interleave", -1, "repeats must be an int >= 1"),
         ("batch_repeat_interleave", 2.0, "repeats must be an int >= 1"),
@@ -841,3 +843,28 @@ def test_growable_cache_grows_and_keeps_its_contents(tiny, one_thread):
     with pytest.raises(OutOfBlocksError, match="needed"):
         Stepper(model, fixed, ids, mask)
     assert fixed.memory_stats()["blocks_allocated"] == 0
+
+
+def test_a_forward_that_fails_part_way_is_named_and_recoverable(tiny, monkeypatch, one_thread):
+    """An error inside a forward after layer 0 wrote its K/V leaves the layers one step apart; the next
+    forward stops at the lagging layer, naming the crop that drops the partial step, and after that crop the
+    cache continues exactly as a cache that never saw the failed steps."""
+    model = accelerate(tiny.model("llama", seed=60))
+    ids, mask = tiny.batch(seed=61)
+    s = Stepper(model, PagedCache(model.config, num_blocks=60, block_size=4), ids, mask)
+    ref = Stepper(model, PagedCache(model.config, num_blocks=60, block_size=4), ids, mask)
+    length = s.cache.get_seq_length()
+    mlp = model.model.layers[0].mlp  # after layer 0 wrote its K/V, before layer 1 did
+    monkeypatch.setattr(mlp, "forward", lambda x: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        s.step(_tokens(62, 3, 2))
+    monkeypatch.undo()
+    lengths = [layer.length for layer in s.cache.layers]
+    assert lengths[0] == length + 2 and min(lengths) == length
+    with pytest.raises(RuntimeError, match=rf"out of sync: .* a forward failed part-way .* cache.crop\({length}\)"):
+        s.step(_tokens(63, 3, 1))
+    s.cache.crop(length)
+    s.crop_mask(length)  # the interrupt left the Stepper's own mask two columns ahead too
+    s.cache.manager.check()
+    x = _tokens(64, 3, 2)
+    torch.testing.assert_close(s.step(x), ref.step(x), rtol=0, atol=1e-6)

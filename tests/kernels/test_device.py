@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hf_accel.kernels as kernels
 from hf_accel.kernels import device
+from hf_accel.kernels.argmax import argmax_rows
 from hf_accel.kernels.commit_tokens import commit_tokens
 from hf_accel.kernels.fused_linear import fused_linear
 from hf_accel.kernels.gemv import gemv
@@ -23,6 +25,7 @@ CALLS = {
     "rms_norm": lambda: rms_norm(torch.randn(2, 32), torch.randn(32), 1e-6),
     "swiglu": lambda: swiglu(torch.randn(2, 32), torch.randn(2, 32)),
     "gemv": lambda: gemv(torch.randn(1, 32), torch.randn(16, 32)),
+    "argmax_rows": lambda: argmax_rows(torch.randn(2, 8)),
     "fused_linear": lambda: fused_linear(torch.randn(3, 32), torch.randn(16, 32)),
     "ngram_lookup": lambda: ngram_lookup(torch.randint(0, 5, (1, 12)), torch.tensor([10]), torch.tensor([0]), 3),
     "commit_tokens": lambda: commit_tokens(
@@ -42,3 +45,40 @@ def test_cpu_tensors_outside_the_interpreter_raise_a_clear_error(op, not_interpr
 def test_the_interpreter_runs_them():
     for op, call in CALLS.items():
         call()  # no error
+
+
+def _resolve(name: str):
+    """The object a message names: ``torch.argmax`` or a function of some hf_accel.kernels module."""
+    import importlib
+    import pkgutil
+
+    if name.startswith("torch."):
+        return getattr(torch, name.split(".")[1].split("(")[0])
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"hf_accel.kernels.{info.name}")
+        if hasattr(module, name):
+            return getattr(module, name)
+    return None
+
+
+@pytest.mark.parametrize("op", sorted(CALLS))
+def test_the_named_pytorch_version_exists(op, not_interpreting):
+    with pytest.raises(ValueError) as e:
+        CALLS[op]()
+    named = str(e.value).split("got a CPU tensor. ")[1].split(" is the PyTorch version")[0].split(" ")[0]
+    assert callable(_resolve(named)), f"{op}'s message names {named!r}, which does not exist"
+
+
+def test_every_launcher_names_an_existing_pytorch_version():
+    """Source scan: each check_launch_device call names a reference that exists (its own or the default
+    ``<op>_ref``)."""
+    import re
+    from pathlib import Path
+
+    calls = []
+    for path in Path(kernels.__file__).parent.glob("*.py"):
+        calls += re.findall(r'check_launch_device\(\w+, "(\w+)"(?:, "([^"]+)")?\)', path.read_text())
+    assert len(calls) >= 15
+    for op, reference in calls:
+        named = (reference or f"{op}_ref").split(" ")[0]
+        assert callable(_resolve(named)), f"{op} names {named!r}, which does not exist"

@@ -374,6 +374,14 @@ def test_transformers_query_layout_and_out_buffer(num_splits):
     assert torch.equal(buf, out)
 
 
+@pytest.mark.parametrize("bad", [10.0, torch.tensor(10), -1, True, None])
+def test_max_seq_len_must_be_a_host_int(bad):
+    case = Case([5, 9], 4, 2, 1, 16)
+    q, kc, vc, table, lens, _ = case.args()
+    with pytest.raises(ValueError, match="max_seq_len must be a host int >= 0"):
+        paged_attention(q, kc, vc, table, lens, bad)
+
+
 def test_empty_batch_or_query():
     case = Case([5], 4, 2, 1, 16)
     q, kc, vc, table, lens, max_len = case.args()

@@ -222,6 +222,22 @@ def test_varlen(lens, causal, dtype):
     torch.testing.assert_close(out[qs:qe], dense[0], atol=1e-6 if dtype == torch.float32 else 2e-3, rtol=0)
 
 
+@pytest.mark.parametrize(("cu_q", "cu_k", "max_q", "match"), [
+    ([0, 3, 9], [0, 4, 9], 6, r"cu_seqlens_q must rise from 0 to the 7 rows of the packed query tensor; got \[0, 3, 9\]"),
+    ([0, 3, 7], [0, 4, 10], 6, r"cu_seqlens_k must rise from 0 to the 9 rows of the packed key/value tensor"),
+    ([1, 3, 7], [0, 4, 9], 6, "cu_seqlens_q must rise from 0"),
+    ([0, 3, 7], [0, 6, 5], 6, "cu_seqlens_k must rise from 0"),
+    ([0, 1, 7], [0, 4, 9], 5, r"max_seqlen_q=5 is shorter than a sequence of cu_seqlens_q \(6 tokens\)"),
+])
+def test_varlen_offsets_checked(cu_q, cu_k, max_q, match):
+    """Offsets that do not describe the packed tensors would make the kernel read and write past them: a
+    ValueError instead (they once wrote past the output and aborted the process)."""
+    q, k, v = torch.randn(7, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+    with pytest.raises(ValueError, match=match):
+        prefill_attention_varlen(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), torch.tensor(cu_q, dtype=torch.int32),
+                                 torch.tensor(cu_k, dtype=torch.int32), max_q, 5)
+
+
 # --- launch variants (persistent grid, tile shapes, row-tile order) -------------------------------
 
 
