@@ -139,10 +139,10 @@ def _write_checkpoint(model, tokenizer, out: Path) -> None:
 
 
 def _run(args) -> int:
-    from hf_accel.conversion.gqa import _check_model, convert_to_gqa, kv_head_choices
+    from hf_accel.conversion.gqa import _check_model, check_num_kv_heads, convert_to_gqa, kv_head_choices
     from hf_accel.conversion.recovery import recover_with_lora
     from hf_accel.evaluation import calibration_text, evaluation_ids
-    from hf_accel.models.loading import load_model
+    from hf_accel.models.loading import load_config, load_model
 
     for name in ("calibration_tokens", "context_length", "decode_tokens"):
         if getattr(args, name) < 1:
@@ -169,8 +169,12 @@ def _run(args) -> int:
             raise CliError(f"--calibration-file {str(path)!r} is not a file")
         calibration = path.read_text(encoding="utf-8")
 
+    model_arg = None if args.model in (None, "default") else args.model
+    config = load_config(model_arg)  # seconds: a count the model cannot take is refused before its load
+    if getattr(config, "num_key_value_heads", None) and getattr(config, "num_attention_heads", None):
+        check_num_kv_heads(config, args.num_kv_heads)
     t0 = time.perf_counter()
-    model, tokenizer = load_model(None if args.model in (None, "default") else args.model, dtype=dtype, device=device)
+    model, tokenizer = load_model(model_arg, dtype=dtype, device=device)
     _check_model(model)  # a model type the conversion does not take: its one-line error before anything else
     print(f"loaded {type(model).__name__} ({model.config.model_type}, {model.config.num_attention_heads} heads, "
           f"{model.config.num_key_value_heads} KV heads, {dtype}, {device}) in {time.perf_counter() - t0:.1f} s",

@@ -74,8 +74,27 @@ def _divisors(n: int) -> list[int]:
 
 def kv_head_choices(model) -> list[int]:
     """Valid ``num_kv_heads`` for :func:`convert_to_gqa`: the divisors of the current KV head count
-    (pooling merges whole groups, so the new count must divide the old one)."""
-    return _divisors(model.config.num_key_value_heads)
+    (pooling merges whole groups, so the new count must divide the old one). ``model``: a model or its
+    config."""
+    return _divisors(getattr(model, "config", model).num_key_value_heads)
+
+
+def check_num_kv_heads(model, num_kv_heads) -> None:
+    """ValueError naming the valid choices unless ``num_kv_heads`` is one of :func:`kv_head_choices`
+    (``model``: a model or its config, so a caller can check before loading the weights)."""
+    cfg = getattr(model, "config", model)
+    current, heads = cfg.num_key_value_heads, cfg.num_attention_heads
+    choices = kv_head_choices(cfg)
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads not in choices:
+        why = "must be an int" if not isinstance(num_kv_heads, int) or isinstance(num_kv_heads, bool) else (
+            "must be >= 1" if num_kv_heads < 1 else
+            f"must be <= the current {current}" if num_kv_heads > current else
+            f"must divide the current {current}"
+        )
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads!r} {why} (pooling merges whole groups); valid choices for this "
+            f"model ({heads} query heads, {current} KV heads): {choices}"
+        )
 
 
 def expand_choices(model) -> list[int]:
@@ -172,17 +191,7 @@ def convert_to_gqa(
     _check_model(model)
     cfg = model.config
     current, heads = cfg.num_key_value_heads, cfg.num_attention_heads
-    choices = kv_head_choices(model)
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads not in choices:
-        why = "must be an int" if not isinstance(num_kv_heads, int) or isinstance(num_kv_heads, bool) else (
-            "must be >= 1" if num_kv_heads < 1 else
-            f"must be <= the current {current}" if num_kv_heads > current else
-            f"must divide the current {current}"
-        )
-        raise ValueError(
-            f"num_kv_heads={num_kv_heads!r} {why} (pooling merges whole groups); valid choices for this "
-            f"model ({heads} query heads, {current} KV heads): {choices}"
-        )
+    check_num_kv_heads(cfg, num_kv_heads)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if grouping not in GROUPINGS:

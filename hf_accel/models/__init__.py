@@ -5,6 +5,7 @@ from hf_accel.models.loading import (
     INSTALL_HINT,
     ModelNotFoundError,
     find_default_gguf,
+    load_config,
     load_default_model,
     load_model,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "INSTALL_HINT",
     "ModelNotFoundError",
     "find_default_gguf",
+    "load_config",
     "load_default_model",
     "load_model",
 ]

@@ -79,28 +79,49 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = _resolve_dtype(dtype)
-    if model is None:
-        path = find_default_gguf()
-    else:
-        path = Path(model).expanduser()
-        if not path.exists():
-            raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+    path = _model_path(model)
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelNotFoundError(f"{str(path)!r} is a file but not a .gguf; pass a model directory or a .gguf")
         kwargs = {"gguf_file": path.name, "local_files_only": True}
         where = str(path.parent)
         tok = AutoTokenizer.from_pretrained(where, **kwargs) if tokenizer else None
         hf_model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kwargs)
     else:
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")
         tok = _load_tokenizer(path) if tokenizer else None
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     hf_model.to(device).eval()
     if tok is not None and tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return hf_model, tok
+
+
+def _model_path(model) -> Path:
+    """The file or directory ``model`` names (None: the embedded model); ModelNotFoundError as load_model."""
+    if model is None:
+        path = find_default_gguf()
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelNotFoundError(f"{str(path)!r} is a file but not a .gguf; pass a model directory or a .gguf")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")
+    return path
+
+
+def load_config(model: str | os.PathLike | None = None):
+    """The transformers config of what :func:`load_model` would load (the same paths), without the weights:
+    a directory's ``config.json``, or a GGUF file's metadata (seconds instead of the dequantized load).
+
+    Raises:
+        ModelNotFoundError: as :func:`load_model`.
+    """
+    from transformers import AutoConfig
+
+    path = _model_path(model)
+    if path.is_file():
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def _load_tokenizer(path: Path):

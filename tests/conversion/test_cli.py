@@ -51,6 +51,19 @@ def test_convert_writes_a_stock_loadable_checkpoint_and_a_table(model_dir, tmp_p
     assert (out / "tokenizer.json").is_file()
 
 
+def test_a_kv_head_count_the_model_cannot_take_is_refused_before_its_weights_load(model_dir, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """Read from the config alone (a GGUF's metadata takes seconds, its dequantized load many more)."""
+    import hf_accel.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **kw: pytest.fail("the weights were loaded"))
+    rc = main(["--model", str(model_dir), "--num-kv-heads", "3", "--out", str(tmp_path / "o"), *ARGS])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == ("hf-accel convert-gqa: error: num_kv_heads=3 must divide the current 4 (pooling "
+                                   "merges whole groups); valid choices for this model (4 query heads, 4 KV heads): "
+                                   "[1, 2, 4]")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--num-kv-heads", "3"], "valid choices"),
     (["--num-kv-heads", "0"], "--num-kv-heads must be >= 1"),
