@@ -30,7 +30,10 @@ if args.method is not None and args.draft_model is not None:
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
 model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-speculative = load_model(args.draft_model, dtype=dtype, device=device)[0] if args.draft_model else (args.method or "prompt_lookup")
+if args.draft_model:
+    speculative = load_model(args.draft_model, dtype=dtype, device=device)[0]
+else:
+    speculative = args.method or "prompt_lookup"
 
 model = accelerate_model(model, speculative=speculative)  # <- the one line, with speculative decoding
 

@@ -22,8 +22,8 @@ class OutOfBlocksError(RuntimeError):
         self.needed, self.available = needed, available
         super().__init__(
             f"paged KV cache out of blocks: needed {needed} more block(s) of {block_size} tokens, "
-            f"{available} free of {num_blocks}; create the cache with a larger num_blocks "
-            "(or a larger memory fraction, or PagedCache(..., growable=True)), or use a smaller batch / max_new_tokens"
+            f"{available} free of {num_blocks}; create the cache with a larger num_blocks (or a larger memory "
+            "fraction, or PagedCache(..., growable=True)), or use a smaller batch / max_new_tokens"
         )
 
 

@@ -5,9 +5,9 @@
 not apply (the reason is logged once) it sizes a PagedCache for the call (exactly the blocks its rows
 can reach), passes it to transformers' own ``generate`` and frees every block when the call returns
 (also on error), unless the call returns the cache (``return_dict_in_generate=True``): then the caller
-gets it filled and growable, to pass back for the next turn. The caller's own cache (``past_key_values``/``cache``) or
-``cache_implementation``, ``use_cache=False``, beam search and assisted generation keep transformers'
-behaviour, with a log line saying why.
+gets it filled and growable, to pass back for the next turn. The caller's own cache
+(``past_key_values``/``cache``) or ``cache_implementation``, ``use_cache=False``, beam search and assisted
+generation keep transformers' behaviour, with a log line saying why.
 
 Speculative decoding (:mod:`hf_accel.speculative`) runs on the fast path when the model was accelerated
 with ``speculative=...`` or when a call uses transformers' assisted-generation arguments

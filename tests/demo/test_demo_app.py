@@ -307,7 +307,8 @@ def test_build_accelerated_requires_and_bad_settings():
     with pytest.raises(ValueError, match="Paged KV cache needs hf-accel attention"):
         app.build_accelerated(_tiny_llama(), {"paged": 16}, feats)
     for bad in (0, app.MAX_BLOCK_SIZE + 1, 5000):  # the paged feature's own message, not the attention's
-        with pytest.raises(ValueError, match=rf"^Paged KV cache: KV block size must be between 1 and 1024 \(got {bad}\)"):
+        message = rf"^Paged KV cache: KV block size must be between 1 and 1024 \(got {bad}\)"
+        with pytest.raises(ValueError, match=message):
             app.build_accelerated(_tiny_llama(), {"attention": None, "paged": bad}, feats)
 
 

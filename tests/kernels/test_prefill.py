@@ -223,7 +223,8 @@ def test_varlen(lens, causal, dtype):
 
 
 @pytest.mark.parametrize(("cu_q", "cu_k", "max_q", "match"), [
-    ([0, 3, 9], [0, 4, 9], 6, r"cu_seqlens_q must rise from 0 to the 7 rows of the packed query tensor; got \[0, 3, 9\]"),
+    ([0, 3, 9], [0, 4, 9], 6,
+     r"cu_seqlens_q must rise from 0 to the 7 rows of the packed query tensor; got \[0, 3, 9\]"),
     ([0, 3, 7], [0, 4, 10], 6, r"cu_seqlens_k must rise from 0 to the 9 rows of the packed key/value tensor"),
     ([1, 3, 7], [0, 4, 9], 6, "cu_seqlens_q must rise from 0"),
     ([0, 3, 7], [0, 6, 5], 6, "cu_seqlens_k must rise from 0"),
