@@ -90,7 +90,8 @@ def fused_supported(model) -> str | None:
 #: (0.91 vs 1.09 ms), bs64 67296 against 55659 (0.92 vs 1.11 ms;
 #: ``bench_generate-smollm2-max-rows-128-ab-20261203-6a89104.json``). Prompt lookup at bs8 with 128
 #: (``bench_speculative-bs8-max-rows-128-20261203-6a89104.json``): verify rounds of 24 / 40 / 72 rows took 0.64 /
-#: 0.86 / 0.98 ms against 0.96 / 1.03 / 1.08 on cuBLAS earlier that day, but 128 rows 1.27 against 1.15; hence 72,
+#: 0.86 / 0.98 ms (passages; code 0.63 / 0.83 / 0.95) against 0.96 / 1.03 / 1.08 on cuBLAS earlier that day, but
+#: 128 rows 1.27 (code) against 1.15; hence 72,
 #: the most rows measured faster than cuBLAS (73-128 not measured between). On the Llama-3-8B shape (hidden above
 #: :data:`FUSED_LINEAR_MAX_HIDDEN`, so cuBLAS either way) bs24 / bs32 did not separate
 #: (``bench_generate-8b-max-rows-ab-20261203-da2307b.json``). It also lets prompt lookup verify up to 31 drafts at
