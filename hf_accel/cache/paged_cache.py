@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import operator
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -164,6 +165,8 @@ class PagedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, num_kv_heads, q_len, head_dim = key_states.shape
+        if self.layer_idx == 0:  # a new forward: refuse a partial step before anything changes
+            self._cache._check_whole_steps()
         step = self._cache._prepare_step(self.length, q_len, batch, key_states.device)
         k = key_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
         v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
@@ -239,8 +242,9 @@ class PagedCache(Cache):
         OutOfBlocksError: (from ``update``) the pool cannot hold the new tokens; the cache is unchanged
             and the message says how many blocks were needed and free.
         RuntimeError: (from ``update``) a forward that failed part-way (any other error, an interrupt) left
-            the layers that ran a step ahead of the others; the next forward stops at the first layer that
-            lags, naming the ``crop`` that drops the partial step.
+            the layers that ran a step ahead of the others; the next forward refuses to start (before
+            anything changes), naming the ``crop`` (or ``release``) that recovers. So every forward must update
+            every layer, in order, as transformers' models do.
     """
 
     def __init__(self, config, *, num_blocks: int | None = None, block_size: int = 16,
@@ -264,7 +268,10 @@ class PagedCache(Cache):
         self.block_size = block_size
         self._num_blocks = num_blocks
         self._memory_fraction = memory_fraction
-        self.growable = bool(growable)
+        if not isinstance(growable, bool):
+            raise ValueError(f"growable must be True or False, got {growable!r}")
+        self.growable = growable
+        self._caller_config = None  # the calling attention module's config, during update
         self.manager: BlockManager | None = None
         self.seq_ids: list[int] = []
         self._step: PagedStep | None = None
@@ -285,6 +292,21 @@ class PagedCache(Cache):
                 raise OutOfBlocksError(1, 0, 0, self.block_size)
         self.manager = BlockManager(num_blocks, self.block_size)
 
+    def _recovery(self) -> str:
+        lengths = [layer.length for layer in self.layers]
+        shown = lengths if len(lengths) <= 8 else f"{lengths[:4]} ... {lengths[-4:]}"
+        done = min(lengths)
+        fix = (f"cache.crop({done}) drops the partial step (the caller's inputs must start at token {done} again)"
+               if done else "no step completed: cache.release() empties the cache")
+        return f"Its layers hold {shown} tokens: a forward failed part-way after some layers wrote their K/V; {fix}"
+
+    def _check_whole_steps(self) -> None:
+        """RuntimeError when the layers hold different token counts (a forward failed part-way: an error or an
+        interrupt after some layers had written their K/V), called before a forward changes anything."""
+        lengths = [layer.length for layer in self.layers]
+        if min(lengths) != max(lengths):
+            raise RuntimeError(f"PagedCache holds a partial step. {self._recovery()}")
+
     # -- per-step metadata ------------------------------------------------------------------------
     def _prepare_step(self, start: int, q_len: int, batch: int, device) -> PagedStep:
         step = self._step
@@ -297,13 +319,8 @@ class PagedCache(Cache):
         if len(self.seq_ids) != batch:
             raise ValueError(f"PagedCache holds {len(self.seq_ids)} sequences but the batch has {batch} rows")
         if any(m.length(s) != start for s in self.seq_ids):
-            lengths = [layer.length for layer in self.layers]
-            shown = lengths if len(lengths) <= 8 else f"{lengths[:4]} ... {lengths[-4:]}"
-            raise RuntimeError(
-                f"PagedCache out of sync: a layer starts at {start}, the block tables hold "
-                f"{[m.length(s) for s in self.seq_ids]} tokens and the layers {shown}: a forward failed "
-                f"part-way after some layers wrote their K/V. cache.crop({min(lengths)}) drops the partial "
-                "step (and the caller's inputs must start there again); cache.release() empties the cache")
+            raise RuntimeError(f"PagedCache out of sync: a layer starts at {start}, the block tables hold "
+                               f"{[m.length(s) for s in self.seq_ids]} tokens. {self._recovery()}")
         needed = sum(m.blocks_needed(s, q_len) for s in self.seq_ids)
         if needed > m.num_free_blocks and self.growable:
             self._grow(max(needed - m.num_free_blocks, m.num_blocks))
@@ -347,11 +364,14 @@ class PagedCache(Cache):
         self._num_blocks = self.manager.num_blocks if self._num_blocks is not None else None
 
     def _attention_reading_pools(self) -> str | None:
-        """None when the model's attention is hf-accel's (it reads the pools through the step's block
-        table); else the name of the attention implementation, which needs contiguous K/V."""
+        """None when the attention that reads this update is hf-accel's (it reads the pools through the step's
+        block table); else the name of the attention implementation, which needs contiguous K/V. Read from the
+        config of the attention module calling :meth:`update` (the cache may be passed to another model than
+        the one it was built for: a stock or reverted copy), else from the config the cache was built with."""
         from hf_accel.integrations.attention import ATTN_NAME  # late: that module imports this one
 
-        name = getattr(self._text_config, "_attn_implementation", None)
+        config = self._caller_config if self._caller_config is not None else self._text_config
+        name = getattr(config, "_attn_implementation", None)
         return None if name == ATTN_NAME else str(name)
 
     # -- transformers Cache API -------------------------------------------------------------------
@@ -361,7 +381,15 @@ class PagedCache(Cache):
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"PagedCache was built for {len(self.layers)} layers and got an update of layer "
                              f"{layer_idx}: build it from the model's own config (PagedCache(model.config, ...))")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        # transformers' attention modules call update(...) themselves and pick their attention function from
+        # their own config right after: that config says whether the pools can be returned in place
+        caller = sys._getframe(1).f_locals.get("self")
+        config = getattr(caller, "config", None)
+        self._caller_config = config if hasattr(config, "_attn_implementation") else None
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        finally:
+            self._caller_config = None
 
     def crop(self, max_length) -> None:
         """Roll back: a negative count removes that many tokens, 0 does nothing, a positive value is the
@@ -403,13 +431,15 @@ class PagedCache(Cache):
 
         beam_idx: 1-D integer tensor of row indices in [0, batch). ValueError otherwise (nothing changed).
         """
+        rows = _row_indices(beam_idx, "beam_idx")  # checked on an empty cache too
         if self.seq_ids:
-            self._reindex(_row_indices(beam_idx, "beam_idx"))
+            self._reindex(rows)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows ``indices`` (1-D integer tensor, in [0, batch)), in that order."""
+        rows = _row_indices(indices, "indices")
         if self.seq_ids:
-            self._reindex(_row_indices(indices, "indices"))
+            self._reindex(rows)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row ``repeats`` (an int >= 1) times in place (block tables shared, copy-on-write)."""

@@ -181,7 +181,7 @@ def accelerate_model(
         _restore(hf_model, peft_model, state)
         raise
     setattr(hf_model, _STATE_ATTR, state)
-    path = "Triton kernel" if hf_model.device.type == "cuda" else "PyTorch reference (no GPU for this model)"
+    path = "Triton kernel" if hf_model.device.type == "cuda" else "PyTorch (scaled_dot_product_attention; no GPU for this model)"
     logger.info(
         "hf-accel: %s (%s, %d layers) now uses attention %r: %s%s%s",
         type(hf_model).__name__, model_type, hf_model.config.num_hidden_layers, name, path,

@@ -23,6 +23,7 @@ query ``i`` of sequence ``b`` sees logical key ``j`` iff ``j <= i + seq_lens[b] 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import triton
@@ -388,8 +389,9 @@ def paged_attention(
         raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     group = num_heads // num_kv_heads
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or max_seq_len < 0:
         raise ValueError(f"max_seq_len must be a host int >= 0 (>= every seq_lens entry); got {max_seq_len!r}")
+    max_seq_len = int(max_seq_len)
     if key_mask is not None and key_mask.shape[1] < max_seq_len:
         raise ValueError(f"key_mask has {key_mask.shape[1]} columns, fewer than max_seq_len={max_seq_len}")
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)

@@ -36,6 +36,7 @@ for the tuning choices and what each bought on an H200.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -779,6 +780,10 @@ def prefill_attention_varlen(
     if cu_seqlens_q.dim() != 1 or cu_seqlens_k.shape != cu_seqlens_q.shape or cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q/k must be 1-D [batch + 1] of equal length")
     batch = cu_seqlens_q.shape[0] - 1
+    for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < 0:
+            raise ValueError(f"{name} must be a host int >= 0; got {given!r}")
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     if not (query.is_cuda and torch.cuda.is_current_stream_capturing()):  # values: one small copy to the host
         _check_cu_seqlens(cu_seqlens_q, total_q, "q", max_seqlen_q)
         _check_cu_seqlens(cu_seqlens_k, total_k, "k", None)

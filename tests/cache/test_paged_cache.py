@@ -715,7 +715,7 @@ def test_paged_cache_under_stock_attention_matches_stock(model_type, how, tiny, 
 
 
 def test_update_under_sdpa_returns_contiguous_kv(tiny):
-    config = tiny.config("llama")
+    config = tiny.config("llama", num_hidden_layers=1)  # every forward updates every layer
     config._attn_implementation = "sdpa"
     cache = PagedCache(config, num_blocks=10, block_size=4)
     g = torch.Generator().manual_seed(3)
@@ -847,11 +847,13 @@ def test_growable_cache_grows_and_keeps_its_contents(tiny, one_thread):
 
 def test_a_forward_that_fails_part_way_is_named_and_recoverable(tiny, monkeypatch, one_thread):
     """An error inside a forward after layer 0 wrote its K/V leaves the layers one step apart; the next
-    forward stops at the lagging layer, naming the crop that drops the partial step, and after that crop the
-    cache continues exactly as a cache that never saw the failed steps."""
+    forward refuses before changing anything (also when the pool is full: not an OutOfBlocksError), naming
+    the crop that drops the partial step, and after that crop the cache continues exactly as a cache that
+    never saw the failed step."""
     model = accelerate(tiny.model("llama", seed=60))
     ids, mask = tiny.batch(seed=61)
-    s = Stepper(model, PagedCache(model.config, num_blocks=60, block_size=4), ids, mask)
+    # 12 blocks: the 3 rows' 11 + 2 tokens fill them; the retry's 4 more tokens would need 3 more
+    s = Stepper(model, PagedCache(model.config, num_blocks=12, block_size=4), ids, mask)
     ref = Stepper(model, PagedCache(model.config, num_blocks=60, block_size=4), ids, mask)
     length = s.cache.get_seq_length()
     mlp = model.model.layers[0].mlp  # after layer 0 wrote its K/V, before layer 1 did
@@ -861,10 +863,60 @@ def test_a_forward_that_fails_part_way_is_named_and_recoverable(tiny, monkeypatc
     monkeypatch.undo()
     lengths = [layer.length for layer in s.cache.layers]
     assert lengths[0] == length + 2 and min(lengths) == length
-    with pytest.raises(RuntimeError, match=rf"out of sync: .* a forward failed part-way .* cache.crop\({length}\)"):
-        s.step(_tokens(63, 3, 1))
+    before = _state(s.cache)
+    with pytest.raises(RuntimeError, match=rf"partial step. .* a forward failed part-way .* cache.crop\({length}\)"):
+        s.step(_tokens(63, 3, 4))
+    _assert_same_state(_state(s.cache), dict(before, pools=[(k.clone(), v.clone()) for k, v in before["pools"]]))
     s.cache.crop(length)
     s.crop_mask(length)  # the interrupt left the Stepper's own mask two columns ahead too
     s.cache.manager.check()
     x = _tokens(64, 3, 2)
     torch.testing.assert_close(s.step(x), ref.step(x), rtol=0, atol=1e-6)
+
+
+def test_an_interrupted_first_forward_names_release(tiny, monkeypatch, one_thread):
+    """No step completed (the prefill was interrupted in layer 0's MLP): crop cannot express "back to 0"
+    (crop(0) changes nothing), so the message names release(), which recovers."""
+    model = accelerate(tiny.model("llama", seed=65))
+    ids, mask = tiny.batch(seed=66)
+    cache = PagedCache(model.config, num_blocks=60, block_size=4)
+    monkeypatch.setattr(model.model.layers[0].mlp, "forward", lambda x: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        Stepper(model, cache, ids, mask)
+    monkeypatch.undo()
+    for _ in range(2):  # a retry changes nothing
+        with pytest.raises(RuntimeError, match=r"no step completed: cache.release\(\) empties the cache"):
+            Stepper(model, cache, ids, mask)
+        assert [layer.length for layer in cache.layers][1:] == [0] * (len(cache.layers) - 1)
+    cache.release()
+    ref = Stepper(model, PagedCache(model.config, num_blocks=60, block_size=4), ids, mask)
+    torch.testing.assert_close(Stepper(model, cache, ids, mask).logits, ref.logits, rtol=0, atol=1e-6)
+
+
+def test_returned_cache_passed_to_a_stock_model(tiny, one_thread):
+    """The cache an accelerated generate returns, passed to a stock copy of the model (another config, SDPA):
+    its attention gets contiguous K/V (it cannot read the pools), and the tokens equal stock's own
+    continuation of its own DynamicCache."""
+    stock = tiny.model("llama", seed=67)
+    model = accelerate(copy.deepcopy(stock))
+    ids, mask = tiny.batch(seed=68)
+    kw = dict(do_sample=False, pad_token_id=tiny.PAD, return_dict_in_generate=True, max_new_tokens=6,
+              min_new_tokens=6)
+    with torch.no_grad():
+        a, b = stock.generate(input_ids=ids, attention_mask=mask, **kw), model.generate(input_ids=ids,
+                                                                                          attention_mask=mask, **kw)
+        assert torch.equal(a.sequences, b.sequences)
+        ids2 = torch.cat([a.sequences, _tokens(69, 3, 4)], 1)
+        mask2 = torch.cat([mask, torch.ones(3, ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        want = stock.generate(input_ids=ids2, attention_mask=mask2, **{CACHE_KWARG: _cache_of(a)}, **kw)
+        got = stock.generate(input_ids=ids2, attention_mask=mask2, **{CACHE_KWARG: _cache_of(b)}, **kw)
+    assert isinstance(_cache_of(b), PagedCache) and torch.equal(got.sequences, want.sequences)
+
+
+def test_row_selections_are_checked_on_an_empty_cache_too(tiny):
+    cache = PagedCache(tiny.config("llama"), num_blocks=4)
+    for name, arg in (("batch_select_indices", torch.tensor([0.5])), ("reorder_cache", torch.tensor([True]))):
+        with pytest.raises(ValueError, match="integer tensor"):
+            getattr(cache, name)(arg)
+    with pytest.raises(ValueError, match="growable must be True or False"):
+        PagedCache(tiny.config("llama"), num_blocks=4, growable="no")

@@ -382,6 +382,15 @@ def test_max_seq_len_must_be_a_host_int(bad):
         paged_attention(q, kc, vc, table, lens, bad)
 
 
+def test_max_seq_len_takes_any_integer_type():
+    import numpy as np
+
+    case = Case([5, 9], 4, 2, 1, 16)
+    q, kc, vc, table, lens, max_len = case.args()
+    assert torch.equal(paged_attention(q, kc, vc, table, lens, np.int64(max_len)),
+                       paged_attention(q, kc, vc, table, lens, max_len))
+
+
 def test_empty_batch_or_query():
     case = Case([5], 4, 2, 1, 16)
     q, kc, vc, table, lens, max_len = case.args()

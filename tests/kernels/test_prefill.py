@@ -222,6 +222,14 @@ def test_varlen(lens, causal, dtype):
     torch.testing.assert_close(out[qs:qe], dense[0], atol=1e-6 if dtype == torch.float32 else 2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("bad", [4.0, torch.tensor(6), -1, True])
+def test_varlen_max_seqlen_must_be_a_host_int(bad):
+    q, k, v = torch.randn(7, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q must be a host int >= 0"):
+        prefill_attention_varlen(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu_q, cu_k, bad, 5)
+
+
 @pytest.mark.parametrize(("cu_q", "cu_k", "max_q", "match"), [
     ([0, 3, 9], [0, 4, 9], 6,
      r"cu_seqlens_q must rise from 0 to the 7 rows of the packed query tensor; got \[0, 3, 9\]"),
