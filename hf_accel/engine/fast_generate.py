@@ -34,7 +34,9 @@ from transformers.generation.logits_process import (
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.decode_step import DecodeStep
-from hf_accel.engine.merged_weights import merge_projections, unmerge_projections
+from hf_accel.engine.merged_weights import (
+    merge_projections, projection_parameters, unmerge_projections, views_intact,
+)
 from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 # GenerationConfig fields the fast path implements (others must keep their default values).
@@ -217,6 +219,7 @@ class FastEngine:
         self.steps: dict[tuple, DecodeStep] = {}
         self.last_stats: dict = {}
         self.merged = None  # MergedLayer list once the fused step merged the projections
+        self._merged_params: list = []  # their Parameters, to notice one being replaced (merged_weights)
         self.call_lock = CallLock()
 
     def __reduce__(self):
@@ -259,6 +262,10 @@ class FastEngine:
                                                                inner.norm.weight)))
         except AttributeError:  # not a llama-family layout: no key, the full check answers
             return self._model_reason_uncached()
+        if self.merged and not views_intact(self._merged_params):
+            # a projection's Parameter was replaced: the merged matrices (and the steps reading them) are stale
+            self.release()
+            self._reason_cache = None
         key = (m.training, weights)
         cached = getattr(self, "_reason_cache", None)
         if cached is not None and cached[0] == key:
@@ -378,6 +385,7 @@ class FastEngine:
                               q_len=q_len, num_layers=num_layers)
             if step.fused and self.merged is None:
                 self.merged = merge_projections(self.model) or []
+                self._merged_params = projection_parameters(self.model) if self.merged else []
             step.merged = self.merged or None
             self.steps[key] = step
         return step
