@@ -319,9 +319,17 @@ def attention_sdpa(
         out = F.scaled_dot_product_attention(query, key, value, is_causal=causal and q_len > 1, scale=sm_scale,
                                              enable_gqa=num_heads != num_kv_heads)
         return out.transpose(1, 2).contiguous()
-    allowed = allowed_mask(batch, q_len, kv_len, key_mask, causal, query.device)
+    return sdpa_allowed(query, key, value, allowed_mask(batch, q_len, kv_len, key_mask, causal, query.device),
+                        sm_scale)
+
+
+def sdpa_allowed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
+                 sm_scale: float | None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of query [batch, num_heads, q_len, head_dim] over key/value
+    [batch, num_kv_heads, kv_len, head_dim] where ``allowed`` [batch, 1, q_len, kv_len] bool is True;
+    rows with no allowed key are 0 (SDPA alone would give NaN). Returns [batch, q_len, num_heads, head_dim]."""
     visible = allowed.any(-1, keepdim=True)  # [batch, 1, q_len, 1]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed | ~visible, scale=sm_scale,
-                                         enable_gqa=num_heads != num_kv_heads)
-    out = out.masked_fill(~visible, 0.0)
-    return out.transpose(1, 2).contiguous()
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed | ~visible,
+                                                           scale=sm_scale,
+                                                           enable_gqa=query.shape[1] != key.shape[1])
+    return out.masked_fill(~visible, 0.0).transpose(1, 2).contiguous()

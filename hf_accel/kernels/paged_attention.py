@@ -32,7 +32,7 @@ import triton.language as tl
 from hf_accel.kernels.device import check_launch_device
 
 from hf_accel.kernels.attention import (
-    _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref, attention_sdpa,
+    _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref, attention_sdpa, sdpa_allowed,
 )
 from hf_accel.kernels.arrival import check_counters, last_to_arrive, reset_arrivals
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
@@ -541,25 +541,22 @@ def paged_attention_sdpa(query, key_cache, value_cache, block_table, seq_lens, m
         return query.new_zeros(batch, q_len, num_heads, head_dim)
     k = _gather_rows(key_cache, block_table, length)
     v = _gather_rows(value_cache, block_table, length)
-    mask = None
-    if key_mask is not None:
-        mask = key_mask[:, :length].bool()
-    if bool((lengths != length).any()):  # shorter rows: their slots past seq_len are not theirs
-        within = torch.arange(length, device=query.device)[None, :] < lengths[:, None]
-        mask = within if mask is None else mask & within
-        # those slots may hold anything (NaN included), and a zero probability times NaN is NaN
-        k = k.masked_fill(~within[:, None, :, None], 0.0)
-        v = v.masked_fill(~within[:, None, :, None], 0.0)
-    if causal and q_len > 1 and bool((lengths != length).any()):
-        # bottom-right causal per row: query i of a row of length n sees keys j <= i + n - q_len
-        i = torch.arange(q_len, device=query.device)[None, :, None]
-        j = torch.arange(length, device=query.device)[None, None, :]
-        allowed = (j <= i + (lengths[:, None, None] - q_len)) & mask[:, None, :]
-        visible = allowed.any(-1, keepdim=True)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, k, v, attn_mask=(allowed | ~visible)[:, None], scale=sm_scale, enable_gqa=num_heads != k.shape[1])
-        return out.masked_fill(~visible[:, None], 0.0).transpose(1, 2).contiguous()
-    return attention_sdpa(query, k, v, mask, causal=causal, sm_scale=sm_scale)
+    mask = None if key_mask is None else key_mask[:, :length].bool()
+    if not bool((lengths != length).any()):
+        return attention_sdpa(query, k, v, mask, causal=causal, sm_scale=sm_scale)
+    # shorter rows: their slots past seq_len are not theirs, and may hold anything (NaN included: a zero
+    # probability times NaN is NaN)
+    within = torch.arange(length, device=query.device)[None, :] < lengths[:, None]
+    mask = within if mask is None else mask & within
+    k = k.masked_fill(~within[:, None, :, None], 0.0)
+    v = v.masked_fill(~within[:, None, :, None], 0.0)
+    if not (causal and q_len > 1):
+        return attention_sdpa(query, k, v, mask, causal=causal, sm_scale=sm_scale)
+    # bottom-right causal per row: query i of a row of length n sees keys j <= i + n - q_len
+    i = torch.arange(q_len, device=query.device)[None, :, None]
+    j = torch.arange(length, device=query.device)[None, None, :]
+    allowed = (j <= i + (lengths[:, None, None] - q_len)) & mask[:, None, :]
+    return sdpa_allowed(query, k, v, allowed[:, None], sm_scale)
 
 
 def paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, max_seq_len=None, key_mask=None,
