@@ -230,7 +230,8 @@ class PagedCache(Cache):
         growable: when an update needs more blocks than are free, enlarge every layer's pools (at least
             doubling them; the cached K/V are copied into the new pools) instead of raising
             :class:`OutOfBlocksError`. ``generate`` on an accelerated model returns its cache growable (with
-            ``return_dict_in_generate=True``), so that it can be passed back for the next turn.
+            ``return_dict_in_generate=True``), so that it can be passed back for the next turn (the fast decode
+            path copies its K/V into its own pools, prefills only the new tokens and writes the new K/V back).
 
     Raises:
         ValueError: neither or both of ``num_blocks`` and ``memory_fraction``; bad values (``num_blocks`` not

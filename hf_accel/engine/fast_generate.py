@@ -2,7 +2,9 @@
 
 Serves the common configurations of ``model.generate()``: greedy and multinomial sampling with
 temperature / top-k / top-p, ``max_new_tokens`` / ``max_length``, ``min_new_tokens`` / ``min_length``,
-one or several EOS ids, a streamer, batches with left padding. Logits processing uses transformers' own
+one or several EOS ids, a streamer, batches with left padding, multi-turn calls (``return_dict_in_generate=True``
+returns the call's K/V in a PagedCache; a PagedCache passed back is continued: :meth:`FastEngine.start` copies
+its K/V into the engine's pools and prefills only the new tokens). Logits processing uses transformers' own
 processor classes in transformers' order, and the loop follows transformers' sampling loop (finished
 rows emit ``pad_token_id``; the call stops when every row has finished), so greedy output is
 token-for-token what transformers produces from the same logits. Everything else returns ``None`` with
@@ -17,10 +19,12 @@ each token on the host: one sync per token.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import threading
 
 import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinLengthLogitsProcessor,
@@ -44,9 +48,13 @@ _HANDLED = {
     "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature", "top_k",
     "top_p", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "transformers_version",
     "_from_model_config", "output_attentions", "output_hidden_states", "num_beams", "num_return_sequences",
-    "cache_implementation", "decoder_start_token_id", "repetition_penalty",
+    "cache_implementation", "decoder_start_token_id", "repetition_penalty", "return_dict_in_generate",
 }
-_MODEL_KWARGS = {"input_ids", "attention_mask", "streamer", "synced_gpus"}
+# the caller's cache (a PagedCache: the previous turn's, see passed_cache) under either transformers name
+_CACHE_NAMES = ("past_key_values", "cache")
+_MODEL_KWARGS = {"input_ids", "attention_mask", "streamer", "synced_gpus", *_CACHE_NAMES}
+# generation outputs besides sequences and the cache that return_dict_in_generate can ask for
+_OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 _ROPE_OK = {"default", "linear", "llama3", "yarn"}
 # Tokens per row reserved past prompt + max_new_tokens at most (a speculative round's drafts: k_max + 1).
 MAX_LOOKAHEAD = 33
@@ -110,6 +118,37 @@ def call_inputs(gc, model_kwargs, input_ids):
         infer = gc.pad_token_id is not None and pad not in eos_list and bool((input_ids == pad).any())
         attention_mask = input_ids.ne(pad).long() if infer else torch.ones_like(input_ids)
     return attention_mask.to(input_ids.device), eos_list, pad
+
+
+def passed_cache(model_kwargs) -> PagedCache | None:
+    """The cache a call passed (``past_key_values=`` or ``cache=``), or None."""
+    for name in _CACHE_NAMES:
+        if model_kwargs.get(name) is not None:
+            return model_kwargs[name]
+    return None
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """Pool slots (int64, CPU) of token positions ``start .. end - 1`` of a sequence whose block table is
+    ``table``: block ``table[p // block_size]``, offset ``p % block_size``."""
+    pos = torch.arange(start, end)
+    return torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+
+
+def copy_kv(src: PagedCache, src_seqs: list[int], dst: PagedCache, dst_seqs: list[int], start: int, end: int) -> None:
+    """Copy the K/V of token positions ``start .. end - 1`` of sequence ``src_seqs[r]`` of ``src`` into the same
+    positions of ``dst_seqs[r]`` of ``dst``, in every layer (both caches' blocks already allocated; their block
+    sizes may differ). One gather and one scatter per pool."""
+    if end <= start:
+        return
+    device = src.layers[0].keys.device
+    src_slots = torch.cat([_slots(src.manager.block_table(s), start, end, src.block_size) for s in src_seqs])
+    dst_slots = torch.cat([_slots(dst.manager.block_table(s), start, end, dst.block_size) for s in dst_seqs])
+    src_slots, dst_slots = src_slots.to(device, non_blocking=True), dst_slots.to(device, non_blocking=True)
+    for a, b in zip(src.layers, dst.layers):
+        for name in ("keys", "values"):
+            pool_a, pool_b = getattr(a, name), getattr(b, name)
+            pool_b.view(-1, *pool_b.shape[2:])[dst_slots] = pool_a.view(-1, *pool_a.shape[2:])[src_slots]
 
 
 def repetition_penalty(gc) -> float | None:
@@ -325,6 +364,13 @@ class FastEngine:
         if repetition_penalty(gc) is not None and not bool(call_inputs(gc, model_kwargs, ids)[0].bool().all()):
             # transformers 5.x versions differ on whether left padding counts as seen tokens (pad = EOS often)
             return "repetition_penalty with a padded batch"
+        if getattr(gc, "return_dict_in_generate", False):
+            asked = [name for name in _OUTPUT_OPTIONS if getattr(gc, name, False)]
+            if asked:
+                return f"return_dict_in_generate with {', '.join(asked)}"
+        reason = self._passed_cache_reason(passed_cache(model_kwargs), gc, ids)
+        if reason:
+            return reason
         sw = getattr(self.model.config, "sliding_window", None)
         if sw is not None and ids.shape[1] + self._max_new(gc, ids.shape[1]) > sw:
             return f"the sequence would exceed the sliding window ({sw})"
@@ -335,6 +381,56 @@ class FastEngine:
                 gib = need * self._block_bytes() / 2**30
                 return (f"the KV cache of prompt + max_new_tokens ({need} blocks, {gib:.1f} GiB) does not fit in "
                         f"free device memory ({fit} blocks)")
+        return None
+
+    def _passed_cache_reason(self, prefix, gc, ids: torch.Tensor) -> str | None:
+        """Why the fast path cannot continue from the cache a call passed (None: it can, or none was passed).
+        It takes a :class:`PagedCache` holding the same number of tokens in every row (a previous turn's, as
+        ``generate(..., return_dict_in_generate=True)`` returns it, or an empty one) whose pools match the model,
+        fewer tokens than ``input_ids`` has, and room (or ``growable``) for this call's answer."""
+        if prefix is None:
+            return None
+        if not isinstance(prefix, PagedCache):
+            return f"the caller passed its own cache ({type(prefix).__name__})"
+        m, batch, prompt_len = prefix.manager, ids.shape[0], ids.shape[1]
+        layers = prefix.layers
+        lengths = {layer.length for layer in layers}
+        if len(lengths) != 1:
+            return "the passed PagedCache holds a partial step"
+        cached = lengths.pop()
+        if m is None and prefix._num_blocks is None:
+            return "an empty PagedCache sized by memory_fraction (its pools are sized at its first update)"
+        if m is None or not prefix.seq_ids:
+            if cached:
+                return "the passed PagedCache is out of sync"
+        else:
+            if len(prefix.seq_ids) != batch:
+                return f"the passed PagedCache holds {len(prefix.seq_ids)} sequences and the batch has {batch} rows"
+            if any(m.length(s) != cached for s in prefix.seq_ids):
+                return "the passed PagedCache's rows hold different numbers of tokens"
+        if cached >= prompt_len:
+            return f"the passed cache holds {cached} tokens, not fewer than the {prompt_len} input tokens"
+        config = self.model.config
+        if len(layers) != config.num_hidden_layers:
+            return f"the passed PagedCache has {len(layers)} layers, the model {config.num_hidden_layers}"
+        want = (config.num_key_value_heads, self.model.model.layers[0].self_attn.head_dim)
+        dtype = next(self.model.parameters()).dtype
+        for layer in layers:
+            if layer.is_initialized and (tuple(layer.keys.shape[2:]) != want or layer.keys.dtype != dtype
+                                         or layer.keys.device != self.device):
+                return (f"the passed PagedCache's pools ({tuple(layer.keys.shape[2:])}, {layer.keys.dtype}, "
+                        f"{layer.keys.device}) do not match the model's K/V ({want}, {dtype}, {self.device})")
+        if not prefix.growable:  # the answer's K/V are written into it at the end: check the room now
+            keep = prompt_len + self._max_new(gc, prompt_len) - 1
+            if not prefix.seq_ids:
+                need = batch * -(-keep // prefix.block_size)
+                free = prefix._num_blocks if m is None else m.num_free_blocks
+            else:
+                need = sum(m.blocks_needed(s, keep - cached) for s in prefix.seq_ids)
+                free = m.num_free_blocks
+            if need > free:
+                return (f"the passed PagedCache (not growable) has {free} free blocks and prompt + max_new_tokens "
+                        f"need {need} more")
         return None
 
     def blocks_needed(self, gc, input_ids: torch.Tensor) -> int:
@@ -430,10 +526,13 @@ class FastEngine:
         n = int(g["steps_run"])
         return n, g["tokens"][:batch].clone()
 
-    def start(self, input_ids, attention_mask, max_new: int, lookahead: int = 0):
+    def start(self, input_ids, attention_mask, max_new: int, lookahead: int = 0, prefix: PagedCache | None = None):
         """Reserve cache blocks for ``prompt + max_new + lookahead`` tokens per row, prefill the prompt
         and set up the decode step (buffers for the first new token). Returns ``(step, logits)`` with the
         prompt's last-position logits [batch, vocab] float32. The caller releases ``self.cache``.
+
+        ``prefix``: a PagedCache holding the K/V of the prompt's first tokens (a previous turn; checked by
+        :meth:`check`): they are copied into this engine's pools and only the rest of the prompt is prefilled.
 
         Prefill runs the fused step's kernels over the whole prompt where the fused step applies (no
         transformers module dispatch: TTFT on a slow host was 25 ms for a 512-token SmolLM2 prompt
@@ -448,8 +547,9 @@ class FastEngine:
         step = self._step_for(batch, blocks_per_row)
         position_ids = attention_mask.long().cumsum(-1) - 1
         position_ids.masked_fill_(attention_mask == 0, 1)
+        cached = prefix.get_seq_length() if prefix is not None else 0
         try:
-            if step.fused:
+            if step.fused or cached:
                 attn0 = model.model.layers[0].self_attn
                 cache.allocate_pools(model.config.num_key_value_heads, attn0.head_dim, next(model.parameters()).dtype,
                                      self.device)
@@ -475,13 +575,16 @@ class FastEngine:
             step.key_mask[:batch, :prompt_len] = attention_mask.to(torch.uint8)
             step.key_mask[:batch, prompt_len:] = 1
             step.cache_lens.zero_()
-            if step.fused and prompt_len <= max(16, 8192 // batch) and prefill_bucket(prompt_len) <= step.capacity:
+            if cached:
+                copy_kv(prefix, prefix.seq_ids, cache, cache.seq_ids, 0, cached)
+            if (step.fused and not cached and prompt_len <= max(16, 8192 // batch)
+                    and prefill_bucket(prompt_len) <= step.capacity):
                 logits = self._prefill_bucketed(step, input_ids, position_ids, batch, prompt_len)
-            elif step.fused:
+            elif step.fused or cached:
                 chunk = max(16, 8192 // batch)
                 zeros = step.cache_lens[:batch]
                 with torch.inference_mode():
-                    for c in range(0, prompt_len, chunk):
+                    for c in range(cached, prompt_len, chunk):
                         e = min(prompt_len, c + chunk)
                         logits = step.forward_tokens(input_ids[:, c:e], position_ids[:, c:e], zeros + c,
                                                      step.block_table[:batch], step.key_mask[:batch],
@@ -551,13 +654,14 @@ class FastEngine:
                                                                 device=device))
         processors.extend(sampling_warpers(gc))
 
-        step, logits = self.start(input_ids, attention_mask, max_new)
+        prefix = passed_cache(model_kwargs)
+        step, logits = self.start(input_ids, attention_mask, max_new, prefix=prefix)
         cache = self.cache
         try:
             if not gc.do_sample and not len(processors) and streamer is None and len(eos_list) <= 8:
                 n, tokens = self._greedy_in_graph(step, logits, input_ids, batch, prompt_len, max_new, pad, eos_list)
                 self.last_stats = cache.memory_stats()
-                return tokens[:, : prompt_len + n]
+                return self._output(gc, tokens[:, : prompt_len + n], prefix)
             tokens = torch.full((batch, prompt_len + max_new), pad, dtype=torch.long, device=device)
             tokens[:, :prompt_len] = input_ids
             unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -598,6 +702,52 @@ class FastEngine:
                 streamer.end()
             n = int(steps_run)
             self.last_stats = cache.memory_stats()
-            return tokens[:, : prompt_len + n]
+            return self._output(gc, tokens[:, : prompt_len + n], prefix)
         finally:
             cache.release()
+
+    def _output(self, gc, sequences: torch.Tensor, prefix: PagedCache | None):
+        """What ``generate`` returns: ``sequences``, or with ``return_dict_in_generate`` transformers' output
+        class holding them and the K/V of every token but the last (what transformers' loop leaves in its
+        cache) in ``prefix`` (the caller's cache, grown in place) or a new growable PagedCache. A passed cache
+        gets them without ``return_dict_in_generate`` too, as transformers' loop fills it."""
+        as_dict = getattr(gc, "return_dict_in_generate", False)
+        if prefix is None and not as_dict:
+            return sequences
+        batch, keep = sequences.shape[0], sequences.shape[1] - 1
+        target = prefix
+        if target is None:
+            target = PagedCache(self.model.config, num_blocks=max(1, batch * -(-keep // self.block_size)),
+                                block_size=self.block_size, growable=True)
+        self._export(target, keep, batch)
+        if not as_dict:
+            return sequences
+        fields = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
+        return GenerateDecoderOnlyOutput(sequences=sequences,
+                                         **{"cache" if "cache" in fields else "past_key_values": target})
+
+    def _export(self, target: PagedCache, keep: int, batch: int) -> None:
+        """Write the K/V of token positions ``target.get_seq_length() .. keep - 1`` of this call's rows from the
+        engine's pools into ``target`` (room checked by :meth:`check`, or ``target.growable``)."""
+        if not all(layer.is_initialized for layer in target.layers):
+            attn0 = self.model.model.layers[0].self_attn
+            target.allocate_pools(self.model.config.num_key_value_heads, attn0.head_dim,
+                                  next(self.model.parameters()).dtype, self.device)
+        m = target.manager
+        if not target.seq_ids:
+            target.seq_ids = [m.allocate(0) for _ in range(batch)]
+        start = target.get_seq_length()
+        need = sum(m.blocks_needed(s, keep - start) for s in target.seq_ids)
+        if need > m.num_free_blocks:
+            target._grow(max(need - m.num_free_blocks, m.num_blocks))
+        copies = []
+        for s in target.seq_ids:
+            copies += m.append(s, keep - start)
+        for src, dst in copies:  # copy-on-write of shared partly filled blocks
+            for layer in target.layers:
+                layer.keys[dst].copy_(layer.keys[src])
+                layer.values[dst].copy_(layer.values[src])
+        copy_kv(self.cache, self.cache.seq_ids, target, target.seq_ids, start, keep)
+        for layer in target.layers:
+            layer.length = keep
+        target._step = None

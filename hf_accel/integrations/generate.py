@@ -5,9 +5,11 @@
 not apply (the reason is logged once) it sizes a PagedCache for the call (exactly the blocks its rows
 can reach), passes it to transformers' own ``generate`` and frees every block when the call returns
 (also on error), unless the call returns the cache (``return_dict_in_generate=True``): then the caller
-gets it filled and growable, to pass back for the next turn. The caller's own cache
-(``past_key_values``/``cache``) or ``cache_implementation``, ``use_cache=False``, beam search and assisted
-generation keep transformers' behaviour, with a log line saying why.
+gets it filled and growable, to pass back for the next turn. Multi-turn calls take the fast path too: it
+returns a growable PagedCache with ``return_dict_in_generate=True`` and continues a PagedCache passed back
+(:meth:`FastEngine.check <hf_accel.engine.fast_generate.FastEngine.check>` says when it cannot). Any other cache
+the caller passes (``past_key_values``/``cache``), ``cache_implementation``, ``use_cache=False``, beam search
+and assisted generation outside the fast path keep transformers' behaviour, with a log line saying why.
 
 Speculative decoding (:mod:`hf_accel.speculative`) runs on the fast path when the model was accelerated
 with ``speculative=...`` or when a call uses transformers' assisted-generation arguments
@@ -36,11 +38,18 @@ _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exi
 CACHE_KWARG = "cache" if "cache" in getattr(_gen_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
-def _skip_reason(model, args, kwargs, assisted_handled: bool = False) -> str | None:
+def _passed_cache(kwargs):
+    return kwargs.get("past_key_values") if kwargs.get("past_key_values") is not None else kwargs.get("cache")
+
+
+def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=None) -> str | None:
     """Why ``generate`` keeps transformers' own loop and cache (None: hf-accel's path may run).
-    ``assisted_handled``: the call's assisted-generation options were turned into a speculative config."""
+    ``assisted_handled``: the call's assisted-generation options were turned into a speculative config.
+    ``engine``: the model's fast decode engine, which may continue a PagedCache the caller passes (a previous
+    turn's)."""
     gen_config = kwargs.get("generation_config") or model.generation_config
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+    passed = _passed_cache(kwargs)
+    if passed is not None and not (engine is not None and isinstance(passed, PagedCache)):
         return "the caller passed its own cache"
     if kwargs.get("cache_implementation") or getattr(gen_config, "cache_implementation", None):
         return "a cache_implementation was requested"
@@ -208,7 +217,7 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
     model._hf_accel_spec_stats = None  # set again only by a call that decodes speculatively
     call_spec, rest, assisted_reason = assisted_config(model, kwargs)
     if call_spec is not None and engine is not None:
-        reason = _skip_reason(model, args, rest, assisted_handled=True)
+        reason = _skip_reason(model, args, rest, assisted_handled=True, engine=engine)
         out = None if reason is not None else _try_fast(model, engine, args, rest, speculative=call_spec)
         if out is not None:
             return out
@@ -218,12 +227,12 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
     if assisted_reason is not None:
         log_once(f"assisted-stock:{assisted_reason}", f"hf-accel: transformers' assisted generation runs: {assisted_reason}")
     if call_spec is None and assisted_reason is None and engine is not None and speculative is not None:
-        reason = _skip_reason(model, args, kwargs)
+        reason = _skip_reason(model, args, kwargs, engine=engine)
         if reason is None:
             out = _try_fast(model, engine, args, kwargs, speculative=speculative)
             if out is not None:
                 return out
-    reason = _skip_reason(model, args, kwargs)
+    reason = _skip_reason(model, args, kwargs, engine=engine)
     if reason is not None:
         log_once(f"generate-skip:{reason}", f"hf-accel: generate keeps transformers' cache: {reason}")
         return original_generate(*args, **kwargs)
@@ -231,6 +240,9 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         out = _try_fast(model, engine, args, kwargs)
         if out is not None:
             return out
+    if _passed_cache(kwargs) is not None:  # a PagedCache the fast path did not take (reason logged)
+        log_once("generate-passed-paged", "hf-accel: generate continues the caller's PagedCache in transformers' loop")
+        return original_generate(*args, **kwargs)
     num_blocks = _blocks_needed(model, args, kwargs, block_size)
     fit = paged_cache.blocks_that_fit(model.device, paged_cache.kv_block_bytes(
         model.config, block_size, next(model.parameters()).dtype))

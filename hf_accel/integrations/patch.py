@@ -81,8 +81,9 @@ def accelerate_model(
         model: a transformers ``PreTrainedModel`` of type llama, mistral, qwen2 or qwen3, or a peft
             ``PeftModel`` wrapping one.
         paged_cache: ``generate`` uses a :class:`~hf_accel.cache.PagedCache` sized for each call (freed
-            when it returns) unless the caller passes a cache or ``cache_implementation``; beam search
-            and assisted generation keep transformers' cache (logged).
+            when it returns, or returned with ``return_dict_in_generate=True`` for the next turn) unless the
+            caller passes a cache or ``cache_implementation``; beam search and assisted generation keep
+            transformers' cache (logged). A PagedCache passed back (a previous turn's) is continued.
         fast_decode: ``generate`` runs its decode loop on hf-accel's own step (model modules + paged
             kernels) for the configurations it supports (greedy/sampling with temperature, top-k,
             top-p, min/max lengths, EOS, streamers, left-padded batches); other calls log why and use

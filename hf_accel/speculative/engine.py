@@ -41,7 +41,7 @@ import torch
 
 from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
-from hf_accel.engine.fast_generate import call_inputs, eos_ids, repetition_penalty, sampling_warpers
+from hf_accel.engine.fast_generate import call_inputs, eos_ids, passed_cache, repetition_penalty, sampling_warpers
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import argmax_rows, scratch_for
@@ -193,6 +193,10 @@ class SpeculativeEngine:
         if model_kwargs.get("streamer") is not None and model_kwargs["input_ids"].shape[0] > 1:
             return ("a streamer with more than one row (a verify step commits a different number of tokens per "
                     "row; a streamer takes one token per row at a time)")
+        if passed_cache(model_kwargs) is not None or getattr(gc, "return_dict_in_generate", False):
+            # the returned cache must hold what transformers' loop leaves (also the K/V of the padding a finished
+            # row gets): the plain fast path writes exactly that
+            return "a passed cache or return_dict_in_generate (multi-turn calls)"
         if (gc.min_length or 0) > 0 or (gc.min_new_tokens or 0) > 0:
             return "min_length / min_new_tokens (their logits processor depends on each position's length)"
         if repetition_penalty(gc) is not None:

@@ -1,0 +1,127 @@
+"""Multi-turn chat with the KV cache carried between calls: stock transformers vs hf-accel, side by side.
+
+A conversation of several user turns on the real SmolLM2-135M-Instruct (bf16, embedded GGUF). Every turn calls
+``generate(input_ids=<the last output's sequences + the new user turn>, <cache>=<the last output's cache>,
+return_dict_in_generate=True, max_new_tokens=N)``, greedy, the model's own EOS, so each call prefills only the
+new turn and continues the cache, as a chat application does. Providers:
+
+* ``hf``: stock transformers (its default attention), its DynamicCache carried between turns;
+* ``ours-fast``: ``accelerate_model(model)``: the fast decode path continues the returned PagedCache;
+* ``ours-hf-loop``: ``accelerate_model(model, fast_decode=False)``: transformers' loop on hf-accel's kernels and
+  PagedCache (what multi-turn calls ran before the fast path took them).
+
+Reported per provider: new tokens, wall time and tok/s over the whole conversation (median of the timed passes),
+and whether its tokens equal stock's (bf16: not required).
+
+    python benchmarks/bench_multi_turn.py [--turns 4] [--new-tokens 128] [--passes 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+import hf_accel  # noqa: E402
+from hf_accel.models import load_model  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Tell me three facts about that city.",
+    "Now write a short poem about the second fact.",
+    "Summarise our conversation so far in two sentences.",
+    "Which of the facts would a tourist care about most, and why?",
+    "Thank you. Say goodbye in French.",
+]
+
+
+def _cache_of(out):
+    for name in ("cache", "past_key_values"):
+        value = getattr(out, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def conversation(model, tok, turns: int, new_tokens: int):
+    """Run the chat; returns (list of per-turn (new tokens, seconds, prompt tokens, cached tokens), sequences)."""
+    device = next(model.parameters()).device
+    first = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True,
+                                    return_tensors="pt", return_dict=True)
+    ids = first["input_ids"].to(device)
+    cache, per_turn, out = None, [], None
+    for t in range(turns):
+        if t:
+            text = f"\n<|im_start|>user\n{QUESTIONS[t % len(QUESTIONS)]}<|im_end|>\n<|im_start|>assistant\n"
+            more = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+            ids = torch.cat([out.sequences, more], 1)
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                  return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+        if cache is not None:
+            kw[hf_accel.integrations.generate.CACHE_KWARG] = cache
+        cached = 0 if cache is None else cache.get_seq_length()
+        _sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(**kw)
+        _sync()
+        seconds = time.perf_counter() - start
+        cache = _cache_of(out)
+        per_turn.append((out.sequences.shape[1] - ids.shape[1], seconds, ids.shape[1], cached))
+    return per_turn, out.sequences
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--passes", type=int, default=3, help="timed passes of ours-fast (the slow loops: 1)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    base, tok = load_model(None, dtype=dtype, device=args.device)
+    providers = {
+        "hf": base,
+        "ours-fast": hf_accel.accelerate_model(copy.deepcopy(base)),
+        "ours-hf-loop": hf_accel.accelerate_model(copy.deepcopy(base), fast_decode=False),
+    }
+    rows, ref = [], None
+    for name, model in providers.items():
+        conversation(model, tok, args.turns, args.new_tokens)  # warm-up: compilation, graph capture
+        passes = args.passes if name == "ours-fast" else 1
+        runs = [conversation(model, tok, args.turns, args.new_tokens) for _ in range(passes)]
+        totals = [(sum(n for n, *_ in r), sum(s for _, s, *_ in r)) for r, _ in runs]
+        tok_s = [n / s for n, s in totals]
+        per_turn, seq = runs[0]
+        if ref is None:
+            ref = seq
+        row = {"bench": "multi_turn", "provider": name, "dtype": dtype, "turns": args.turns,
+               "max_new_tokens": args.new_tokens, "new_tokens": totals[0][0],
+               "pass_tok_s": [round(v, 1) for v in tok_s], "tok_s": round(statistics.median(tok_s), 1),
+               "turn_new_tokens": [n for n, *_ in per_turn], "turn_ms": [round(1e3 * s, 2) for _, s, *_ in per_turn],
+               "turn_input_tokens": [p for *_, p, _ in per_turn], "turn_cached_tokens": [c for *_, c in per_turn],
+               "tokens_equal_hf": bool(seq.shape == ref.shape and torch.equal(seq, ref))}
+        rows.append(row)
+        print(f"{name:14s} {row['tok_s']:9.1f} tok/s  passes {row['pass_tok_s']}  turns ms {row['turn_ms']}  "
+              f"new {row['turn_new_tokens']}  cached {row['turn_cached_tokens']}  equal-hf {row['tokens_equal_hf']}")
+    hf = rows[0]["tok_s"]
+    for r in rows:
+        r["speedup_over_hf"] = round(r["tok_s"] / hf, 2)
+    write_results("bench_multi_turn", rows, {"model": "SmolLM2-135M-Instruct (embedded GGUF)"})
+
+
+if __name__ == "__main__":
+    main()

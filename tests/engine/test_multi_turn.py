@@ -1,0 +1,252 @@
+"""Multi-turn calls on the fast decode path: ``return_dict_in_generate=True`` returns the K/V of the call in a
+PagedCache, and passing it back with the next turn's input continues from it (only the new tokens are
+prefilled), with stock transformers' tokens (float32 greedy) and the same cache contents as a fresh forward
+over the whole text. Where the fast path cannot take the passed cache it says why and transformers' loop runs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_accel import accelerate_model
+from hf_accel.cache import PagedCache
+from hf_accel.engine.fast_generate import FastEngine
+
+FAST_RUNS = "generate runs the fast decode path"
+
+
+def _cache_of(out):
+    """The cache a generate output carries (``cache`` in newer transformers, ``past_key_values`` before)."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(out, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _tokens(seed, batch, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (batch, n), generator=g)
+
+
+@pytest.fixture
+def fast_calls(monkeypatch):
+    """Counts the calls that ran on FastEngine.generate."""
+    calls = []
+    original = FastEngine.generate
+
+    def counting(self, gc, model_kwargs):
+        calls.append(gc)
+        return original(self, gc, model_kwargs)
+
+    monkeypatch.setattr(FastEngine, "generate", counting)
+    return calls
+
+
+def _turns(model, cache_kwarg, ids, mask, pad, eos, new_per_turn=(7, 4), max_new=(6, 9, 5), cache=None, **kw):
+    """Three turns: the first call (with ``cache`` if given), then each output's sequences plus new tokens
+    with its returned cache. Returns the three outputs."""
+    outs = []
+    for turn, n_new in enumerate(max_new):
+        call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=n_new, do_sample=False, pad_token_id=pad,
+                    eos_token_id=eos, return_dict_in_generate=True, **kw)
+        if cache is not None:
+            call[cache_kwarg] = cache
+        with torch.no_grad():
+            out = model.generate(**call)
+        outs.append(out)
+        cache = _cache_of(out)
+        if turn < len(new_per_turn):
+            more = _tokens(70 + turn, ids.shape[0], new_per_turn[turn])
+            grown = out.sequences.shape[1] - mask.shape[1]
+            mask = torch.cat([mask, torch.ones(ids.shape[0], grown + more.shape[1], dtype=mask.dtype)], 1)
+            ids = torch.cat([out.sequences, more], 1)
+    return outs
+
+
+def _reference_kv(model, sequences, mask):
+    """K/V [batch, kv_heads, len, head_dim] per layer of a fresh forward of a stock copy over ``sequences``
+    (the positions transformers' loop leaves in its cache)."""
+    stock = copy.deepcopy(model)
+    from hf_accel import revert_model
+
+    revert_model(stock)
+    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        out = stock(input_ids=sequences, attention_mask=mask, position_ids=position_ids, use_cache=True)
+    cache = _cache_of(out)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _paged_kv(cache: PagedCache, layer: int, length: int):
+    """K/V [batch, kv_heads, length, head_dim] of every row of a PagedCache, read through its block tables."""
+    rows = []
+    pools = cache.layers[layer]
+    for s in cache.seq_ids:
+        table = torch.tensor(cache.manager.block_table(s))
+        pos = torch.arange(length)
+        slots = table[pos // cache.block_size] * cache.block_size + pos % cache.block_size
+        k = pools.keys.reshape(-1, *pools.keys.shape[2:])[slots]
+        v = pools.values.reshape(-1, *pools.values.shape[2:])[slots]
+        rows.append((k.transpose(0, 1), v.transpose(0, 1)))
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("lengths", [(9,), (11, 6, 3)])
+def test_turns_on_the_fast_path_equal_stock(model_type, lengths, tiny, fast_calls):
+    """Three turns, each passing the last output's cache back: every call runs the fast path, the tokens equal
+    stock's (its DynamicCache, same calls), the returned cache is the one passed in (grown in place, as stock's)
+    and holds every token but the last. EOS ids taken from stock's output end rows of the batch early, so the
+    cache also holds the padding a finished row was fed."""
+    stock = tiny.model(model_type, seed=80)
+    ids, mask = tiny.batch(seed=81, lengths=lengths)
+    first = tiny.greedy(stock, ids, mask, 6)[:, ids.shape[1]:]
+    eos = [int(first[0, 3])]  # row 0 ends after 4 new tokens in turn one (other rows maybe later or never)
+    want = _turns(stock, tiny.cache_kwarg(stock), ids, mask, tiny.PAD, eos)
+    model = accelerate_model(copy.deepcopy(stock))
+    got = _turns(model, tiny.cache_kwarg(model), ids, mask, tiny.PAD, eos)
+    assert len(fast_calls) == 3
+    for a, b in zip(want, got):
+        assert torch.equal(a.sequences, b.sequences), f"\nstock:\n{a.sequences}\nours:\n{b.sequences}"
+        assert isinstance(_cache_of(b), PagedCache)
+    assert _cache_of(got[2]).get_seq_length() == got[2].sequences.shape[1] - 1  # one object: the last length
+    assert _cache_of(want[2]).get_seq_length() == want[2].sequences.shape[1] - 1
+    assert _cache_of(got[1]) is _cache_of(got[0]) is _cache_of(got[2])
+    _cache_of(got[2]).manager.check()
+
+
+def test_returned_cache_holds_the_kv_of_a_fresh_forward(tiny, fast_calls):
+    """The K/V a multi-turn call leaves in its PagedCache equal those of one stock forward over the returned
+    sequences (all but the last token), at the positions the mask keeps."""
+    stock = tiny.model("llama", seed=82)
+    ids, mask = tiny.batch(seed=83)
+    model = accelerate_model(copy.deepcopy(stock))
+    outs = _turns(model, tiny.cache_kwarg(model), ids, mask, tiny.PAD, eos=None, max_new=(5, 4))
+    assert len(fast_calls) == 2
+    seq = outs[-1].sequences
+    full_mask = torch.cat([mask, torch.ones(3, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    length = seq.shape[1] - 1
+    ref = _reference_kv(model, seq[:, :-1], full_mask[:, :-1])
+    cache = _cache_of(outs[-1])
+    keep = full_mask[:, None, :length, None].bool()
+    for layer, (k_ref, v_ref) in enumerate(ref):
+        k, v = _paged_kv(cache, layer, length)
+        torch.testing.assert_close(k * keep, k_ref * keep, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v * keep, v_ref * keep, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_step_continues_a_passed_cache(tiny, fast_calls):
+    """The fused Triton step (interpreter on CPU) prefills only the new tokens after the copied prefix: two
+    turns equal stock's."""
+    stock = tiny.model("llama", seed=84)
+    ids, mask = tiny.batch(seed=85, lengths=(7, 4))
+    want = _turns(stock, tiny.cache_kwarg(stock), ids, mask, tiny.PAD, eos=None, new_per_turn=(5,), max_new=(4, 4))
+    model = accelerate_model(copy.deepcopy(stock))
+    model._hf_accel_engine.fused = True
+    got = _turns(model, tiny.cache_kwarg(model), ids, mask, tiny.PAD, eos=None, new_per_turn=(5,), max_new=(4, 4))
+    assert len(fast_calls) == 2
+    for a, b in zip(want, got):
+        assert torch.equal(a.sequences, b.sequences)
+
+
+def test_an_empty_paged_cache_passed_in_is_filled(tiny, fast_calls):
+    """A new PagedCache passed to the first call (as a DynamicCache would be) is filled by the fast path, and
+    with return_dict_in_generate=False too (stock fills a passed cache either way)."""
+    stock = tiny.model("llama", seed=86)
+    ids, mask = tiny.batch(seed=87)
+    model = accelerate_model(copy.deepcopy(stock))
+    want = tiny.greedy(stock, ids, mask, 5)
+    for as_dict in (True, False):
+        cache = PagedCache(model.config, num_blocks=40, block_size=4)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5,
+                                 do_sample=False, pad_token_id=tiny.PAD, return_dict_in_generate=as_dict,
+                                 **{tiny.cache_kwarg(model): cache})
+        sequences = out.sequences if as_dict else out
+        assert torch.equal(sequences, want)
+        assert cache.get_seq_length() == want.shape[1] - 1 and len(cache.seq_ids) == 3
+        cache.manager.check()
+    assert len(fast_calls) == 2
+
+
+def test_sampling_turns_keep_the_cache_consistent(tiny, fast_calls):
+    """Sampled turns (top-k / top-p) on the fast path: the returned cache holds the K/V of a fresh forward
+    over the sampled sequences, so the next turn continues the text that was returned."""
+    stock = tiny.model("qwen3", seed=88)
+    ids, mask = tiny.batch(seed=89)
+    model = accelerate_model(copy.deepcopy(stock))
+    torch.manual_seed(0)
+    outs = _turns(model, tiny.cache_kwarg(model), ids, mask, tiny.PAD, eos=None, max_new=(5, 6),
+                  top_k=20, top_p=0.9, temperature=1.3)
+    assert len(fast_calls) == 2
+    seq = outs[-1].sequences
+    full_mask = torch.cat([mask, torch.ones(3, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    ref = _reference_kv(model, seq[:, :-1], full_mask[:, :-1])
+    keep = full_mask[:, None, : seq.shape[1] - 1, None].bool()
+    for layer, (k_ref, _) in enumerate(ref):
+        k, _ = _paged_kv(_cache_of(outs[-1]), layer, seq.shape[1] - 1)
+        torch.testing.assert_close(k * keep, k_ref * keep, rtol=1e-4, atol=1e-5)
+
+
+def test_caches_the_fast_path_cannot_take_fall_back_with_the_reason(tiny, hf_log, fast_calls):
+    """A PagedCache of another batch size, one too small and not growable, and return_dict_in_generate with
+    output_scores: the fast path says why, and transformers' loop runs with the caller's cache (which raises
+    its own error where the cache cannot serve the call)."""
+    stock = tiny.model("llama", seed=90)
+    ids, mask = tiny.batch(seed=91)
+    model = accelerate_model(copy.deepcopy(stock))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=tiny.PAD)
+    name = tiny.cache_kwarg(model)
+    with torch.no_grad():
+        first = model.generate(**kw, return_dict_in_generate=True)
+        one_row = model.generate(**dict(kw, input_ids=ids[:1], attention_mask=mask[:1]), return_dict_in_generate=True)
+    assert len(fast_calls) == 2
+    ids2 = torch.cat([first.sequences, _tokens(92, 3, 3)], 1)
+    mask2 = torch.ones_like(ids2)
+    mask2[:, : mask.shape[1]] = mask
+    with pytest.raises(ValueError, match="holds 1 sequences but the batch has 3 rows"), torch.no_grad():
+        model.generate(**dict(kw, input_ids=ids2, attention_mask=mask2), **{name: _cache_of(one_row)})
+    assert any("the passed PagedCache holds 1 sequences and the batch has 3 rows" in r.getMessage()
+               for r in hf_log.records)
+    small = PagedCache(model.config, num_blocks=3, block_size=4)
+    with pytest.raises(Exception, match="out of blocks"), torch.no_grad():
+        model.generate(**kw, **{name: small})
+    assert any("not growable) has 3 free blocks" in r.getMessage() for r in hf_log.records)
+    with torch.no_grad():
+        scored = model.generate(**dict(kw, input_ids=ids2, attention_mask=mask2), **{name: _cache_of(first)},
+                                return_dict_in_generate=True, output_scores=True)
+        want = stock.generate(**dict(kw, input_ids=ids2, attention_mask=mask2), return_dict_in_generate=True,
+                              output_scores=True)
+    assert len(fast_calls) == 2
+    assert torch.equal(scored.sequences, want.sequences) and len(scored.scores) == 5
+    assert _cache_of(scored) is _cache_of(first)
+
+
+def test_a_dynamic_cache_still_runs_transformers_loop(tiny, hf_log, fast_calls):
+    stock = tiny.model("llama", seed=93)
+    ids, mask = tiny.batch(seed=94)
+    model = accelerate_model(copy.deepcopy(stock))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             pad_token_id=tiny.PAD, **{tiny.cache_kwarg(model): DynamicCache(config=model.config)})
+    assert not fast_calls and torch.equal(out, tiny.greedy(stock, ids, mask, 4)[:, : out.shape[1]])
+
+
+def test_speculative_model_runs_multi_turn_calls_on_the_plain_fast_path(tiny, hf_log, fast_calls):
+    """A model accelerated with prompt lookup: a call returning its cache decodes on the plain fast path
+    (logged), with stock's tokens."""
+    stock = tiny.model("llama", seed=95)
+    ids, mask = tiny.batch(seed=96)
+    model = accelerate_model(copy.deepcopy(stock), speculative="prompt_lookup")
+    want = _turns(stock, tiny.cache_kwarg(stock), ids, mask, tiny.PAD, eos=None, new_per_turn=(4,), max_new=(5, 5))
+    got = _turns(model, tiny.cache_kwarg(model), ids, mask, tiny.PAD, eos=None, new_per_turn=(4,), max_new=(5, 5))
+    assert len(fast_calls) == 2
+    for a, b in zip(want, got):
+        assert torch.equal(a.sequences, b.sequences)
+    assert any("speculative decoding not used: a passed cache or return_dict_in_generate" in r.getMessage()
+               for r in hf_log.records)
