@@ -7,6 +7,8 @@ new turn and continues the cache, as a chat application does. Providers:
 
 * ``hf``: stock transformers (its default attention), its DynamicCache carried between turns;
 * ``ours-fast``: ``accelerate_model(model)``: the fast decode path continues the returned PagedCache;
+* ``ours-fast-no-cache``: the same accelerated model called without the cache (each turn prefills the whole
+  conversation again);
 * ``ours-hf-loop``: ``accelerate_model(model, fast_decode=False)``: transformers' loop on hf-accel's kernels and
   PagedCache (what multi-turn calls ran before the fast path took them).
 
@@ -56,7 +58,7 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def conversation(model, tok, turns: int, new_tokens: int):
+def conversation(model, tok, turns: int, new_tokens: int, carry_cache: bool = True):
     """Run the chat; returns (list of per-turn (new tokens, seconds, prompt tokens, cached tokens), sequences)."""
     device = next(model.parameters()).device
     first = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True,
@@ -70,9 +72,9 @@ def conversation(model, tok, turns: int, new_tokens: int):
             ids = torch.cat([out.sequences, more], 1)
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                   return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
-        if cache is not None:
+        if cache is not None and carry_cache:
             kw[hf_accel.integrations.generate.CACHE_KWARG] = cache
-        cached = 0 if cache is None else cache.get_seq_length()
+        cached = 0 if cache is None or not carry_cache else cache.get_seq_length()
         _sync()
         start = time.perf_counter()
         with torch.no_grad():
@@ -96,13 +98,16 @@ def main():
     providers = {
         "hf": base,
         "ours-fast": hf_accel.accelerate_model(copy.deepcopy(base)),
+        "ours-fast-no-cache": None,  # the ours-fast model, called without the cache
         "ours-hf-loop": hf_accel.accelerate_model(copy.deepcopy(base), fast_decode=False),
     }
     rows, ref = [], None
     for name, model in providers.items():
-        conversation(model, tok, args.turns, args.new_tokens)  # warm-up: compilation, graph capture
-        passes = args.passes if name == "ours-fast" else 1
-        runs = [conversation(model, tok, args.turns, args.new_tokens) for _ in range(passes)]
+        carry = name != "ours-fast-no-cache"
+        model = model if model is not None else providers["ours-fast"]
+        conversation(model, tok, args.turns, args.new_tokens, carry)  # warm-up: compilation, graph capture
+        passes = args.passes if name.startswith("ours-fast") else 1
+        runs = [conversation(model, tok, args.turns, args.new_tokens, carry) for _ in range(passes)]
         totals = [(sum(n for n, *_ in r), sum(s for _, s, *_ in r)) for r, _ in runs]
         tok_s = [n / s for n, s in totals]
         per_turn, seq = runs[0]
@@ -111,11 +116,12 @@ def main():
         row = {"bench": "multi_turn", "provider": name, "dtype": dtype, "turns": args.turns,
                "max_new_tokens": args.new_tokens, "new_tokens": totals[0][0],
                "pass_tok_s": [round(v, 1) for v in tok_s], "tok_s": round(statistics.median(tok_s), 1),
-               "turn_new_tokens": [n for n, *_ in per_turn], "turn_ms": [round(1e3 * s, 2) for _, s, *_ in per_turn],
+               "turn_new_tokens": [n for n, *_ in per_turn],
+               "pass_turn_ms": [[round(1e3 * s, 2) for _, s, *_ in r] for r, _ in runs],
                "turn_input_tokens": [p for *_, p, _ in per_turn], "turn_cached_tokens": [c for *_, c in per_turn],
                "tokens_equal_hf": bool(seq.shape == ref.shape and torch.equal(seq, ref))}
         rows.append(row)
-        print(f"{name:14s} {row['tok_s']:9.1f} tok/s  passes {row['pass_tok_s']}  turns ms {row['turn_ms']}  "
+        print(f"{name:14s} {row['tok_s']:9.1f} tok/s  passes {row['pass_tok_s']}  turns ms {row['pass_turn_ms']}  "
               f"new {row['turn_new_tokens']}  cached {row['turn_cached_tokens']}  equal-hf {row['tokens_equal_hf']}")
     hf = rows[0]["tok_s"]
     for r in rows:

@@ -133,3 +133,48 @@ def test_decoding_stops_within_the_eos_lag(lag, sampled, monkeypatch):
         assert len(calls) == engine.sync_every * -(-(at + 1) // engine.sync_every) - 1
     else:  # checked after steps 16, 32, ...
         assert len(calls) == engine.sync_every * -(-at // engine.sync_every)
+
+
+@pytest.mark.parametrize("new_turn", [5, 100])
+def test_multi_turn_on_the_fused_graph_path_matches_stock_fp32(new_turn):
+    """Three turns passing the returned cache back (the fused step in CUDA graphs continues a PagedCache: the
+    prefix copied into its pools, the new tokens prefilled after it: 5 tokens through the multi-row decode kernels,
+    100 through the chunked prefill), with stock's tokens (its DynamicCache carried the same way)."""
+    from hf_accel.engine.fast_generate import FastEngine
+
+    model = _tiny("llama")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ids = torch.randint(8, 256, (3, 11), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    ids[mask == 0] = 0
+
+    def turns(m):
+        outs, cache, x, a = [], None, ids, mask
+        for t in range(3):
+            kw = dict(input_ids=x, attention_mask=a, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+            if cache is not None:
+                kw[hf_accel.integrations.generate.CACHE_KWARG] = cache
+            out = m.generate(**kw)
+            cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+            outs.append(out.sequences)
+            more = torch.randint(8, 256, (3, new_turn), device="cuda", generator=torch.Generator(device="cuda").manual_seed(t))
+            x = torch.cat([out.sequences, more], 1)
+            a = torch.cat([a, torch.ones(3, x.shape[1] - a.shape[1], dtype=a.dtype, device="cuda")], 1)
+        return outs, cache
+
+    want, _ = turns(model)
+    hf_accel.accelerate_model(model)
+    calls = []
+    original = FastEngine.generate
+    FastEngine.generate = lambda self, gc, kw: calls.append(1) or original(self, gc, kw)
+    try:
+        got, cache = turns(model)
+    finally:
+        FastEngine.generate = original
+    assert len(calls) == 3
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert cache.get_seq_length() == got[-1].shape[1] - 1
+    steps = list(model._hf_accel_engine.steps.values())
+    assert steps and all(s.fused and s.use_graph for s in steps)

@@ -140,6 +140,7 @@ def test_returned_cache_holds_the_kv_of_a_fresh_forward(tiny, fast_calls):
         torch.testing.assert_close(v * keep, v_ref * keep, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.interpreter
 def test_fused_step_continues_a_passed_cache(tiny, fast_calls):
     """The fused Triton step (interpreter on CPU) prefills only the new tokens after the copied prefix: two
     turns equal stock's."""
