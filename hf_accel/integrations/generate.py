@@ -42,20 +42,50 @@ def _passed_cache(kwargs):
     return kwargs.get("past_key_values") if kwargs.get("past_key_values") is not None else kwargs.get("cache")
 
 
-def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=None) -> str | None:
+def _call(args, kwargs) -> tuple[dict, object]:
+    """A generate call's keyword arguments with its token ids as ``input_ids`` (from the first positional argument
+    or ``inputs=``), and the caller's ``generation_config`` (popped)."""
+    call = dict(kwargs)
+    if args:
+        call["input_ids"] = args[0]
+    elif "inputs" in call:
+        call["input_ids"] = call.pop("inputs")
+    return call, call.pop("generation_config", None)
+
+
+def _prepared(model, args, kwargs):
+    """transformers' own prepared ``(GenerationConfig, model_kwargs)`` of a call (the model's generation config
+    merged into the caller's, the call's options applied), with the default length resolved as transformers'
+    loop resolves it (``max_new_tokens`` set when the call gives no length). Raises what transformers raises."""
+    call, user_config = _call(args, kwargs)
+    gc, model_kwargs = prepare_generation_config(model, user_config, call)
+    ids = model_kwargs.get("input_ids")
+    if (gc.max_new_tokens is None and call.get("max_length") is None and isinstance(ids, torch.Tensor)
+            and (user_config is None or user_config.max_length is None)
+            and model.generation_config.max_length is None):
+        # transformers' default length: max_length more tokens, capped by max_position_embeddings
+        limit = gc.max_length + ids.shape[-1]
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        gc.max_new_tokens = (min(limit, max_pos) if max_pos else limit) - ids.shape[-1]
+    return gc, model_kwargs
+
+
+def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=None, gc=None) -> str | None:
     """Why ``generate`` keeps transformers' own loop and cache (None: hf-accel's path may run).
     ``assisted_handled``: the call's assisted-generation options were turned into a speculative config.
     ``engine``: the model's fast decode engine, which may continue a PagedCache the caller passes (a previous
-    turn's)."""
-    gen_config = kwargs.get("generation_config") or model.generation_config
+    turn's). ``gc``: the call's prepared GenerationConfig (:func:`_prepared`: the model's generation config
+    merged into the caller's, as transformers' loop reads it); None: read from the call and the configs."""
+    gen_config = gc if gc is not None else (kwargs.get("generation_config") or model.generation_config)
+    options = {} if gc is not None else kwargs  # a prepared config holds the call's options already
     passed = _passed_cache(kwargs)
     if passed is not None and not (engine is not None and isinstance(passed, PagedCache)):
         return "the caller passed its own cache"
-    if kwargs.get("cache_implementation") or getattr(gen_config, "cache_implementation", None):
+    if options.get("cache_implementation") or getattr(gen_config, "cache_implementation", None):
         return "a cache_implementation was requested"
-    if kwargs.get("use_cache", getattr(gen_config, "use_cache", True)) is False:
+    if options.get("use_cache", getattr(gen_config, "use_cache", True)) is False:
         return "use_cache=False"
-    if (kwargs.get("num_beams") or getattr(gen_config, "num_beams", 1) or 1) > 1:
+    if (options.get("num_beams") or getattr(gen_config, "num_beams", 1) or 1) > 1:
         return "beam search"
     if not assisted_handled and (kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") or getattr(
         gen_config, "prompt_lookup_num_tokens", None
@@ -63,7 +93,8 @@ def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=Non
         return "assisted generation"
     input_ids = _input_ids(args, kwargs)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        return "no 2-D input_ids (inputs_embeds only)"
+        return ("no 2-D input_ids (inputs_embeds only)" if kwargs.get("inputs_embeds") is not None
+                else "no 2-D integer input_ids")
     return None
 
 
@@ -75,13 +106,14 @@ def _input_ids(args, kwargs):
     return kwargs["inputs"] if kwargs.get("inputs") is not None else kwargs.get("input_ids")
 
 
-def _blocks_needed(model, args, kwargs, block_size: int) -> int:
-    gen_config = kwargs.get("generation_config") or model.generation_config
-    batch, prompt_len = _input_ids(args, kwargs).shape
-    max_new = kwargs.get("max_new_tokens", getattr(gen_config, "max_new_tokens", None))
+def _blocks_needed(gc, input_ids: torch.Tensor, block_size: int) -> int:
+    """Cache blocks of a call that transformers' loop runs (``gc`` from :func:`_prepared`): every returned row's
+    prompt + new tokens."""
+    batch, prompt_len = input_ids.shape
+    max_new = gc.max_new_tokens
     if max_new is None:
-        max_new = max(kwargs.get("max_length", getattr(gen_config, "max_length", 20) or 20) - prompt_len, 1)
-    rows = batch * (kwargs.get("num_return_sequences") or getattr(gen_config, "num_return_sequences", 1) or 1)
+        max_new = max((gc.max_length or 20) - prompt_len, 1)
+    rows = batch * max(gc.num_return_sequences or 1, gc.num_beams or 1)
     # lengths as transformers' loop reads them: it stops once the length reaches max_length (3.5 new: 4 tokens)
     return int(rows) * math.ceil((prompt_len + math.ceil(max_new) + 1) / block_size)
 
@@ -95,7 +127,7 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
 
     Raises:
         ValueError: an ``assistant_early_exit`` int below 1 (0 is not "no early exit": transformers' loop would run a
-            draft of 0 layers); a ``prompt_lookup_num_tokens`` int below 1 (stock transformers refuses it too, with a
+            draft of 0 layers) or above the model's layer count; a ``prompt_lookup_num_tokens`` int below 1 (stock transformers refuses it too, with a
             less specific message).
     """
     gen_config = kwargs.get("generation_config") or model.generation_config
@@ -123,6 +155,11 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
         if value and (isinstance(value, bool) or not isinstance(value, int)):
             return None, kwargs, f"{name}={value!r} is not an int"
     layers = getattr(model.config, "num_hidden_layers", None)
+    if early and isinstance(early, int) and not isinstance(early, bool) and layers is not None and early > layers:
+        # transformers' loop would set the model config to that many layers for its draft, a cache of more layers
+        # than the model runs would fail the draft's call, and the config would stay changed
+        raise ValueError(f"assistant_early_exit={early} is more than the model's {layers} layers: the draft is "
+                         f"its first 1 .. {layers - 1} layers")
     if early and layers is not None and int(early) >= layers:
         return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"
     try:
@@ -157,25 +194,11 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
     if len(args) > 1:
         reason = "positional generate arguments beyond input_ids"
     else:
-        call = dict(kwargs)
-        if args:
-            call["input_ids"] = args[0]
-        elif "inputs" in call:
-            call["input_ids"] = call.pop("inputs")
-        user_config = call.pop("generation_config", None)
         try:
-            gc, model_kwargs = prepare_generation_config(model, user_config, call)
+            gc, model_kwargs = _prepared(model, args, kwargs)
         except Exception as e:  # transformers raises the same error again on its own path
             reason = f"generation config not understood ({type(e).__name__}: {e})"
         else:
-            ids = model_kwargs.get("input_ids")
-            if (gc.max_new_tokens is None and call.get("max_length") is None and ids is not None
-                    and (user_config is None or user_config.max_length is None)
-                    and model.generation_config.max_length is None):
-                # transformers' default length: max_length more tokens, capped by max_position_embeddings
-                limit = gc.max_length + ids.shape[-1]
-                max_pos = getattr(model.config, "max_position_embeddings", None)
-                gc.max_new_tokens = (min(limit, max_pos) if max_pos else limit) - ids.shape[-1]
             if speculative is not None:  # the assisted options that asked for it (transformers may re-apply
                 gc.prompt_lookup_num_tokens = None  # the model's own generation config's values)
                 gc.assistant_early_exit = None
@@ -211,13 +234,24 @@ def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | 
     return out
 
 
+def _prepared_config(model, args, kwargs):
+    """:func:`_prepared`'s GenerationConfig, or None where transformers cannot prepare the call (its own loop
+    then raises the error)."""
+    try:
+        return _prepared(model, args, kwargs)[0]
+    except Exception:
+        return None
+
+
 def paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):
     """Fast path (speculative where asked), else ``original_generate`` with a fresh PagedCache, unless
-    :func:`_skip_reason` applies."""
+    :func:`_skip_reason` applies. Those decisions read the call's prepared generation config (the model's
+    generation config merged into a caller's ``generation_config``, as transformers' loop reads it)."""
     model._hf_accel_spec_stats = None  # set again only by a call that decodes speculatively
     call_spec, rest, assisted_reason = assisted_config(model, kwargs)
     if call_spec is not None and engine is not None:
-        reason = _skip_reason(model, args, rest, assisted_handled=True, engine=engine)
+        reason = _skip_reason(model, args, rest, assisted_handled=True, engine=engine,
+                              gc=_prepared_config(model, args, rest))
         out = None if reason is not None else _try_fast(model, engine, args, rest, speculative=call_spec)
         if out is not None:
             return out
@@ -226,13 +260,16 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         return original_generate(*args, **kwargs)
     if assisted_reason is not None:
         log_once(f"assisted-stock:{assisted_reason}", f"hf-accel: transformers' assisted generation runs: {assisted_reason}")
+    gc = _prepared_config(model, args, kwargs)
+    if gc is None:  # transformers' own loop raises why
+        return original_generate(*args, **kwargs)
     if call_spec is None and assisted_reason is None and engine is not None and speculative is not None:
-        reason = _skip_reason(model, args, kwargs, engine=engine)
+        reason = _skip_reason(model, args, kwargs, engine=engine, gc=gc)
         if reason is None:
             out = _try_fast(model, engine, args, kwargs, speculative=speculative)
             if out is not None:
                 return out
-    reason = _skip_reason(model, args, kwargs, engine=engine)
+    reason = _skip_reason(model, args, kwargs, engine=engine, gc=gc)
     if reason is not None:
         log_once(f"generate-skip:{reason}", f"hf-accel: generate keeps transformers' cache: {reason}")
         return original_generate(*args, **kwargs)
@@ -243,15 +280,18 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
     if _passed_cache(kwargs) is not None:  # a PagedCache the fast path did not take (reason logged)
         log_once("generate-passed-paged", "hf-accel: generate continues the caller's PagedCache in transformers' loop")
         return original_generate(*args, **kwargs)
-    num_blocks = _blocks_needed(model, args, kwargs, block_size)
+    num_blocks = _blocks_needed(gc, _input_ids(args, kwargs), block_size)
     fit = paged_cache.blocks_that_fit(model.device, paged_cache.kv_block_bytes(
         model.config, block_size, next(model.parameters()).dtype))
+    # sized for the call as transformers' loop will run it; growable, so that an answer longer than that estimate
+    # (an option read in a way this estimate does not know) costs a copy of the pools, not an error
+    growable = True
     if fit is not None and num_blocks > fit:
         log_once(f"pool-fit:{fit}", f"hf-accel: the KV cache of prompt + max_new_tokens ({num_blocks} blocks) does "
                  f"not fit in free device memory: the PagedCache gets {max(fit, 1)} blocks, and an answer that "
                  "outgrows them raises OutOfBlocksError")
-        num_blocks = max(fit, 1)
-    cache = PagedCache(model.config, num_blocks=num_blocks, block_size=block_size)
+        num_blocks, growable = max(fit, 1), False
+    cache = PagedCache(model.config, num_blocks=num_blocks, block_size=block_size, growable=growable)
     log_once("generate-paged", f"hf-accel: generate uses PagedCache (block_size {block_size})")
     returned = False
     try:

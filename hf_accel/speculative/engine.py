@@ -559,7 +559,7 @@ class SpeculativeEngine:
                 if streamer is not None:
                     after = st.lengths[:batch]
                     if int(after[0]) > int(before[0]):
-                        streamer.put(st.tokens[0, int(before[0]): int(after[0])].cpu())
+                        streamer.put(st.tokens[:1, int(before[0]): int(after[0])].cpu())  # [1, n], as transformers' assisted loop
             if deferred is not None:
                 self._update_gated(chooser, *deferred)
             if streamer is not None:

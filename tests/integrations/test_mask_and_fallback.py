@@ -310,3 +310,62 @@ def test_each_reason_logged_once_per_process(tiny, hf_log):
     assert len(_messages(hf_log, "fallback", "training")) == 1
     assert len(_messages(hf_log, "fallback", "output_attentions")) == 1
     assert not _messages(hf_log, "fallback", "autograd")
+
+
+# --- the call's generation config as transformers' loop reads it ----------------------------------------------
+
+
+def _tiny_llama(tiny, seed):
+    model = tiny.model("llama", seed=seed)
+    model.generation_config.pad_token_id = tiny.PAD
+    return model
+
+
+def test_model_generation_config_merged_into_a_callers_config(tiny, hf_log):
+    """Options set on the model's generation config (use_cache=False, num_beams, num_return_sequences,
+    cache_implementation) apply to a call that passes its own GenerationConfig, as transformers merges them: the
+    call keeps transformers' loop where they say so, and a PagedCache sized for the call's rows and length."""
+    from transformers import GenerationConfig
+
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    cases = [
+        ({"use_cache": False}, dict(max_new_tokens=6)),
+        ({"num_beams": 3}, dict(max_new_tokens=40)),
+        ({"cache_implementation": "static"}, dict(max_new_tokens=6)),
+    ]
+    for settings, call in cases:
+        stock = _tiny_llama(tiny, 7)
+        for key, value in settings.items():
+            setattr(stock.generation_config, key, value)
+        ours = accelerate_model(copy.deepcopy(stock))
+        with torch.no_grad():
+            want = stock.generate(ids, generation_config=GenerationConfig(**call))
+            got = ours.generate(ids, generation_config=GenerationConfig(**call))
+        assert torch.equal(got, want), settings
+    stock = _tiny_llama(tiny, 8)
+    stock.generation_config.num_return_sequences = 3
+    stock.generation_config.do_sample = True
+    ours = accelerate_model(copy.deepcopy(stock))
+    with torch.no_grad():
+        out = ours.generate(ids, generation_config=GenerationConfig(max_new_tokens=30, min_new_tokens=30, min_p=0.1,
+                                                                    do_sample=True))
+    assert out.shape == (3, 42)
+
+
+@pytest.mark.parametrize("options", [dict(no_repeat_ngram_size=2), dict(do_sample=True, min_p=0.1)])
+def test_a_fallback_call_without_a_length_gets_transformers_default(options, tiny):
+    """No length given and a 40-token prompt: transformers' loop generates its default number of new tokens (the
+    PagedCache was sized as max_length - prompt length, 0 here, and ran out of blocks)."""
+    stock = _tiny_llama(tiny, 9)
+    stock.generation_config.eos_token_id = None
+    ours = accelerate_model(copy.deepcopy(stock))
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        want = stock.generate(ids, **options)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        got = ours.generate(ids, **options)
+    assert got.shape == want.shape and got.shape[1] > 40
+    if not options.get("do_sample"):
+        assert torch.equal(got, want)

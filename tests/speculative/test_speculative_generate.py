@@ -291,6 +291,8 @@ def test_streamer_gets_every_committed_token_once(tiny):
     assert rec.ends == 1 and torch.equal(rec.puts[0], ids)
     assert torch.cat([p.flatten() for p in rec.puts[1:]]).tolist() == out[0, ids.shape[1]:].tolist()
     assert any(p.numel() > 1 for p in rec.puts[1:])  # several tokens per verify step
+    # shapes as transformers' loops put them: the first token [batch], a verify step's tokens [1, n]
+    assert rec.puts[1].dim() == 1 and all(p.dim() == 2 and p.shape[0] == 1 for p in rec.puts[2:])
 
 
 def test_streamer_with_several_rows_takes_the_plain_fast_path(tiny, hf_log):
@@ -610,6 +612,12 @@ def test_per_call_assisted_arguments_follow_each_call(tiny, hf_log):
     assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD, eos_token_id=None, assistant_early_exit=LAYERS),
                        greedy(model, ids[:1], mask[:1], tiny.PAD, eos_token_id=None))
     assert _messages(hf_log, f"assistant_early_exit={LAYERS} is not below the model's {LAYERS} layers")
+    # past the last layer: refused before transformers' loop changes the model config for its draft
+    with pytest.raises(ValueError, match=f"assistant_early_exit={LAYERS + 1} is more than the model's {LAYERS} layers"):
+        greedy(ours, ids[:1], mask[:1], tiny.PAD, eos_token_id=None, assistant_early_exit=LAYERS + 1)
+    assert ours.config.num_hidden_layers == LAYERS
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, no_repeat_ngram_size=50),
+                       greedy(model, ids, mask, tiny.PAD, eos_token_id=None, no_repeat_ngram_size=50))
     # prompt lookup from the model's own generation config takes hf-accel's path too
     ours.generation_config.prompt_lookup_num_tokens = 3
     assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), stock)
