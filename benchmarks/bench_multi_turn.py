@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
+from hf_accel.engine.fast_generate import output_cache  # noqa: E402
 from hf_accel.models import load_model  # noqa: E402
 
 QUESTIONS = [
@@ -43,14 +44,6 @@ QUESTIONS = [
     "Which of the facts would a tourist care about most, and why?",
     "Thank you. Say goodbye in French.",
 ]
-
-
-def _cache_of(out):
-    for name in ("cache", "past_key_values"):
-        value = getattr(out, name, None)
-        if value is not None:
-            return value
-    return None
 
 
 def _sync():
@@ -81,7 +74,7 @@ def conversation(model, tok, turns: int, new_tokens: int, carry_cache: bool = Tr
             out = model.generate(**kw)
         _sync()
         seconds = time.perf_counter() - start
-        cache = _cache_of(out)
+        cache = output_cache(out)
         per_turn.append((out.sequences.shape[1] - ids.shape[1], seconds, ids.shape[1], cached))
     return per_turn, out.sequences
 

@@ -128,6 +128,16 @@ def passed_cache(model_kwargs) -> PagedCache | None:
     return None
 
 
+def output_cache(out):
+    """The cache a ``generate`` output carries (``out.cache`` in transformers >= 5.2x, ``out.past_key_values``
+    before), or None (a tensor output, or no cache)."""
+    for name in _CACHE_NAMES[::-1]:
+        value = getattr(out, name, None)
+        if value is not None:
+            return value
+    return None
+
+
 def _slots(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
     """Pool slots (int64, CPU) of token positions ``start .. end - 1`` of a sequence whose block table is
     ``table``: block ``table[p // block_size]``, offset ``p % block_size``."""

@@ -29,6 +29,7 @@ from transformers.generation import utils as _gen_utils
 from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
+from hf_accel.engine.fast_generate import output_cache
 from hf_accel.integrations.generation_config import prepare_generation_config
 from hf_accel.speculative.config import SpeculativeConfig
 
@@ -298,7 +299,7 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         out = original_generate(*args, **{CACHE_KWARG: cache}, **kwargs)
         # return_dict_in_generate: the caller gets the cache, filled, to pass back for the next turn (as
         # transformers' own DynamicCache); it grows from then on, since its pool was sized for this call
-        returned = any(v is cache for v in (getattr(out, name, None) for name in ("past_key_values", "cache")))
+        returned = output_cache(out) is cache
         if returned:
             cache.growable = True
         return out

@@ -23,6 +23,7 @@ import hf_accel.integrations.attention as hf_attn
 import hf_accel.integrations.generate as gen_mod
 from hf_accel import accelerate_model
 from hf_accel.cache import OutOfBlocksError, PagedCache
+from hf_accel.engine.fast_generate import output_cache
 from hf_accel.integrations.generate import CACHE_KWARG, last_cache_stats
 from hf_accel.kernels.paged_attention import gather_kv, paged_attention
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache
@@ -785,15 +786,6 @@ def test_a_config_that_is_not_a_transformers_config_raises(config):
 # --- a cache generate returns, passed back for the next turn ---------------------------------------------
 
 
-def _cache_of(out):
-    """The cache a generate output carries (``cache`` in newer transformers, ``past_key_values`` before)."""
-    for name in ("cache", "past_key_values"):
-        value = getattr(out, name, None)
-        if value is not None:
-            return value
-    return None
-
-
 @pytest.mark.parametrize("loop", ["transformers", "fast"])
 @pytest.mark.parametrize("lengths", [(9,), (11, 6, 3)])
 def test_returned_cache_continues_the_next_turn_like_stock(loop, lengths, tiny, one_thread):
@@ -808,7 +800,7 @@ def test_returned_cache_continues_the_next_turn_like_stock(loop, lengths, tiny, 
     for m in (stock, model):
         with torch.no_grad():
             first = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, **kw)
-            cache = _cache_of(first)
+            cache = output_cache(first)
             assert cache is not None and cache.get_seq_length() == ids.shape[1] + 4
             more = _tokens(52, len(lengths), 7)
             ids2 = torch.cat([first.sequences, more], 1)
@@ -908,9 +900,9 @@ def test_returned_cache_passed_to_a_stock_model(tiny, one_thread):
         assert torch.equal(a.sequences, b.sequences)
         ids2 = torch.cat([a.sequences, _tokens(69, 3, 4)], 1)
         mask2 = torch.cat([mask, torch.ones(3, ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
-        want = stock.generate(input_ids=ids2, attention_mask=mask2, **{CACHE_KWARG: _cache_of(a)}, **kw)
-        got = stock.generate(input_ids=ids2, attention_mask=mask2, **{CACHE_KWARG: _cache_of(b)}, **kw)
-    assert isinstance(_cache_of(b), PagedCache) and torch.equal(got.sequences, want.sequences)
+        want = stock.generate(input_ids=ids2, attention_mask=mask2, **{CACHE_KWARG: output_cache(a)}, **kw)
+        got = stock.generate(input_ids=ids2, attention_mask=mask2, **{CACHE_KWARG: output_cache(b)}, **kw)
+    assert isinstance(output_cache(b), PagedCache) and torch.equal(got.sequences, want.sequences)
 
 
 def test_row_selections_are_checked_on_an_empty_cache_too(tiny):

@@ -14,18 +14,9 @@ from transformers import DynamicCache
 
 from hf_accel import accelerate_model
 from hf_accel.cache import PagedCache
-from hf_accel.engine.fast_generate import FastEngine
+from hf_accel.engine.fast_generate import FastEngine, output_cache
 
 FAST_RUNS = "generate runs the fast decode path"
-
-
-def _cache_of(out):
-    """The cache a generate output carries (``cache`` in newer transformers, ``past_key_values`` before)."""
-    for name in ("cache", "past_key_values"):
-        value = getattr(out, name, None)
-        if value is not None:
-            return value
-    return None
 
 
 def _tokens(seed, batch, n):
@@ -59,7 +50,7 @@ def _turns(model, cache_kwarg, ids, mask, pad, eos, new_per_turn=(7, 4), max_new
         with torch.no_grad():
             out = model.generate(**call)
         outs.append(out)
-        cache = _cache_of(out)
+        cache = output_cache(out)
         if turn < len(new_per_turn):
             more = _tokens(70 + turn, ids.shape[0], new_per_turn[turn])
             grown = out.sequences.shape[1] - mask.shape[1]
@@ -78,7 +69,7 @@ def _reference_kv(model, sequences, mask):
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with torch.no_grad():
         out = stock(input_ids=sequences, attention_mask=mask, position_ids=position_ids, use_cache=True)
-    cache = _cache_of(out)
+    cache = output_cache(out)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -113,11 +104,11 @@ def test_turns_on_the_fast_path_equal_stock(model_type, lengths, tiny, fast_call
     assert len(fast_calls) == 3
     for a, b in zip(want, got):
         assert torch.equal(a.sequences, b.sequences), f"\nstock:\n{a.sequences}\nours:\n{b.sequences}"
-        assert isinstance(_cache_of(b), PagedCache)
-    assert _cache_of(got[2]).get_seq_length() == got[2].sequences.shape[1] - 1  # one object: the last length
-    assert _cache_of(want[2]).get_seq_length() == want[2].sequences.shape[1] - 1
-    assert _cache_of(got[1]) is _cache_of(got[0]) is _cache_of(got[2])
-    _cache_of(got[2]).manager.check()
+        assert isinstance(output_cache(b), PagedCache)
+    assert output_cache(got[2]).get_seq_length() == got[2].sequences.shape[1] - 1  # one object: the last length
+    assert output_cache(want[2]).get_seq_length() == want[2].sequences.shape[1] - 1
+    assert output_cache(got[1]) is output_cache(got[0]) is output_cache(got[2])
+    output_cache(got[2]).manager.check()
 
 
 def test_returned_cache_holds_the_kv_of_a_fresh_forward(tiny, fast_calls):
@@ -132,7 +123,7 @@ def test_returned_cache_holds_the_kv_of_a_fresh_forward(tiny, fast_calls):
     full_mask = torch.cat([mask, torch.ones(3, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
     length = seq.shape[1] - 1
     ref = _reference_kv(model, seq[:, :-1], full_mask[:, :-1])
-    cache = _cache_of(outs[-1])
+    cache = output_cache(outs[-1])
     keep = full_mask[:, None, :length, None].bool()
     for layer, (k_ref, v_ref) in enumerate(ref):
         k, v = _paged_kv(cache, layer, length)
@@ -190,7 +181,7 @@ def test_sampling_turns_keep_the_cache_consistent(tiny, fast_calls):
     ref = _reference_kv(model, seq[:, :-1], full_mask[:, :-1])
     keep = full_mask[:, None, : seq.shape[1] - 1, None].bool()
     for layer, (k_ref, _) in enumerate(ref):
-        k, _ = _paged_kv(_cache_of(outs[-1]), layer, seq.shape[1] - 1)
+        k, _ = _paged_kv(output_cache(outs[-1]), layer, seq.shape[1] - 1)
         torch.testing.assert_close(k * keep, k_ref * keep, rtol=1e-4, atol=1e-5)
 
 
@@ -211,7 +202,7 @@ def test_caches_the_fast_path_cannot_take_fall_back_with_the_reason(tiny, hf_log
     mask2 = torch.ones_like(ids2)
     mask2[:, : mask.shape[1]] = mask
     with pytest.raises(ValueError, match="holds 1 sequences but the batch has 3 rows"), torch.no_grad():
-        model.generate(**dict(kw, input_ids=ids2, attention_mask=mask2), **{name: _cache_of(one_row)})
+        model.generate(**dict(kw, input_ids=ids2, attention_mask=mask2), **{name: output_cache(one_row)})
     assert any("the passed PagedCache holds 1 sequences and the batch has 3 rows" in r.getMessage()
                for r in hf_log.records)
     small = PagedCache(model.config, num_blocks=3, block_size=4)
@@ -219,13 +210,13 @@ def test_caches_the_fast_path_cannot_take_fall_back_with_the_reason(tiny, hf_log
         model.generate(**kw, **{name: small})
     assert any("not growable) has 3 free blocks" in r.getMessage() for r in hf_log.records)
     with torch.no_grad():
-        scored = model.generate(**dict(kw, input_ids=ids2, attention_mask=mask2), **{name: _cache_of(first)},
+        scored = model.generate(**dict(kw, input_ids=ids2, attention_mask=mask2), **{name: output_cache(first)},
                                 return_dict_in_generate=True, output_scores=True)
         want = stock.generate(**dict(kw, input_ids=ids2, attention_mask=mask2), return_dict_in_generate=True,
                               output_scores=True)
     assert len(fast_calls) == 2
     assert torch.equal(scored.sequences, want.sequences) and len(scored.scores) == 5
-    assert _cache_of(scored) is _cache_of(first)
+    assert output_cache(scored) is output_cache(first)
 
 
 def test_a_dynamic_cache_still_runs_transformers_loop(tiny, hf_log, fast_calls):
