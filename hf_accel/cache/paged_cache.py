@@ -167,6 +167,7 @@ class PagedLayer(CacheLayerMixin):
         batch, num_kv_heads, q_len, head_dim = key_states.shape
         if self.layer_idx == 0:  # a new forward: refuse a partial step before anything changes
             self._cache._check_whole_steps()
+            self._cache._make_writable()
         step = self._cache._prepare_step(self.length, q_len, batch, key_states.device)
         k = key_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
         v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
@@ -300,6 +301,15 @@ class PagedCache(Cache):
         fix = (f"cache.crop({done}) drops the partial step (the caller's inputs must start at token {done} again)"
                if done else "no step completed: cache.release() empties the cache")
         return f"Its layers hold {shown} tokens: a forward failed part-way after some layers wrote their K/V; {fix}"
+
+    def _make_writable(self) -> None:
+        """Outside ``torch.inference_mode``, replace pools created inside it (inference tensors, which refuse
+        in-place writes there: a cache filled under inference mode, then continued without it) by copies."""
+        if torch.is_inference_mode_enabled():
+            return
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.is_inference():
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
 
     def _check_whole_steps(self) -> None:
         """RuntimeError when the layers hold different token counts (a forward failed part-way: an error or an

@@ -738,18 +738,21 @@ class FastEngine:
 
     def _export(self, target: PagedCache, keep: int, batch: int) -> None:
         """Write the K/V of token positions ``target.get_seq_length() .. keep - 1`` of this call's rows from the
-        engine's pools into ``target`` (room checked by :meth:`check`, or ``target.growable``)."""
-        if not all(layer.is_initialized for layer in target.layers):
-            attn0 = self.model.model.layers[0].self_attn
-            target.allocate_pools(self.model.config.num_key_value_heads, attn0.head_dim,
-                                  next(self.model.parameters()).dtype, self.device)
-        m = target.manager
-        if not target.seq_ids:
-            target.seq_ids = [m.allocate(0) for _ in range(batch)]
-        start = target.get_seq_length()
-        need = sum(m.blocks_needed(s, keep - start) for s in target.seq_ids)
-        if need > m.num_free_blocks:
-            target._grow(max(need - m.num_free_blocks, m.num_blocks))
+        engine's pools into ``target`` (room checked by :meth:`check`, or ``target.growable``). Its pools are
+        created (or grown) as ordinary tensors, not inference tensors: the caller may continue the cache outside
+        ``torch.inference_mode`` (transformers' loop writes into it in place)."""
+        with torch.inference_mode(False):
+            if not all(layer.is_initialized for layer in target.layers):
+                attn0 = self.model.model.layers[0].self_attn
+                target.allocate_pools(self.model.config.num_key_value_heads, attn0.head_dim,
+                                      next(self.model.parameters()).dtype, self.device)
+            m = target.manager
+            if not target.seq_ids:
+                target.seq_ids = [m.allocate(0) for _ in range(batch)]
+            start = target.get_seq_length()
+            need = sum(m.blocks_needed(s, keep - start) for s in target.seq_ids)
+            if need > m.num_free_blocks:
+                target._grow(max(need - m.num_free_blocks, m.num_blocks))
         copies = []
         for s in target.seq_ids:
             copies += m.append(s, keep - start)

@@ -242,3 +242,34 @@ def test_speculative_model_runs_multi_turn_calls_on_the_plain_fast_path(tiny, hf
         assert torch.equal(a.sequences, b.sequences)
     assert any("speculative decoding not used: a passed cache or return_dict_in_generate" in r.getMessage()
                for r in hf_log.records)
+
+
+@pytest.mark.parametrize("loop", ["fast", "transformers"])
+def test_a_cache_filled_under_inference_mode_continues_outside_it(loop, tiny):
+    """A cache filled inside ``torch.inference_mode`` (the fast path's own, or the caller's) holds inference
+    tensors, which refuse in-place writes outside it: a next turn that runs transformers' loop (output_scores
+    here) outside inference mode, with free blocks left in the cache, gets stock's tokens and scores."""
+    stock = tiny.model("llama", seed=97)
+    model = accelerate_model(copy.deepcopy(stock), fast_decode=loop == "fast")
+    ids = _tokens(98, 1, 6)
+    name = tiny.cache_kwarg(model)
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, pad_token_id=tiny.PAD)
+    with torch.inference_mode():
+        first = model.generate(ids, **kw, **{name: PagedCache(model.config, num_blocks=64, block_size=4)})
+    with torch.no_grad():
+        want1 = stock.generate(ids, **kw)
+        ids2 = torch.cat([want1.sequences, _tokens(99, 1, 3)], 1)
+        want = stock.generate(ids2, output_scores=True, **kw, **{name: output_cache(want1)})
+        got = model.generate(ids2, output_scores=True, **kw, **{name: output_cache(first)})
+    assert torch.equal(first.sequences, want1.sequences) and torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_fast_path_returns_ordinary_tensors(tiny):
+    """The pools of a cache the fast path returns (it runs under inference mode) are not inference tensors."""
+    model = accelerate_model(tiny.model("llama", seed=100))
+    with torch.no_grad():
+        out = model.generate(_tokens(101, 2, 5), max_new_tokens=4, do_sample=False, pad_token_id=tiny.PAD,
+                             return_dict_in_generate=True)
+    assert not any(layer.keys.is_inference() or layer.values.is_inference() for layer in output_cache(out).layers)
