@@ -723,7 +723,8 @@ def build_app(store: ModelStore, *, default_model: str | None = None, default_ma
                 for f in feats:
                     with gr.Column(min_width=220):
                         box = gr.Checkbox(value=f.default, label=f.label, info=f.info, elem_id=f"feature-{f.key}")
-                        setting = (gr.Number(value=f.setting_default, precision=0, label=f.setting_label,
+                        # no precision=0: Gradio would round 1.5 to 2 before parse_int could refuse it
+                        setting = (gr.Number(value=f.setting_default, label=f.setting_label,
                                              elem_id=f"feature-{f.key}-setting")
                                    if f.setting_label else gr.State(None))
                     feature_inputs += [box, setting]
@@ -877,6 +878,26 @@ def run_comparison(store: ModelStore, feats, model_path, prompt_text, n_new, dec
 from hf_accel.demo_launch import add_arguments  # noqa: E402  (one definition of the options)
 
 
+def listen_problem(host: str, port: int) -> str | None:
+    """Why the page cannot be served on ``host``:``port`` (None: a socket binds there now), in terms of the
+    launcher's flags: Gradio's own message names its port search and ``launch()`` arguments instead."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"--host {host!r} is not an address of this machine ({getattr(e, 'strerror', None) or e})"
+    error = None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            try:
+                sock.bind(address)
+                return None
+            except OSError as e:
+                error = e
+    return f"cannot listen on {host}:{port} ({error.strerror or error}): choose another --port or --host"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hf-accel demo", description="Stock HF generate vs hf-accel, side by side.")
     add_arguments(parser)
@@ -886,7 +907,7 @@ def main(argv=None) -> int:
         import gradio  # noqa: F401
         import pandas  # noqa: F401
     except ImportError:
-        print("hf-accel demo: error: gradio is not installed; run: pip install 'hf-accel[demo]'", file=sys.stderr)
+        print("hf-accel demo: error: gradio is not installed; run: pip install 'hf-accel[demo]' (in a clone: pip install -e '.[demo]')", file=sys.stderr)
         return 2
     try:
         device = pick_device(args.device)
@@ -896,6 +917,10 @@ def main(argv=None) -> int:
     if args.max_new_tokens is not None and not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
         print(f"hf-accel demo: error: --max-new-tokens must be between 1 and {MAX_NEW_TOKENS} "
               f"(got {args.max_new_tokens})", file=sys.stderr)
+        return 2
+    problem = listen_problem(args.host, args.port)
+    if problem:
+        print(f"hf-accel demo: error: {problem}", file=sys.stderr)
         return 2
     n_default = args.max_new_tokens or (32 if device.device == "cpu" else 128)
     store = ModelStore(device)

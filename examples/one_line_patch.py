@@ -11,7 +11,7 @@ import torch
 from transformers import TextStreamer
 
 from hf_accel import accelerate_model
-from hf_accel.models import load_model
+from hf_accel.models import ModelNotFoundError, load_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=None, help="local HF model directory or .gguf (default: embedded SmolLM2)")
@@ -21,7 +21,10 @@ logging.basicConfig(level=logging.INFO, format="%(message)s")  # shows what hf-a
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
-model, tokenizer = load_model(args.model, dtype=dtype, device=device)  # or AutoModelForCausalLM.from_pretrained(...)
+try:
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)  # or AutoModelForCausalLM.from_pretrained(...)
+except ModelNotFoundError as e:
+    parser.error(str(e))
 
 model = accelerate_model(model)  # <- the one line
 

@@ -15,7 +15,7 @@ from pydoc_data.topics import topics
 
 import hf_accel
 from hf_accel import accelerate_model
-from hf_accel.models import load_model
+from hf_accel.models import ModelNotFoundError, load_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=None, help="local HF model directory or .gguf (default: embedded SmolLM2)")
@@ -26,13 +26,18 @@ parser.add_argument("--max-new-tokens", type=int, default=96)
 args = parser.parse_args()
 if args.method is not None and args.draft_model is not None:
     parser.error("give either --method or --draft-model, not both")
+if args.max_new_tokens < 1:
+    parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
-model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-if args.draft_model:
-    speculative = load_model(args.draft_model, dtype=dtype, device=device)[0]
-else:
+try:
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    if args.draft_model:  # the draft shares the target's tokenizer: its folder needs no tokenizer files
+        speculative = load_model(args.draft_model, dtype=dtype, device=device, tokenizer=False)[0]
+except ModelNotFoundError as e:
+    parser.error(str(e))
+if not args.draft_model:
     speculative = args.method or "prompt_lookup"
 
 model = accelerate_model(model, speculative=speculative)  # <- the one line, with speculative decoding

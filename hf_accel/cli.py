@@ -57,9 +57,7 @@ def _add_generate(sub):
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding with this draft model (local directory or .gguf, same tokenizer)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results to this JSON file")
-    # -v after the subcommand too (SUPPRESS: absent here leaves the top-level flag's value)
-    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="log what hf-accel patches and which path runs")
+    _add_verbose(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -221,12 +219,19 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _add_verbose(p) -> None:
+    """-v after the subcommand too (SUPPRESS: absent there leaves the top-level flag's value)."""
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log what hf-accel patches and which path runs")
+
+
 def _add_optional(sub, name, module, help_text, load: bool):
     """A subcommand whose implementation lives in its own module, imported only when ``load`` (the command
     line names it): its imports (torch) then wait until it runs."""
     import importlib
 
     p = sub.add_parser(name, help=help_text)
+    _add_verbose(p)
     if not load:
         return
     try:

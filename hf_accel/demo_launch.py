@@ -75,7 +75,7 @@ def run(args) -> int:
               f"(pip install -e '.[demo]') or set {DEMO_APP_ENV} to the file", file=sys.stderr)
         return EXIT_USAGE
     if importlib.util.find_spec("gradio") is None:
-        print("hf-accel demo: error: gradio is not installed; run: pip install 'hf-accel[demo]'", file=sys.stderr)
+        print("hf-accel demo: error: gradio is not installed; run: pip install 'hf-accel[demo]' (in a clone: pip install -e '.[demo]')", file=sys.stderr)
         return EXIT_USAGE
     spec = importlib.util.spec_from_file_location("hf_accel_demo_app", app_path)
     module = importlib.util.module_from_spec(spec)

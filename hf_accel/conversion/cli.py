@@ -15,6 +15,7 @@ Errors print one line to stderr and return 2. A write that fails removes what it
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -27,6 +28,9 @@ PROG = "hf-accel convert-gqa"
 
 class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
+
+
+DEFAULT_CONTEXT_LENGTH = 512  # tokens per perplexity / calibration window
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-tokens", type=int, default=4096, help="calibration tokens used (default 4096)")
     parser.add_argument("--eval-tokens", type=int, default=4096,
                         help="perplexity tokens from the pydoc topics text; 0 skips perplexity (default 4096)")
-    parser.add_argument("--context-length", type=int, default=512, help="perplexity / calibration window (512)")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="perplexity / calibration window (default 512, or the model's positions if fewer)")
     parser.add_argument("--recovery-steps", type=int, default=0,
                         help="LoRA recovery fine-tune steps on the calibration text (default 0: none)")
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens generated for decode tok/s (CUDA)")
@@ -138,6 +143,23 @@ def _write_checkpoint(model, tokenizer, out: Path) -> None:
         raise
 
 
+def _check_out(out: Path, overwrite: bool) -> None:
+    """CliError before any work when ``--out`` cannot become the checkpoint directory: a file, a non-empty
+    directory without ``--overwrite``, or a path under a file or an unwritable directory."""
+    if out.exists():
+        if not out.is_dir():
+            raise CliError(f"--out {str(out)!r} is a file, not a directory")
+        if any(out.iterdir()) and not overwrite:
+            raise CliError(f"--out {str(out)!r} exists and is not an empty directory (pass --overwrite to reuse it)")
+        parent = out
+    else:
+        parent = next((p for p in out.absolute().parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise CliError(f"--out {str(out)!r} cannot be created: {str(parent)!r} is a file")
+    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+        raise CliError(f"--out {str(out)!r} cannot be written: no write permission in {str(parent)!r}")
+
+
 def _run(args) -> int:
     from hf_accel.conversion.gqa import _check_model, check_num_kv_heads, convert_to_gqa, kv_head_choices
     from hf_accel.conversion.recovery import recover_with_lora
@@ -145,9 +167,9 @@ def _run(args) -> int:
     from hf_accel.models.loading import load_config, load_model
 
     for name in ("calibration_tokens", "context_length", "decode_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if args.context_length < 2:  # perplexity predicts each token from those before it in the window
+    if args.context_length is not None and args.context_length < 2:  # perplexity predicts each token from those before it in the window
         raise CliError(f"--context-length must be >= 2; got {args.context_length}")
     if args.num_kv_heads < 1:  # before the model loads (its own head count is checked after)
         raise CliError(f"--num-kv-heads must be >= 1; got {args.num_kv_heads}")
@@ -158,8 +180,7 @@ def _run(args) -> int:
     if not args.out.strip():  # Path("") is the current directory
         raise CliError("--out must name a directory; got an empty string")
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.overwrite)):
-        raise CliError(f"--out {str(out)!r} exists and is not an empty directory (pass --overwrite to reuse it)")
+    _check_out(out, args.overwrite)
     device = _pick_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     calibration = None
@@ -167,12 +188,21 @@ def _run(args) -> int:
         path = Path(args.calibration_file)
         if not path.is_file():
             raise CliError(f"--calibration-file {str(path)!r} is not a file")
-        calibration = path.read_text(encoding="utf-8")
+        try:
+            calibration = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CliError(f"--calibration-file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
     model_arg = None if args.model in (None, "default") else args.model
     config = load_config(model_arg)  # seconds: a count the model cannot take is refused before its load
     if getattr(config, "num_key_value_heads", None) and getattr(config, "num_attention_heads", None):
         check_num_kv_heads(config, args.num_kv_heads)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if args.context_length is None:
+        args.context_length = min(DEFAULT_CONTEXT_LENGTH, max_pos) if max_pos else DEFAULT_CONTEXT_LENGTH
+    elif max_pos and args.context_length > max_pos:  # windows past the trained positions: meaningless perplexity
+        raise CliError(f"--context-length {args.context_length} is more than the model's {max_pos} positions "
+                       "(max_position_embeddings)")
     t0 = time.perf_counter()
     model, tokenizer = load_model(model_arg, dtype=dtype, device=device)
     _check_model(model)  # a model type the conversion does not take: its one-line error before anything else

@@ -101,6 +101,40 @@ def test_short_context_length_is_refused_before_the_model_loads(tmp_path, capsys
     assert "--context-length must be >= 2; got 1" in err and "does not exist" not in err
 
 
+@pytest.mark.parametrize("kind", ["file", "under_file"])
+def test_an_out_path_that_cannot_be_a_directory_is_refused_before_the_model_loads(kind, tmp_path, capsys):
+    """--out naming a file, or a path under a file: refused first (was: after loading, measuring and converting,
+    with a raw OSError or an --overwrite hint that cannot help)."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    out = a_file if kind == "file" else a_file / "sub"
+    assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--out", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    want = "is a file, not a directory" if kind == "file" else f"cannot be created: {str(a_file)!r} is a file"
+    assert want in err and "does not exist" not in err and "--overwrite" not in err
+
+
+def test_a_calibration_file_that_is_not_utf8_is_named(model_dir, tmp_path, capsys):
+    bad = tmp_path / "cal.txt"
+    bad.write_bytes(b"abc\x8d\xff def")
+    rc = main(["--model", str(model_dir), "--out", str(tmp_path / "o"), *ARGS, "--num-kv-heads", "2",
+               "--method", "activation", "--calibration-file", str(bad)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and f"--calibration-file {str(bad)!r} is not UTF-8 text" in err
+
+
+def test_a_context_length_past_the_model_positions_is_refused_before_its_weights_load(model_dir, tmp_path, capsys,
+                                                                                         monkeypatch):
+    import hf_accel.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    max_pos = AutoModelForCausalLM.from_pretrained(model_dir).config.max_position_embeddings
+    rc = main(["--model", str(model_dir), "--out", str(tmp_path / "o"), "--num-kv-heads", "2", "--device", "cpu",
+               "--context-length", str(max_pos + 1)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and f"--context-length {max_pos + 1} is more than the model's {max_pos} positions" in err
+
+
 def test_unsupported_model_type_is_one_line_and_exit_2(tmp_path, capsys):
     """A GPT2 folder: the conversion's own error (no num_key_value_heads in its config to report)."""
     from transformers import GPT2Config, GPT2LMHeadModel

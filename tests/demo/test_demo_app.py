@@ -529,3 +529,18 @@ def test_slider_and_request_check_share_the_limit():
     assert len(sliders) == 1 and sliders[0].maximum == app.MAX_NEW_TOKENS and sliders[0].value == app.MAX_NEW_TOKENS
     assert app.validate_request("hi", app.MAX_NEW_TOKENS, "Greedy", 0.7, 0.9, "sequential")[1].max_new_tokens == \
         app.MAX_NEW_TOKENS
+
+
+def test_app_main_names_a_host_or_port_it_cannot_listen_on(capsys):
+    """Checked before the app is built, in the launcher's terms (Gradio's message named its port search)."""
+    import socket
+
+    assert app.main(["--host", "999.1.1.1", "--no-preload"]) == 2
+    assert "--host '999.1.1.1' is not an address of this machine" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert app.main(["--host", "127.0.0.1", "--port", str(port), "--no-preload"]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert app.listen_problem("127.0.0.1", 0) is None

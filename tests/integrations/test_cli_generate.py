@@ -44,6 +44,15 @@ def test_verbose_flag_after_the_subcommand():
     assert build_parser(argv).parse_args(argv).verbose is False
 
 
+@pytest.mark.parametrize("argv", [["convert-gqa", "--num-kv-heads", "1", "--out", "o"], ["demo"]])
+def test_verbose_flag_after_the_other_subcommands(argv):
+    from hf_accel.cli import build_parser
+
+    assert build_parser(argv).parse_args([*argv, "-v"]).verbose is True
+    assert build_parser(argv).parse_args(["-v", *argv]).verbose is True
+    assert build_parser(argv).parse_args(argv).verbose is False
+
+
 @pytest.mark.parametrize("argv", [["generate", "--prompt", " "], ["generate", "--prompt", "hi", "--dtype", "float64"],
                                   ["generate", "--prompt", "hi", "--model", "/nonexistent-model"], ["--help"]])
 def test_argument_errors_are_answered_before_torch_loads(argv):

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -14,3 +16,34 @@ def test_speculative_example_refuses_method_and_draft_model_together():
                           "--draft-model", "/nonexistent"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1].endswith("error: give either --method or --draft-model, not both")
+
+
+def _run(script, *args):
+    return subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_speculative_example_refuses_a_non_positive_length_before_loading():
+    run = _run("speculative_decoding.py", "--max-new-tokens", "0", "--model", "/nonexistent")
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1].endswith("error: --max-new-tokens must be >= 1, got 0")
+
+
+def test_examples_name_a_missing_model_in_one_line():
+    for script in ("one_line_patch.py", "speculative_decoding.py"):
+        run = _run(script, "--model", "/nonexistent/model")
+        assert run.returncode == 2, run.stderr
+        assert "Traceback" not in run.stderr and "/nonexistent/model" in run.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_speculative_example_takes_a_draft_folder_without_tokenizer_files(tmp_path, smollm2):
+    """The draft shares the target's tokenizer (README): a draft folder with config and weights only runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model, _ = smollm2
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=model.config.vocab_size)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("tokenizer*"))
+    run = _run("speculative_decoding.py", "--draft-model", str(tmp_path), "--max-new-tokens", "4")
+    assert run.returncode == 0, run.stderr[-2000:]
