@@ -535,6 +535,9 @@ def test_app_main_names_a_host_or_port_it_cannot_listen_on(capsys):
     """Checked before the app is built, in the launcher's terms (Gradio's message named its port search)."""
     import socket
 
+    pytest.importorskip("gradio")  # main refuses earlier without it
+    pytest.importorskip("pandas")
+
     assert app.main(["--host", "999.1.1.1", "--no-preload"]) == 2
     assert "--host '999.1.1.1' is not an address of this machine" in capsys.readouterr().err
     with socket.socket() as busy:
