@@ -193,10 +193,12 @@ class SpeculativeEngine:
         if model_kwargs.get("streamer") is not None and model_kwargs["input_ids"].shape[0] > 1:
             return ("a streamer with more than one row (a verify step commits a different number of tokens per "
                     "row; a streamer takes one token per row at a time)")
-        if passed_cache(model_kwargs) is not None or getattr(gc, "return_dict_in_generate", False):
-            # the returned cache must hold what transformers' loop leaves (also the K/V of the padding a finished
-            # row gets): the plain fast path writes exactly that
-            return "a passed cache or return_dict_in_generate (multi-turn calls)"
+        if ((passed_cache(model_kwargs) is not None or getattr(gc, "return_dict_in_generate", False))
+                and model_kwargs["input_ids"].shape[0] > 1):
+            # the returned cache must hold what transformers' loop leaves, also the K/V of the padding a row that
+            # finished first is fed while the others go on: verify steps stop a finished row instead (at batch 1
+            # every position before the last token holds the committed token's K/V)
+            return "a passed cache or return_dict_in_generate with more than one row (multi-turn batches)"
         if (gc.min_length or 0) > 0 or (gc.min_new_tokens or 0) > 0:
             return "min_length / min_new_tokens (their logits processor depends on each position's length)"
         if repetition_penalty(gc) is not None:
@@ -376,11 +378,14 @@ class SpeculativeEngine:
         Args:
             gc: the call's prepared ``GenerationConfig``.
             model_kwargs: ``input_ids`` [batch, prompt_len] int64 (left padded), optional ``attention_mask``
-                [batch, prompt_len] and ``streamer`` (batch 1).
+                [batch, prompt_len], ``streamer`` (batch 1) and a passed PagedCache (batch 1: a previous turn's,
+                continued as :meth:`FastEngine.start` does).
 
         Returns:
             [batch, prompt_len + new] int64 — prompt and new tokens, ``pad_token_id`` after a row's EOS, as
-            transformers returns them; ``self.last_stats`` holds the counters (see ``speculative_stats``).
+            transformers returns them (with ``return_dict_in_generate``, transformers' output class holding them
+            and the cache: ``FastEngine._output``); ``self.last_stats`` holds the counters (see
+            ``speculative_stats``).
 
         The caller holds the target's ``FastEngine.call_lock``; a draft model's engine lock is taken here
         (the draft's own ``generate`` calls in other threads wait).
@@ -412,7 +417,8 @@ class SpeculativeEngine:
         catch_up = cfg.method == "draft_model"
         if catch_up:
             lookahead = max(lookahead, width - prompt_len - max_new)
-        step, logits = fast.start(input_ids, attention_mask, max_new, lookahead=lookahead)
+        prefix = passed_cache(model_kwargs)  # batch 1 (check): the previous turn's cache, continued
+        step, logits = fast.start(input_ids, attention_mask, max_new, lookahead=lookahead, prefix=prefix)
         cache = fast.cache
         draft_cache = None
         try:
@@ -586,7 +592,7 @@ class SpeculativeEngine:
             }
             fast.last_stats = cache.memory_stats()
             generated = int((st.lengths[:batch] - prompt_len).max())
-            return st.tokens[:batch, : prompt_len + generated].clone()
+            return fast._output(gc, st.tokens[:batch, : prompt_len + generated].clone(), prefix)
         finally:
             cache.release()
             if draft_cache is not None:

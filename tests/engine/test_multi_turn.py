@@ -229,8 +229,8 @@ def test_a_dynamic_cache_still_runs_transformers_loop(tiny, hf_log, fast_calls):
     assert not fast_calls and torch.equal(out, tiny.greedy(stock, ids, mask, 4)[:, : out.shape[1]])
 
 
-def test_speculative_model_runs_multi_turn_calls_on_the_plain_fast_path(tiny, hf_log, fast_calls):
-    """A model accelerated with prompt lookup: a call returning its cache decodes on the plain fast path
+def test_speculative_model_runs_multi_turn_batches_on_the_plain_fast_path(tiny, hf_log, fast_calls):
+    """A model accelerated with prompt lookup: a batch call returning its cache decodes on the plain fast path
     (logged), with stock's tokens."""
     stock = tiny.model("llama", seed=95)
     ids, mask = tiny.batch(seed=96)
@@ -240,8 +240,8 @@ def test_speculative_model_runs_multi_turn_calls_on_the_plain_fast_path(tiny, hf
     assert len(fast_calls) == 2
     for a, b in zip(want, got):
         assert torch.equal(a.sequences, b.sequences)
-    assert any("speculative decoding not used: a passed cache or return_dict_in_generate" in r.getMessage()
-               for r in hf_log.records)
+    assert any("speculative decoding not used: a passed cache or return_dict_in_generate with more than one row"
+               in r.getMessage() for r in hf_log.records)
 
 
 @pytest.mark.parametrize("loop", ["fast", "transformers"])
@@ -273,3 +273,40 @@ def test_the_fast_path_returns_ordinary_tensors(tiny):
         out = model.generate(_tokens(101, 2, 5), max_new_tokens=4, do_sample=False, pad_token_id=tiny.PAD,
                              return_dict_in_generate=True)
     assert not any(layer.keys.is_inference() or layer.values.is_inference() for layer in output_cache(out).layers)
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "early_exit"])
+def test_speculative_turns_at_batch_1_equal_stock(method, tiny, fast_calls, monkeypatch):
+    """Batch 1 multi-turn calls decode speculatively: stock's tokens over three turns (prompts that repeat, so
+    drafts are accepted), and the returned cache holds the K/V of a fresh forward over the returned sequences
+    (the rejected drafts' K/V lie past the last committed token)."""
+    import hf_accel
+    from hf_accel.speculative import SpeculativeConfig
+    from hf_accel.speculative.engine import SpeculativeEngine
+
+    spec_calls = []
+    original = SpeculativeEngine.generate
+    monkeypatch.setattr(SpeculativeEngine, "generate", lambda self, gc, kw: spec_calls.append(1) or original(self, gc, kw))
+
+    stock = tiny.model("llama", seed=102, num_hidden_layers=3)
+    pattern = _tokens(103, 1, 6)
+    ids = pattern.repeat(1, 4)
+    mask = torch.ones_like(ids)
+    config = SpeculativeConfig(method, num_draft_tokens=4, adaptive=False,
+                               **({"exit_layer": 2} if method == "early_exit" else {}))
+    model = accelerate_model(copy.deepcopy(stock), speculative=config)
+    kw = dict(new_per_turn=(6, 6), max_new=(10, 10, 8))
+    want = _turns(stock, tiny.cache_kwarg(stock), ids, mask, tiny.PAD, eos=None, **kw)
+    got = _turns(model, tiny.cache_kwarg(model), ids, mask, tiny.PAD, eos=None, **kw)
+    assert len(spec_calls) == 3 and not fast_calls and hf_accel.speculative_stats(model)["verify_steps"] > 0
+    for a, b in zip(want, got):
+        assert torch.equal(a.sequences, b.sequences)
+    seq = got[-1].sequences
+    length = seq.shape[1] - 1
+    cache = output_cache(got[-1])
+    assert cache.get_seq_length() == length and output_cache(got[0]) is cache
+    ref = _reference_kv(model, seq[:, :-1], torch.ones_like(seq[:, :-1]))
+    for layer, (k_ref, v_ref) in enumerate(ref):
+        k, v = _paged_kv(cache, layer, length)
+        torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-5)

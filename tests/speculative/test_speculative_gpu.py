@@ -120,3 +120,39 @@ def test_eos_ids_changing_between_calls_in_graphs(method, tiny):
             plain = plain_model.generate(input_ids=ids, attention_mask=mask, eos_token_id=eos, **kwargs)
             out = ours.generate(input_ids=ids, attention_mask=mask, eos_token_id=eos, **kwargs)
         assert torch.equal(out, plain), eos
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "early_exit"])
+def test_multi_turn_at_batch_1_in_graphs_equals_the_plain_fast_path(method, tiny):
+    """Three turns passing the returned cache back, decoded speculatively (verify rounds in CUDA graphs on the
+    fused step, the prefix copied into the pools): the tokens of the plain fast path's turns."""
+    from hf_accel.engine.fast_generate import output_cache
+    from hf_accel.integrations.generate import CACHE_KWARG
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS).cuda()
+    ids, mask = _batch(tiny)
+    ids, mask = ids[:1], mask[:1]
+    plain_model = accelerate_model(copy.deepcopy(model))
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig(
+        method, num_draft_tokens=3, **({"exit_layer": 3} if method == "early_exit" else {})))
+
+    def turns(m):
+        x, a, cache, outs = ids, mask, None, []
+        for t in range(3):
+            kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tiny.PAD, eos_token_id=None,
+                      return_dict_in_generate=True)
+            if cache is not None:
+                kw[CACHE_KWARG] = cache
+            with torch.no_grad():
+                out = m.generate(input_ids=x, attention_mask=a, **kw)
+            cache = output_cache(out)
+            outs.append(out.sequences)
+            x = torch.cat([out.sequences, x[:, -5:]], 1)  # the new turn repeats recent text: drafts get accepted
+            a = torch.cat([a, torch.ones(1, x.shape[1] - a.shape[1], dtype=a.dtype, device=a.device)], 1)
+        return outs, cache
+
+    want, _ = turns(plain_model)
+    got, cache = turns(ours)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert speculative_stats(ours) is not None and cache.get_seq_length() == got[-1].shape[1] - 1
