@@ -1,6 +1,7 @@
 """Multi-turn chat with the KV cache carried between calls: stock transformers vs hf-accel, side by side.
 
-A conversation of several user turns on the real SmolLM2-135M-Instruct (bf16, embedded GGUF). Every turn calls
+A conversation of several user turns on the real SmolLM2-135M-Instruct (embedded GGUF; bf16 with ``--device cuda``, else
+float32). Every turn calls
 ``generate(input_ids=<the last output's sequences + the new user turn>, <cache>=<the last output's cache>,
 return_dict_in_generate=True, max_new_tokens=N)``, greedy, the model's own EOS, so each call prefills only the
 new turn and continues the cache, as a chat application does. Providers:
@@ -12,10 +13,11 @@ new turn and continues the cache, as a chat application does. Providers:
 * ``ours-hf-loop``: ``accelerate_model(model, fast_decode=False)``: transformers' loop on hf-accel's kernels and
   PagedCache (what multi-turn calls ran before the fast path took them).
 
-Reported per provider: new tokens, wall time and tok/s over the whole conversation (median of the timed passes),
-and whether its tokens equal stock's (bf16: not required).
+Reported per provider: tok/s of every timed pass and their median (``hf`` and ``ours-hf-loop`` run one timed pass),
+each pass's per-turn ms, and, from the first timed pass, the new tokens per turn and whether the tokens equal stock's
+(bf16: not required).
 
-    python benchmarks/bench_multi_turn.py [--turns 4] [--new-tokens 128] [--passes 3]
+    python benchmarks/bench_multi_turn.py [--turns 4] [--new-tokens 128] [--passes 3] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--passes", type=int, default=3, help="timed passes of ours-fast (the slow loops: 1)")
+    ap.add_argument("--passes", type=int, default=3, help="timed passes of ours-fast and ours-fast-no-cache (hf, ours-hf-loop: 1)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     dtype = "bfloat16" if args.device == "cuda" else "float32"

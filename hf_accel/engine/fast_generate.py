@@ -120,8 +120,8 @@ def call_inputs(gc, model_kwargs, input_ids):
     return attention_mask.to(input_ids.device), eos_list, pad
 
 
-def passed_cache(model_kwargs) -> PagedCache | None:
-    """The cache a call passed (``past_key_values=`` or ``cache=``), or None."""
+def passed_cache(model_kwargs):
+    """The cache object a call passed (any transformers ``Cache``: ``past_key_values=`` or ``cache=``), or None."""
     for name in _CACHE_NAMES:
         if model_kwargs.get(name) is not None:
             return model_kwargs[name]
@@ -129,8 +129,8 @@ def passed_cache(model_kwargs) -> PagedCache | None:
 
 
 def output_cache(out):
-    """The cache a ``generate`` output carries (``out.cache`` in transformers >= 5.2x, ``out.past_key_values``
-    before), or None (a tensor output, or no cache)."""
+    """The cache a ``generate`` output carries (``out.cache`` in newer transformers, ``out.past_key_values`` in
+    older ones), or None (a tensor output, or no cache)."""
     for name in _CACHE_NAMES[::-1]:
         value = getattr(out, name, None)
         if value is not None:
@@ -147,8 +147,9 @@ def _slots(table: list[int], start: int, end: int, block_size: int) -> torch.Ten
 
 def copy_kv(src: PagedCache, src_seqs: list[int], dst: PagedCache, dst_seqs: list[int], start: int, end: int) -> None:
     """Copy the K/V of token positions ``start .. end - 1`` of sequence ``src_seqs[r]`` of ``src`` into the same
-    positions of ``dst_seqs[r]`` of ``dst``, in every layer (both caches' blocks already allocated; their block
-    sizes may differ). One gather and one scatter per pool."""
+    positions of ``dst_seqs[r]`` of ``dst``, in every layer. Both caches' blocks must be allocated for those positions,
+    with the same layer count, K/V head count, head dim and dtype, ``len(src_seqs) == len(dst_seqs)`` and both pools on
+    one device; their block sizes may differ. One gather and one scatter per pool."""
     if end <= start:
         return
     device = src.layers[0].keys.device
@@ -542,7 +543,8 @@ class FastEngine:
         prompt's last-position logits [batch, vocab] float32. The caller releases ``self.cache``.
 
         ``prefix``: a PagedCache holding the K/V of the prompt's first tokens (a previous turn; checked by
-        :meth:`check`): they are copied into this engine's pools and only the rest of the prompt is prefilled.
+        :meth:`check`): they are copied into this engine's pools and only the rest of the prompt is prefilled, in
+        chunks through ``step.forward_tokens`` (not the bucketed prefill graph).
 
         Prefill runs the fused step's kernels over the whole prompt where the fused step applies (no
         transformers module dispatch: TTFT on a slow host was 25 ms for a 512-token SmolLM2 prompt
@@ -643,7 +645,19 @@ class FastEngine:
         return step.replay(key, prefill)[:batch].clone()
 
     @torch.inference_mode()
-    def generate(self, gc, model_kwargs) -> torch.Tensor:
+    def generate(self, gc, model_kwargs) -> torch.Tensor | GenerateDecoderOnlyOutput:
+        """Decode a call :meth:`check` accepted (the caller holds ``call_lock``).
+
+        Args:
+            gc: the call's prepared ``GenerationConfig``.
+            model_kwargs: ``input_ids`` [batch, prompt_len] int64 (left padded), optional ``attention_mask``
+                [batch, prompt_len], ``streamer``, and a passed PagedCache (``past_key_values`` / ``cache``).
+
+        Returns:
+            [batch, prompt_len + new] int64, ``pad_token_id`` after a row's EOS, as transformers returns them; with
+            ``return_dict_in_generate``, transformers' output class holding them and the call's PagedCache (see
+            :meth:`_output`). A passed PagedCache is grown in place.
+        """
         device = self.device
         input_ids = model_kwargs["input_ids"].to(device)
         streamer = model_kwargs.get("streamer")

@@ -2,9 +2,9 @@
 
 ``accelerate_model`` sets an instance attribute ``generate`` that first tries the fast decode path
 (:mod:`hf_accel.engine.fast_generate`: paged prefill + CUDA-graph decode steps); where that path does
-not apply (the reason is logged once) it sizes a PagedCache for the call (exactly the blocks its rows
-can reach), passes it to transformers' own ``generate`` and frees every block when the call returns
-(also on error), unless the call returns the cache (``return_dict_in_generate=True``): then the caller
+not apply (the reason is logged once) it sizes a growable PagedCache for the call (the blocks its rows
+reach as transformers' loop runs it; a longer answer grows it), passes it to transformers' own ``generate``
+and frees every block when the call returns (also on error), unless the call returns the cache (``return_dict_in_generate=True``): then the caller
 gets it filled and growable, to pass back for the next turn. Multi-turn calls take the fast path too: it
 returns a growable PagedCache with ``return_dict_in_generate=True`` and continues a PagedCache passed back
 (:meth:`FastEngine.check <hf_accel.engine.fast_generate.FastEngine.check>` says when it cannot). Any other cache
@@ -189,14 +189,14 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     return config, rest, None
 
 
-def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None = None):
+def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None = None, prepared=None):
     """Run the fast path (speculative with ``speculative``); returns the sequences, or None (reason logged)
-    when it does not apply."""
+    when it does not apply. ``prepared``: :func:`_prepared`'s result for this call, if the caller has it."""
     if len(args) > 1:
         reason = "positional generate arguments beyond input_ids"
     else:
         try:
-            gc, model_kwargs = _prepared(model, args, kwargs)
+            gc, model_kwargs = prepared if prepared is not None else _prepared(model, args, kwargs)
         except Exception as e:  # transformers raises the same error again on its own path
             reason = f"generation config not understood ({type(e).__name__}: {e})"
         else:
@@ -235,11 +235,11 @@ def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | 
     return out
 
 
-def _prepared_config(model, args, kwargs):
-    """:func:`_prepared`'s GenerationConfig, or None where transformers cannot prepare the call (its own loop
-    then raises the error)."""
+def _prepared_or_none(model, args, kwargs):
+    """:func:`_prepared`'s ``(GenerationConfig, model_kwargs)``, or None where transformers cannot prepare the
+    call (its own loop then raises the error)."""
     try:
-        return _prepared(model, args, kwargs)[0]
+        return _prepared(model, args, kwargs)
     except Exception:
         return None
 
@@ -251,9 +251,11 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
     model._hf_accel_spec_stats = None  # set again only by a call that decodes speculatively
     call_spec, rest, assisted_reason = assisted_config(model, kwargs)
     if call_spec is not None and engine is not None:
+        prepared = _prepared_or_none(model, args, rest)
         reason = _skip_reason(model, args, rest, assisted_handled=True, engine=engine,
-                              gc=_prepared_config(model, args, rest))
-        out = None if reason is not None else _try_fast(model, engine, args, rest, speculative=call_spec)
+                              gc=None if prepared is None else prepared[0])
+        out = None if reason is not None else _try_fast(model, engine, args, rest, speculative=call_spec,
+                                                        prepared=prepared)
         if out is not None:
             return out
         log_once(f"assisted-stock:{reason}", "hf-accel: assisted generation runs transformers' own loop"
@@ -261,13 +263,14 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         return original_generate(*args, **kwargs)
     if assisted_reason is not None:
         log_once(f"assisted-stock:{assisted_reason}", f"hf-accel: transformers' assisted generation runs: {assisted_reason}")
-    gc = _prepared_config(model, args, kwargs)
-    if gc is None:  # transformers' own loop raises why
+    prepared = _prepared_or_none(model, args, kwargs)
+    if prepared is None:  # transformers' own loop raises why
         return original_generate(*args, **kwargs)
+    gc = prepared[0]
     if call_spec is None and assisted_reason is None and engine is not None and speculative is not None:
         reason = _skip_reason(model, args, kwargs, engine=engine, gc=gc)
         if reason is None:
-            out = _try_fast(model, engine, args, kwargs, speculative=speculative)
+            out = _try_fast(model, engine, args, kwargs, speculative=speculative, prepared=prepared)
             if out is not None:
                 return out
     reason = _skip_reason(model, args, kwargs, engine=engine, gc=gc)
@@ -275,7 +278,7 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         log_once(f"generate-skip:{reason}", f"hf-accel: generate keeps transformers' cache: {reason}")
         return original_generate(*args, **kwargs)
     if engine is not None and speculative is None:
-        out = _try_fast(model, engine, args, kwargs)
+        out = _try_fast(model, engine, args, kwargs, prepared=prepared)
         if out is not None:
             return out
     if _passed_cache(kwargs) is not None:  # a PagedCache the fast path did not take (reason logged)

@@ -189,7 +189,8 @@ class SpeculativeEngine:
     # -- eligibility ----------------------------------------------------------------------------------
     def check(self, gc, model_kwargs) -> str | None:
         """Why this call cannot decode speculatively (None if it can); the caller then runs the plain fast path.
-        ``model_kwargs``: the call's ``input_ids`` [batch, prompt_len] and ``streamer``, as for :meth:`generate`."""
+        ``model_kwargs``: the call's ``input_ids`` [batch, prompt_len], ``streamer`` and passed cache
+        (``past_key_values`` / ``cache``), as for :meth:`generate`; ``gc.return_dict_in_generate`` is read too."""
         if model_kwargs.get("streamer") is not None and model_kwargs["input_ids"].shape[0] > 1:
             return ("a streamer with more than one row (a verify step commits a different number of tokens per "
                     "row; a streamer takes one token per row at a time)")
@@ -371,7 +372,7 @@ class SpeculativeEngine:
 
     # -- generate -------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, gc, model_kwargs) -> torch.Tensor:
+    def generate(self, gc, model_kwargs):
         """Speculative ``generate`` for a call the fast path accepted (``FastEngine.check``) and
         :meth:`check` allows.
 
