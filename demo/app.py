@@ -879,23 +879,29 @@ from hf_accel.demo_launch import add_arguments  # noqa: E402  (one definition of
 
 
 def listen_problem(host: str, port: int) -> str | None:
-    """Why the page cannot be served on ``host``:``port`` (None: a socket binds there now), in terms of the
-    launcher's flags: Gradio's own message names its port search and ``launch()`` arguments instead."""
+    """Why the page cannot be served on ``host``:``port`` (None: it can, as far as a socket bound there now
+    tells), in terms of the launcher's flags: Gradio's own message names its port search and ``launch()``
+    arguments instead. IPv6 hosts are refused (Gradio's server URL cannot hold one); a name's IPv4 addresses
+    must all be free."""
+    import ipaddress
     import socket
 
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        if ipaddress.ip_address(host.strip("[]")).version == 6:
+            return f"--host {host!r}: IPv6 addresses are not supported by the demo's server; use an IPv4 address"
+    except ValueError:
+        pass  # a name
+    try:
+        infos = socket.getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-        return f"--host {host!r} is not an address of this machine ({getattr(e, 'strerror', None) or e})"
-    error = None
+        return f"--host {host!r} is not an IPv4 address of this machine ({getattr(e, 'strerror', None) or e})"
     for family, kind, proto, _, address in infos:
         with socket.socket(family, kind, proto) as sock:
             try:
                 sock.bind(address)
-                return None
             except OSError as e:
-                error = e
-    return f"cannot listen on {host}:{port} ({error.strerror or error}): choose another --port or --host"
+                return f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or --host"
+    return None
 
 
 def main(argv=None) -> int:

@@ -146,6 +146,8 @@ def _write_checkpoint(model, tokenizer, out: Path) -> None:
 def _check_out(out: Path, overwrite: bool) -> None:
     """CliError before any work when ``--out`` cannot become the checkpoint directory: a file, a non-empty
     directory without ``--overwrite``, or a path under a file or an unwritable directory."""
+    if out.is_symlink() and not out.exists():
+        raise CliError(f"--out {str(out)!r} is a symbolic link to a path that does not exist")
     if out.exists():
         if not out.is_dir():
             raise CliError(f"--out {str(out)!r} is a file, not a directory")
@@ -166,11 +168,11 @@ def _run(args) -> int:
     from hf_accel.evaluation import calibration_text, evaluation_ids
     from hf_accel.models.loading import load_config, load_model
 
-    for name in ("calibration_tokens", "context_length", "decode_tokens"):
+    if args.context_length is not None and args.context_length < 2:  # perplexity predicts each token from those before it
+        raise CliError(f"--context-length must be >= 2; got {args.context_length}")
+    for name in ("calibration_tokens", "decode_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if args.context_length is not None and args.context_length < 2:  # perplexity predicts each token from those before it in the window
-        raise CliError(f"--context-length must be >= 2; got {args.context_length}")
     if args.num_kv_heads < 1:  # before the model loads (its own head count is checked after)
         raise CliError(f"--num-kv-heads must be >= 1; got {args.num_kv_heads}")
     if args.eval_tokens < 0 or args.recovery_steps < 0:

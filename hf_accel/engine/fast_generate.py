@@ -244,6 +244,9 @@ def model_reason(model) -> str | None:
     dtype = next(model.parameters()).dtype
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} (the kernels take {', '.join(str(d) for d in SUPPORTED_DTYPES)})"
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if layers != len(model.model.layers):  # transformers' early-exit loop changes it for its draft
+        return f"config.num_hidden_layers ({layers}) differs from the model's {len(model.model.layers)} layers"
     head_dim = model.model.layers[0].self_attn.head_dim
     if head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
@@ -316,11 +319,11 @@ class FastEngine:
             # a projection's Parameter was replaced: the merged matrices (and the steps reading them) are stale
             self.release()
             self._reason_cache = None
-        key = (m.training, weights)
+        key = (m.training, getattr(m.config, "num_hidden_layers", None), weights)
         cached = getattr(self, "_reason_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        if cached is not None and cached[0][1] != weights:
+        if cached is not None and cached[0][-1] != weights:
             self.release()
         reason = self._model_reason_uncached()
         self._reason_cache = (key, reason)

@@ -131,17 +131,21 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
             draft of 0 layers) or above the model's layer count; a ``prompt_lookup_num_tokens`` int below 1 (stock transformers refuses it too, with a
             less specific message).
     """
-    gen_config = kwargs.get("generation_config") or model.generation_config
+    configs = [c for c in (kwargs.get("generation_config"), model.generation_config) if c is not None]
+
+    def option(name):  # as transformers merges them: the call's kwarg, the caller's config, the model's config
+        value = kwargs.get(name)
+        for config in configs:
+            if value is None:
+                value = getattr(config, name, None)
+        return value
+
     assistant = kwargs.get("assistant_model")
-    lookup = kwargs.get("prompt_lookup_num_tokens")
-    if lookup is None:
-        lookup = getattr(gen_config, "prompt_lookup_num_tokens", None)
+    lookup = option("prompt_lookup_num_tokens")
     if isinstance(lookup, int) and not isinstance(lookup, bool) and lookup < 1:
         # 0 would otherwise read as "not asked for" and run without it, where transformers raises
         raise ValueError(f"prompt_lookup_num_tokens must be a positive number of draft tokens, got {lookup}")
-    early = kwargs.get("assistant_early_exit")
-    if early is None:
-        early = getattr(gen_config, "assistant_early_exit", None)
+    early = option("assistant_early_exit")
     if isinstance(early, int) and not isinstance(early, bool) and early < 1:
         # 0 would otherwise read as "not asked for" and reach transformers' early-exit loop, which sets the model
         # config's layer count to 0 for its draft (the paged cache of such a config cannot be built)

@@ -114,6 +114,16 @@ def test_an_out_path_that_cannot_be_a_directory_is_refused_before_the_model_load
     assert want in err and "does not exist" not in err and "--overwrite" not in err
 
 
+def test_an_out_link_to_nothing_and_a_negative_context_length_are_refused_first(tmp_path, capsys):
+    link = tmp_path / "outlink"
+    link.symlink_to(tmp_path / "missing" / "target")
+    assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--out", str(link)]) == 2
+    assert "is a symbolic link to a path that does not exist" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--out", str(tmp_path / "o"),
+                 "--context-length", "-5"]) == 2
+    assert "--context-length must be >= 2; got -5" in capsys.readouterr().err
+
+
 def test_a_calibration_file_that_is_not_utf8_is_named(model_dir, tmp_path, capsys):
     bad = tmp_path / "cal.txt"
     bad.write_bytes(b"abc\x8d\xff def")

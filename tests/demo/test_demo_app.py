@@ -539,7 +539,9 @@ def test_app_main_names_a_host_or_port_it_cannot_listen_on(capsys):
     pytest.importorskip("pandas")
 
     assert app.main(["--host", "999.1.1.1", "--no-preload"]) == 2
-    assert "--host '999.1.1.1' is not an address of this machine" in capsys.readouterr().err
+    assert "--host '999.1.1.1' is not an IPv4 address of this machine" in capsys.readouterr().err
+    assert app.main(["--host", "::1", "--no-preload"]) == 2
+    assert "IPv6 addresses are not supported" in capsys.readouterr().err
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -369,3 +369,36 @@ def test_a_fallback_call_without_a_length_gets_transformers_default(options, tin
     assert got.shape == want.shape and got.shape[1] > 40
     if not options.get("do_sample"):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("value", [0, -1, 3])
+def test_model_level_assistant_early_exit_with_a_callers_config_is_checked(value, tiny):
+    """assistant_early_exit on the model's generation config applies to a call with its own GenerationConfig (as
+    transformers merges them): values below 1 or above the layer count raise before transformers' early-exit loop
+    changes the model config (it was left at 0 layers, and later calls gave wrong tokens silently)."""
+    from transformers import GenerationConfig
+
+    stock = _tiny_llama(tiny, 11)
+    ours = accelerate_model(copy.deepcopy(stock))
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(5))
+    want = tiny.greedy(stock, ids, torch.ones_like(ids), 6)
+    ours.generation_config.assistant_early_exit = value
+    with pytest.raises(ValueError, match="assistant_early_exit"), torch.no_grad():
+        ours.generate(ids, generation_config=GenerationConfig(max_new_tokens=6, do_sample=False))
+    ours.generation_config.assistant_early_exit = None
+    assert ours.config.num_hidden_layers == 2
+    assert torch.equal(tiny.greedy(ours, ids, torch.ones_like(ids), 6), want)
+
+
+def test_a_config_whose_layer_count_differs_from_the_model_keeps_transformers_loop(tiny, hf_log):
+    """config.num_hidden_layers changed under the model (as transformers' early-exit loop does for its draft): the
+    fast path refuses, naming it, and transformers' loop runs the layers the config names, as stock does."""
+    stock = _tiny_llama(tiny, 12)
+    ours = accelerate_model(copy.deepcopy(stock))
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(6))
+    tiny.greedy(ours, ids, torch.ones_like(ids), 3)  # the fast path's reason is cached for this config
+    stock.config.num_hidden_layers = ours.config.num_hidden_layers = 1
+    want = tiny.greedy(stock, ids, torch.ones_like(ids), 5)
+    assert torch.equal(tiny.greedy(ours, ids, torch.ones_like(ids), 5), want)
+    assert any("config.num_hidden_layers (1) differs from the model's 2 layers" in r.getMessage()
+               for r in hf_log.records)
