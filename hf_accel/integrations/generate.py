@@ -4,8 +4,8 @@
 (:mod:`hf_accel.engine.fast_generate`: paged prefill + CUDA-graph decode steps); where that path does
 not apply (the reason is logged once) it sizes a growable PagedCache for the call (the blocks its rows
 reach as transformers' loop runs it; a longer answer grows it), passes it to transformers' own ``generate``
-and frees every block when the call returns (also on error), unless the call returns the cache (``return_dict_in_generate=True``): then the caller
-gets it filled and growable, to pass back for the next turn. Multi-turn calls take the fast path too: it
+and frees every block when the call returns (also on error), unless the call returns the cache
+(``return_dict_in_generate=True``): then the caller gets it filled and growable, to pass back for the next turn. Multi-turn calls take the fast path too: it
 returns a growable PagedCache with ``return_dict_in_generate=True`` and continues a PagedCache passed back
 (:meth:`FastEngine.check <hf_accel.engine.fast_generate.FastEngine.check>` says when it cannot). Any other cache
 the caller passes (``past_key_values``/``cache``), ``cache_implementation``, ``use_cache=False``, beam search
@@ -128,7 +128,8 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
 
     Raises:
         ValueError: an ``assistant_early_exit`` int below 1 (0 is not "no early exit": transformers' loop would run a
-            draft of 0 layers) or above the model's layer count; a ``prompt_lookup_num_tokens`` int below 1 (stock transformers refuses it too, with a
+            draft of 0 layers) or above the model's layer count; a ``prompt_lookup_num_tokens`` int below 1 (stock
+            transformers refuses it too, with a
             less specific message).
     """
     configs = [c for c in (kwargs.get("generation_config"), model.generation_config) if c is not None]

@@ -566,7 +566,8 @@ class SpeculativeEngine:
                 if streamer is not None:
                     after = st.lengths[:batch]
                     if int(after[0]) > int(before[0]):
-                        streamer.put(st.tokens[:1, int(before[0]): int(after[0])].cpu())  # [1, n], as transformers' assisted loop
+                        # [1, n], as transformers' assisted loop puts them
+                        streamer.put(st.tokens[:1, int(before[0]): int(after[0])].cpu())
             if deferred is not None:
                 self._update_gated(chooser, *deferred)
             if streamer is not None:
