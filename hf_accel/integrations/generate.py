@@ -129,8 +129,7 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     Raises:
         ValueError: an ``assistant_early_exit`` int below 1 (0 is not "no early exit": transformers' loop would run a
             draft of 0 layers) or above the model's layer count; a ``prompt_lookup_num_tokens`` int below 1 (stock
-            transformers refuses it too, with a
-            less specific message).
+            transformers refuses it too, with a less specific message).
     """
     configs = [c for c in (kwargs.get("generation_config"), model.generation_config) if c is not None]
 
