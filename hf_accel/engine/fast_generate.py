@@ -42,6 +42,7 @@ from hf_accel.engine.merged_weights import (
     merge_projections, projection_parameters, unmerge_projections, views_intact,
 )
 from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from hf_accel.kernels.reshape_and_cache import slot_mapping_ref
 
 # GenerationConfig fields the fast path implements (others must keep their default values).
 _HANDLED = {
@@ -138,11 +139,14 @@ def output_cache(out):
     return None
 
 
-def _slots(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    """Pool slots (int64, CPU) of token positions ``start .. end - 1`` of a sequence whose block table is
-    ``table``: block ``table[p // block_size]``, offset ``p % block_size``."""
-    pos = torch.arange(start, end)
-    return torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+def _cache_slots(cache: PagedCache, seqs: list[int], start: int, end: int) -> torch.Tensor:
+    """Pool slots (int32, CPU) of token positions ``start .. end - 1`` of each sequence in ``seqs``, row after row."""
+    tables = [cache.manager.block_table(s) for s in seqs]
+    table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for r, t in enumerate(tables):
+        table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    starts = torch.full((len(tables),), start, dtype=torch.int32)
+    return slot_mapping_ref(starts, table, end - start, cache.block_size)[0]
 
 
 def copy_kv(src: PagedCache, src_seqs: list[int], dst: PagedCache, dst_seqs: list[int], start: int, end: int) -> None:
@@ -153,9 +157,8 @@ def copy_kv(src: PagedCache, src_seqs: list[int], dst: PagedCache, dst_seqs: lis
     if end <= start:
         return
     device = src.layers[0].keys.device
-    src_slots = torch.cat([_slots(src.manager.block_table(s), start, end, src.block_size) for s in src_seqs])
-    dst_slots = torch.cat([_slots(dst.manager.block_table(s), start, end, dst.block_size) for s in dst_seqs])
-    src_slots, dst_slots = src_slots.to(device, non_blocking=True), dst_slots.to(device, non_blocking=True)
+    src_slots = _cache_slots(src, src_seqs, start, end).to(device, torch.long)
+    dst_slots = _cache_slots(dst, dst_seqs, start, end).to(device, torch.long)
     for a, b in zip(src.layers, dst.layers):
         for name in ("keys", "values"):
             pool_a, pool_b = getattr(a, name), getattr(b, name)

@@ -29,7 +29,7 @@ from transformers.generation import utils as _gen_utils
 from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
-from hf_accel.engine.fast_generate import output_cache
+from hf_accel.engine.fast_generate import output_cache, passed_cache
 from hf_accel.integrations.generation_config import prepare_generation_config
 from hf_accel.speculative.config import SpeculativeConfig
 
@@ -37,10 +37,6 @@ _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exi
 
 # transformers >= 5.2x names the generate/forward cache argument "cache" (past_key_values deprecated).
 CACHE_KWARG = "cache" if "cache" in getattr(_gen_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
-
-
-def _passed_cache(kwargs):
-    return kwargs.get("past_key_values") if kwargs.get("past_key_values") is not None else kwargs.get("cache")
 
 
 def _call(args, kwargs) -> tuple[dict, object]:
@@ -79,7 +75,7 @@ def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=Non
     merged into the caller's, as transformers' loop reads it); None: read from the call and the configs."""
     gen_config = gc if gc is not None else (kwargs.get("generation_config") or model.generation_config)
     options = {} if gc is not None else kwargs  # a prepared config holds the call's options already
-    passed = _passed_cache(kwargs)
+    passed = passed_cache(kwargs)
     if passed is not None and not (engine is not None and isinstance(passed, PagedCache)):
         return "the caller passed its own cache"
     if options.get("cache_implementation") or getattr(gen_config, "cache_implementation", None):
@@ -285,7 +281,7 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         out = _try_fast(model, engine, args, kwargs, prepared=prepared)
         if out is not None:
             return out
-    if _passed_cache(kwargs) is not None:  # a PagedCache the fast path did not take (reason logged)
+    if passed_cache(kwargs) is not None:  # a PagedCache the fast path did not take (reason logged)
         log_once("generate-passed-paged", "hf-accel: generate continues the caller's PagedCache in transformers' loop")
         return original_generate(*args, **kwargs)
     num_blocks = _blocks_needed(gc, _input_ids(args, kwargs), block_size)
