@@ -72,6 +72,32 @@ def _load(path, dtype, device, what, tokenizer: bool = True):
         raise CLIError(f"could not load {what} {path or '(default)'}: {type(e).__name__}: {e}") from None
 
 
+def _check_draft_config(model_path, draft_path) -> None:
+    """Raise CLIError where ``--draft-model`` cannot draft for ``--model`` by their configs alone (not a model,
+    an unsupported model type, another vocabulary size): seconds, instead of after the main model's load.
+    :func:`~hf_accel.speculative.engine.check_draft` checks the loaded models again."""
+    from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES
+    from hf_accel.models import ModelNotFoundError, load_config
+
+    configs = []
+    for flag, path in (("--model", model_path), ("--draft-model", draft_path)):
+        try:
+            configs.append(load_config(path))
+        except ModelNotFoundError as e:
+            raise CLIError(f"{flag}: {e}") from None
+        except (OSError, ValueError, KeyError) as e:
+            raise CLIError(f"{flag} {path or '(default)'}: could not read its config: {type(e).__name__}: {e}") from None
+    target, draft = configs
+    model_type = getattr(draft, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CLIError(f"--draft-model {draft_path}: model_type {model_type!r} is not supported "
+                       f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    vocab, target_vocab = getattr(draft, "vocab_size", None), getattr(target, "vocab_size", None)
+    if vocab != target_vocab:
+        raise CLIError(f"--draft-model {draft_path}: its vocab_size ({vocab}) differs from the model's "
+                       f"({target_vocab}); a draft must share the model's tokenizer")
+
+
 def _within_context(max_new: int, prompt_len: int, config) -> int:
     """``--max-new-tokens``, capped (with a note on stderr) where prompt + answer would run past the model's
     ``max_position_embeddings``: both sides of the comparison would generate that long unless an EOS comes.
@@ -140,6 +166,8 @@ def _run_generate(args) -> int:
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
         raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if args.draft_model:  # a draft that cannot serve is refused from the configs, before any weights load
+        _check_draft_config(args.model, args.draft_model)
     model, tokenizer = _load(args.model, dtype, device, "model")
     # What accelerate_model would refuse is refused before the stock run, naming the option at fault.
     from hf_accel.integrations.patch import check_model_type

@@ -216,8 +216,16 @@ def _run(args) -> int:
     eval_ids = evaluation_ids(tokenizer, args.eval_tokens) if args.eval_tokens else None
     needs_text = args.method in ("activation", "pca") or args.grouping == "similarity" or args.recovery_steps
     if needs_text and calibration is None:
-        calibration = calibration_text(40_000 if not args.recovery_steps else 120_000,
-                                       avoid_tokens=max(args.eval_tokens, 1), tokenizer=tokenizer)
+        try:
+            calibration = calibration_text(40_000 if not args.recovery_steps else 120_000,
+                                           avoid_tokens=max(args.eval_tokens, 1), tokenizer=tokenizer)
+        except ValueError:
+            what = " and ".join([f"--method {args.method}"] * (args.method in ("activation", "pca"))
+                                + ["--grouping similarity"] * (args.grouping == "similarity")
+                                + [f"--recovery-steps {args.recovery_steps}"] * bool(args.recovery_steps))
+            raise CliError(f"--eval-tokens {args.eval_tokens}: the perplexity text would overlap the calibration "
+                           f"text that {what} needs (both come from Python's pydoc topics); use fewer "
+                           "--eval-tokens or give --calibration-file") from None
     cal_ids = None
     if needs_text:
         cal_ids = tokenizer(calibration, return_tensors="pt", add_special_tokens=False).input_ids

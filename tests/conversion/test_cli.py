@@ -215,3 +215,16 @@ def test_a_failed_save_leaves_no_output_behind(model_dir, tmp_path, monkeypatch,
         assert not top.exists()
     else:
         assert out.is_dir() and not any(out.iterdir())
+
+
+def test_eval_tokens_that_leave_no_calibration_text_name_the_flag(model_dir, tmp_path, capsys):
+    """Evaluation and calibration texts both come from pydoc; too many --eval-tokens is a one-line flag error
+    (not the text's character offsets), and nothing is written."""
+    out = tmp_path / "out"
+    rc = main(["--model", str(model_dir), "--num-kv-heads", "2", "--method", "pca", "--out", str(out),
+               "--eval-tokens", "100000000", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and not out.exists()
+    assert err[-1] == ("hf-accel convert-gqa: error: --eval-tokens 100000000: the perplexity text would overlap the "
+                       "calibration text that --method pca needs (both come from Python's pydoc topics); use fewer "
+                       "--eval-tokens or give --calibration-file")

@@ -69,7 +69,7 @@ def test_argument_errors_are_answered_before_torch_loads(argv):
 
 @pytest.mark.parametrize(("which", "message"), [
     ("model", "--model {model}: hf-accel does not support model_type 'gpt2'; supported: llama"),
-    ("draft", "--draft-model {draft}: the draft model's vocab_size (50) differs from the target's"),
+    ("draft", "--draft-model {draft}: its vocab_size (50) differs from the model's (128)"),
     ("early_exit", "--speculative early_exit: early-exit drafting needs a model with at least 2 layers"),
 ])
 def test_models_hf_accel_cannot_run_are_refused_before_the_stock_run(which, message, tiny, tmp_path, capsys,
@@ -85,6 +85,8 @@ def test_models_hf_accel_cannot_run_are_refused_before_the_stock_run(which, mess
     target = (GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)) if which == "model"
               else tiny.model("llama", num_hidden_layers=1) if which == "early_exit" else tiny.model("llama"))
     loaded = {str(paths["model"]): target, str(paths["draft"]): tiny.model("llama", vocab_size=50)}
+    for name, path in paths.items():
+        loaded[str(path)].config.save_pretrained(path)  # the draft's config is read before any load
     monkeypatch.setattr(models, "load_model", lambda path, **k: (loaded[str(path)], None))
 
     def no_stock_run(*a, **k):
@@ -98,6 +100,37 @@ def test_models_hf_accel_cannot_run_are_refused_before_the_stock_run(which, mess
         argv += ["--speculative", "early_exit"]
     assert main(argv) == EXIT_USAGE
     assert message.format(**paths) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("draft", "message"), [
+    ("empty", "--draft-model: '{path}' is not a transformers model directory (no config.json)"),
+    ("gpt2", "--draft-model {path}: model_type 'gpt2' is not supported (supported: llama"),
+    ("vocab", "--draft-model {path}: its vocab_size (50) differs from the model's (128)"),
+])
+def test_a_draft_model_that_cannot_serve_is_refused_before_any_model_loads(draft, message, tiny, tmp_path, capsys,
+                                                                           monkeypatch):
+    """The draft's config is read before the main model's weights load (a mistyped --draft-model is answered
+    in seconds, not after the model's load)."""
+    from transformers import GPT2Config
+
+    import hf_accel.models as models
+
+    target, path = tmp_path / "model", tmp_path / "draft"
+    target.mkdir()
+    path.mkdir()
+    tiny.model("llama").config.save_pretrained(target)
+    if draft == "gpt2":
+        GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=128).save_pretrained(path)
+    elif draft == "vocab":
+        tiny.model("llama", vocab_size=50).config.save_pretrained(path)
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    argv = ["generate", "--prompt", "hi", "--device", "cpu", "--model", str(target), "--draft-model", str(path)]
+    assert main(argv) == EXIT_USAGE
+    assert message.format(path=path) in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("port", ["99999", "0", "http"])
