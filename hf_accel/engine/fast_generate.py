@@ -19,6 +19,7 @@ each token on the host: one sync per token.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import numbers
 import threading
@@ -127,6 +128,28 @@ def passed_cache(model_kwargs):
         if model_kwargs.get(name) is not None:
             return model_kwargs[name]
     return None
+
+
+def expand_return_sequences(gc, model_kwargs):
+    """A sampling call with ``num_return_sequences = n > 1`` as the batch transformers' loop decodes for it:
+    each row's ``input_ids`` / ``attention_mask`` repeated n times in place (``repeat_interleave``, as
+    transformers' ``_expand_inputs_for_generation``), and a copy of ``gc`` with ``num_return_sequences = 1``.
+    The result is transformers' [batch * n, prompt_len + new] row order.
+
+    Returns ``(gc, model_kwargs)`` unchanged where that does not apply: n = 1, greedy (transformers refuses
+    n > 1 there), beam search, or a passed cache (its rows are the caller's). ``gc`` and ``model_kwargs`` are not
+    modified."""
+    n = gc.num_return_sequences or 1
+    if n <= 1 or not gc.do_sample or (gc.num_beams or 1) > 1 or passed_cache(model_kwargs) is not None:
+        return gc, model_kwargs
+    gc = copy.copy(gc)
+    gc.num_return_sequences = 1
+    model_kwargs = dict(model_kwargs)
+    for name in ("input_ids", "attention_mask"):
+        value = model_kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            model_kwargs[name] = value.repeat_interleave(n, dim=0)
+    return gc, model_kwargs
 
 
 def output_cache(out):
@@ -361,8 +384,9 @@ class FastEngine:
             return f"repetition_penalty={penalty!r} is not a float (transformers refuses it)"
         if (gc.num_beams or 1) > 1:
             return "beam search"
-        if (gc.num_return_sequences or 1) > 1:
-            return "num_return_sequences > 1"
+        if (gc.num_return_sequences or 1) > 1:  # sampling calls arrive expanded (expand_return_sequences)
+            return ("num_return_sequences > 1 with a passed cache" if gc.do_sample
+                    else "num_return_sequences > 1 without sampling (transformers refuses it)")
         if gc.cache_implementation is not None:
             return f"cache_implementation={gc.cache_implementation!r}"
         if gc.use_cache is False:

@@ -29,7 +29,7 @@ from transformers.generation import utils as _gen_utils
 from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
-from hf_accel.engine.fast_generate import output_cache, passed_cache
+from hf_accel.engine.fast_generate import expand_return_sequences, output_cache, passed_cache
 from hf_accel.integrations.generation_config import prepare_generation_config
 from hf_accel.speculative.config import SpeculativeConfig
 
@@ -203,6 +203,7 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
             if speculative is not None:  # the assisted options that asked for it (transformers may re-apply
                 gc.prompt_lookup_num_tokens = None  # the model's own generation config's values)
                 gc.assistant_early_exit = None
+            gc, model_kwargs = expand_return_sequences(gc, model_kwargs)  # sampling, n > 1: n rows per prompt
             with engine.call_lock:  # concurrent calls on one model wait for each other
                 reason = engine.check(gc, model_kwargs)
                 if reason is None:

@@ -294,7 +294,6 @@ FALLBACKS = {
     "logits_processor": (dict(logits_processor=LogitsProcessorList([_BanToken()])),
                          "not used: unsupported generate arguments: logits_processor"),
     "output_scores": (dict(output_scores=True, return_dict_in_generate=True), "not used: generation option"),
-    "num_return_sequences": (dict(num_return_sequences=2, do_sample=True), "not used: num_return_sequences > 1"),
     "use_cache_false": (dict(use_cache=False), "generate keeps transformers' cache: use_cache=False"),
     "own_cache": ({}, "generate keeps transformers' cache: the caller passed its own cache"),
 }
@@ -317,10 +316,7 @@ def test_fallback_gives_stock_tokens_and_logs_why(name, tiny, hf_log, decode_ste
     stock = run(model)
     ours = _accelerated(model)
     out = run(ours)
-    if name == "num_return_sequences":  # sampling: the same shape, rows repeated per prompt
-        assert out.shape == stock.shape == (6, ids.shape[1] + 8)
-        assert torch.equal(out[:, : ids.shape[1]], ids.repeat_interleave(2, 0))
-    elif name == "output_scores":
+    if name == "output_scores":
         assert torch.equal(out.sequences, stock.sequences)
         assert len(out.scores) == len(stock.scores) == 8
         for a, b in zip(out.scores, stock.scores):
@@ -329,6 +325,39 @@ def test_fallback_gives_stock_tokens_and_logs_why(name, tiny, hf_log, decode_ste
         assert torch.equal(out, stock), f"{name}\nstock:\n{stock}\nours:\n{out}"
     assert _messages(hf_log, reason), [r.getMessage() for r in hf_log.records]
     assert not _messages(hf_log, FAST_MSG) and decode_steps == []
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_num_return_sequences_samples_on_the_fast_path_as_stock(model_type, tiny, hf_log, decode_steps):
+    """Sampling with num_return_sequences = 3 over a left-padded batch decodes n rows per prompt on the fast path
+    (rows repeated in place, transformers' order): the same samples as stock for the same seed, EOS rows padded."""
+    model = tiny.model(model_type, seed=4)
+    ids, mask = tiny.batch(seed=6)
+    kwargs = dict(max_new_tokens=9, do_sample=True, num_return_sequences=3, top_k=20, temperature=1.3,
+                  eos_token_id=[5, 9])
+
+    def run(m):
+        torch.manual_seed(11)
+        return _generate(m, ids, mask, tiny.PAD, **kwargs)
+
+    stock = run(model)
+    ours = _accelerated(model)
+    out = run(ours)
+    assert out.shape[0] == 3 * ids.shape[0] and torch.equal(out[:, : ids.shape[1]], ids.repeat_interleave(3, 0))
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    assert (out[:, ids.shape[1]:] == tiny.PAD).any(), "no row ended early: the EOS bookkeeping is not exercised"
+    assert _messages(hf_log, FAST_MSG) and decode_steps
+
+
+def test_num_return_sequences_without_sampling_raises_as_stock(tiny):
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=6)
+    with pytest.raises(ValueError, match="num_return_sequences") as want:
+        _generate(model, ids, mask, tiny.PAD, max_new_tokens=4, num_return_sequences=2)
+    ours = _accelerated(model)
+    with pytest.raises(ValueError, match="num_return_sequences") as got:
+        _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4, num_return_sequences=2)
+    assert str(got.value) == str(want.value)
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

@@ -212,6 +212,23 @@ def test_sampling_keeps_the_distribution(method, tiny, request):
     assert p > P_MIN, f"tokens (2, 3): p = {p:.2e}"
 
 
+def test_num_return_sequences_decodes_speculatively(tiny, hf_log):
+    """Sampling with num_return_sequences: n rows per prompt in transformers' order, decoded by the speculative
+    engine (rejection sampling over the expanded batch), not transformers' loop."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", adaptive=False,
+                                                                                num_draft_tokens=2))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = ours.generate(input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=2,
+                            max_new_tokens=6, eos_token_id=None, pad_token_id=tiny.PAD)
+    assert out.shape == (6, ids.shape[1] + 6) and torch.equal(out[:, : ids.shape[1]], ids.repeat_interleave(2, 0))
+    stats = speculative_stats(ours)
+    assert stats is not None and stats["verify_steps"] > 0, stats
+    assert not _messages(hf_log, "not used")
+
+
 # --- transformers' assisted-generation arguments ---------------------------------------------------------------
 
 
