@@ -57,6 +57,19 @@ _CACHE_NAMES = ("past_key_values", "cache")
 _MODEL_KWARGS = {"input_ids", "attention_mask", "streamer", "synced_gpus", *_CACHE_NAMES}
 # generation outputs besides sequences and the cache that return_dict_in_generate can ask for
 _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+#: Generation options that only shape transformers' logits processors and stopping criteria (each processor reads
+#: the tokens so far and the step's logits, none calls the model), and the per-step outputs: a call with any of them
+#: decodes on the fast path with the processors, criteria and outputs transformers prepares for it
+#: (:meth:`FastEngine.decode_prepared`, the ``prepared_loop`` route of :meth:`FastEngine.check`).
+PREPARED_LOOP_OPTIONS = frozenset({
+    "sequence_bias", "encoder_repetition_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "top_h", "min_p", "typical_p",
+    "epsilon_cutoff", "eta_cutoff", "watermarking_config", "renormalize_logits", "max_time", "output_scores",
+    "output_logits",
+})
+#: generate arguments the prepared loop takes besides _MODEL_KWARGS: transformers builds them into its lists
+_PREPARED_LOOP_KWARGS = frozenset({"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "tokenizer"})
 _ROPE_OK = {"default", "linear", "llama3", "yarn"}
 # Tokens per row reserved past prompt + max_new_tokens at most (a speculative round's drafts: k_max + 1).
 MAX_LOOKAHEAD = 33
@@ -358,19 +371,24 @@ class FastEngine:
     def _model_reason_uncached(self) -> str | None:
         return model_reason(self.model)
 
-    def check(self, gc, model_kwargs) -> str | None:
-        """Reason why this call can't take the fast path, or None."""
+    def check(self, gc, model_kwargs, prepared_loop: bool = False) -> str | None:
+        """Reason why this call can't take the fast path, or None.
+
+        ``prepared_loop``: whether it can take the fast path inside transformers' own ``generate``, with the logits
+        processors, stopping criteria and outputs transformers prepares (:meth:`decode_prepared`): also the options
+        of :data:`PREPARED_LOOP_OPTIONS`, custom ``logits_processor`` / ``stopping_criteria`` lists,
+        ``prefix_allowed_tokens_fn``, and a repetition penalty over a padded batch."""
         reason = self._model_reason()
         if reason:
             return reason
-        extra = set(model_kwargs) - _MODEL_KWARGS
+        extra = set(model_kwargs) - _MODEL_KWARGS - (_PREPARED_LOOP_KWARGS if prepared_loop else set())
         extra = {k for k in extra if model_kwargs[k] is not None}
         if extra:
             return f"unsupported generate arguments: {', '.join(sorted(extra))}"
         defaults = type(gc)._get_default_generation_params() if hasattr(type(gc), "_get_default_generation_params") else {}
         # the attributes themselves: GenerationConfig.to_dict deep-copies them on every call
         for key, value in vars(gc).items():
-            if key in _HANDLED or key.startswith("_"):
+            if key in _HANDLED or key.startswith("_") or (prepared_loop and key in PREPARED_LOOP_OPTIONS):
                 continue
             default = defaults.get(key, None)
             if value not in (default, None) and value != {}:
@@ -402,11 +420,13 @@ class FastEngine:
             return "right-padded batch (decoder-only models need padding_side='left')"
         if self._max_new(gc, ids.shape[1]) <= 0:
             return "the prompt is not shorter than max_length"  # transformers raises its own error
-        if repetition_penalty(gc) is not None and not bool(call_inputs(gc, model_kwargs, ids)[0].bool().all()):
+        if (not prepared_loop and repetition_penalty(gc) is not None
+                and not bool(call_inputs(gc, model_kwargs, ids)[0].bool().all())):
             # transformers 5.x versions differ on whether left padding counts as seen tokens (pad = EOS often)
             return "repetition_penalty with a padded batch"
         if getattr(gc, "return_dict_in_generate", False):
-            asked = [name for name in _OUTPUT_OPTIONS if getattr(gc, name, False)]
+            asked = [name for name in _OUTPUT_OPTIONS if getattr(gc, name, False)
+                     and not (prepared_loop and name in PREPARED_LOOP_OPTIONS)]
             if asked:
                 return f"return_dict_in_generate with {', '.join(asked)}"
         reason = self._passed_cache_reason(passed_cache(model_kwargs), gc, ids)
@@ -760,11 +780,90 @@ class FastEngine:
         finally:
             cache.release()
 
-    def _output(self, gc, sequences: torch.Tensor, prefix: PagedCache | None):
+    def decode_prepared(self, input_ids: torch.Tensor, logits_processor, stopping_criteria, gc, model_kwargs,
+                        streamer=None, prefix: PagedCache | None = None):
+        """transformers' sampling / greedy loop (``GenerationMixin._sample``) on the fast path: the decoding method
+        ``generate`` calls after its own preparation (``custom_generate=``), for calls :meth:`check` accepts only
+        with ``prepared_loop=True``. Each step's logits (float32) go through transformers' ``logits_processor``
+        with the tokens so far, the token is sampled or picked as there, rows that finished get the pad id,
+        and ``stopping_criteria`` (length, EOS, time, the caller's) decide when to stop; the forward passes are
+        hf-accel's paged prefill and decode steps (CUDA graphs on GPU). The caller holds ``call_lock``.
+
+        Args:
+            input_ids: [batch, prompt_len] int64, left padded, as transformers prepared them (rows already
+                repeated for ``num_return_sequences``; the streamer already has them).
+            logits_processor / stopping_criteria: transformers' prepared ``LogitsProcessorList`` /
+                ``StoppingCriteriaList``.
+            gc: transformers' prepared ``GenerationConfig`` (``max_length`` resolved, ``_pad_token_tensor`` set).
+            model_kwargs: the rest of transformers' model kwargs (``attention_mask`` [batch, prompt_len] or None
+                when it holds no padding; the cache transformers made is not used).
+            streamer: gets each step's tokens [batch] and ``end()``.
+            prefix: a PagedCache the caller passed (a previous turn's; :meth:`check` accepted it), continued.
+
+        Returns:
+            [batch, prompt_len + new] int64, or with ``return_dict_in_generate`` transformers' output class with the
+            sequences, ``scores`` / ``logits`` (tuples of [batch, vocab] float32 per step) where asked, and the
+            call's PagedCache (:meth:`_output`).
+
+        Raises:
+            RuntimeError: ``max_length`` leaves no room for a new token (``check`` refuses such calls).
+        """
+        device = self.device
+        input_ids = input_ids.to(device)
+        batch, prompt_len = input_ids.shape
+        max_new = (gc.max_length or 0) - prompt_len
+        if max_new <= 0:
+            raise RuntimeError(f"max_length {gc.max_length} leaves no new token after {prompt_len} prompt tokens")
+        mask = model_kwargs.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else mask.to(device)
+        as_dict = bool(getattr(gc, "return_dict_in_generate", False))
+        scores = () if as_dict and gc.output_scores else None
+        raw_logits = () if as_dict and gc.output_logits else None
+        pad = gc._pad_token_tensor
+        has_eos_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+        unfinished = torch.ones(batch, dtype=torch.long, device=device)
+        step, logits = self.start(input_ids, mask, max_new, prefix=prefix)
+        cache = self.cache
+        try:
+            ids = input_ids
+            for i in range(max_new):
+                next_logits = logits.to(copy=True, dtype=torch.float32)
+                next_scores = logits_processor(ids, next_logits)
+                if scores is not None:
+                    scores += (next_scores,)
+                if raw_logits is not None:
+                    raw_logits += (next_logits,)
+                if gc.do_sample:
+                    probs = torch.softmax(next_scores, dim=-1)
+                    next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+                else:
+                    next_tokens = torch.argmax(next_scores, dim=-1)
+                if has_eos_criteria:
+                    next_tokens = next_tokens * unfinished + pad.to(device) * (1 - unfinished)
+                ids = torch.cat([ids, next_tokens[:, None]], dim=-1)
+                if streamer is not None:
+                    streamer.put(next_tokens.cpu())
+                unfinished = unfinished & ~stopping_criteria(ids, scores)
+                if unfinished.max() == 0 or i == max_new - 1:  # the cache holds max_new new tokens per row
+                    break
+                step.input_ids[:batch, 0].copy_(next_tokens)
+                if i > 0:
+                    step.position_ids[:batch] += 1
+                    step.cache_lens[:batch] += 1
+                logits = step.run()[:batch, 0]
+            if streamer is not None:
+                streamer.end()
+            self.last_stats = cache.memory_stats()
+            return self._output(gc, ids, prefix, scores=scores, logits=raw_logits)
+        finally:
+            cache.release()
+
+    def _output(self, gc, sequences: torch.Tensor, prefix: PagedCache | None, **outputs):
         """What ``generate`` returns: ``sequences``, or with ``return_dict_in_generate`` transformers' output
-        class holding them and the K/V of every token but the last (what transformers' loop leaves in its
-        cache) in ``prefix`` (the caller's cache, grown in place) or a new growable PagedCache. A passed cache
-        gets them without ``return_dict_in_generate`` too, as transformers' loop fills it."""
+        class holding them, ``outputs`` (``scores`` / ``logits``: tuples of per-step tensors, or None) and the K/V of
+        every token but the last (what transformers' loop leaves in its cache) in ``prefix`` (the caller's cache,
+        grown in place) or a new growable PagedCache. A passed cache gets them without ``return_dict_in_generate``
+        too, as transformers' loop fills it."""
         as_dict = getattr(gc, "return_dict_in_generate", False)
         if prefix is None and not as_dict:
             return sequences
@@ -777,7 +876,7 @@ class FastEngine:
         if not as_dict:
             return sequences
         fields = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
-        return GenerateDecoderOnlyOutput(sequences=sequences,
+        return GenerateDecoderOnlyOutput(sequences=sequences, **outputs,
                                          **{"cache" if "cache" in fields else "past_key_values": target})
 
     def _export(self, target: PagedCache, keep: int, batch: int) -> None:

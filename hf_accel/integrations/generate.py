@@ -189,9 +189,12 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     return config, rest, None
 
 
-def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None = None, prepared=None):
+def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None = None, prepared=None,
+              original_generate=None):
     """Run the fast path (speculative with ``speculative``); returns the sequences, or None (reason logged)
-    when it does not apply. ``prepared``: :func:`_prepared`'s result for this call, if the caller has it."""
+    when it does not apply. ``prepared``: :func:`_prepared`'s result for this call, if the caller has it.
+    ``original_generate``: transformers' ``generate``; with it, a call that needs transformers' logits processors,
+    stopping criteria or per-step outputs runs the fast path inside it (:func:`_run_prepared_loop`)."""
     if len(args) > 1:
         reason = "positional generate arguments beyond input_ids"
     else:
@@ -208,6 +211,9 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
                 reason = engine.check(gc, model_kwargs)
                 if reason is None:
                     return _run_fast(model, engine, gc, model_kwargs, speculative)
+                if original_generate is not None and engine.check(gc, model_kwargs, prepared_loop=True) is None:
+                    return _run_prepared_loop(model, engine, original_generate, args, kwargs, model_kwargs, reason,
+                                              speculative)
     log_once(f"fast-skip:{reason}", f"hf-accel: fast decode path not used: {reason}; transformers' loop runs "
              "on hf-accel's kernels")
     return None
@@ -236,6 +242,36 @@ def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | 
     return out
 
 
+def _run_prepared_loop(model, engine, original_generate, args, kwargs, model_kwargs, reason: str,
+                       speculative: SpeculativeConfig | None):
+    """transformers' ``generate`` with its own preparation (checks, ``num_return_sequences`` expansion, special
+    tokens, lengths, logits processors, stopping criteria) and hf-accel's decoding method
+    (:meth:`FastEngine.decode_prepared <hf_accel.engine.fast_generate.FastEngine.decode_prepared>`) as its
+    ``custom_generate``: for calls the direct fast path does not take only because of ``reason`` (an option of
+    that kind). The caller holds ``engine.call_lock``."""
+    log_once(f"prepared-loop:{reason}", "hf-accel: generate runs the fast decode path inside transformers' generate "
+             "(its logits processors, stopping criteria and outputs), for "
+             + reason.replace("unsupported generate arguments", "generate arguments"))
+    if speculative is not None:
+        log_once(f"spec-skip:{reason}", f"hf-accel: speculative decoding not used: {reason}; plain fast path")
+    model._hf_accel_spec_stats = None
+    streamer = model_kwargs.get("streamer")
+    prefix = passed_cache(model_kwargs)
+
+    def decode(_model, input_ids, logits_processor, stopping_criteria, generation_config, **rest):
+        # transformers passes neither the streamer nor the tokenizer to a custom_generate callable; the streamer
+        # already got the prompt from generate itself
+        return engine.decode_prepared(input_ids, logits_processor, stopping_criteria, generation_config, rest,
+                                      streamer=streamer, prefix=prefix)
+
+    call = dict(kwargs)
+    for name in _ASSISTED:  # a speculative call's own options (handled: the plain fast path runs)
+        call.pop(name, None)
+    out = original_generate(*args, custom_generate=decode, **call)
+    model._hf_accel_last_cache_stats = engine.last_stats
+    return out
+
+
 def _prepared_or_none(model, args, kwargs):
     """:func:`_prepared`'s ``(GenerationConfig, model_kwargs)``, or None where transformers cannot prepare the
     call (its own loop then raises the error)."""
@@ -256,7 +292,7 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         reason = _skip_reason(model, args, rest, assisted_handled=True, engine=engine,
                               gc=None if prepared is None else prepared[0])
         out = None if reason is not None else _try_fast(model, engine, args, rest, speculative=call_spec,
-                                                        prepared=prepared)
+                                                        prepared=prepared, original_generate=original_generate)
         if out is not None:
             return out
         log_once(f"assisted-stock:{reason}", "hf-accel: assisted generation runs transformers' own loop"
@@ -271,7 +307,8 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
     if call_spec is None and assisted_reason is None and engine is not None and speculative is not None:
         reason = _skip_reason(model, args, kwargs, engine=engine, gc=gc)
         if reason is None:
-            out = _try_fast(model, engine, args, kwargs, speculative=speculative, prepared=prepared)
+            out = _try_fast(model, engine, args, kwargs, speculative=speculative, prepared=prepared,
+                            original_generate=original_generate)
             if out is not None:
                 return out
     reason = _skip_reason(model, args, kwargs, engine=engine, gc=gc)
@@ -279,7 +316,7 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         log_once(f"generate-skip:{reason}", f"hf-accel: generate keeps transformers' cache: {reason}")
         return original_generate(*args, **kwargs)
     if engine is not None and speculative is None:
-        out = _try_fast(model, engine, args, kwargs, prepared=prepared)
+        out = _try_fast(model, engine, args, kwargs, prepared=prepared, original_generate=original_generate)
         if out is not None:
             return out
     if passed_cache(kwargs) is not None:  # a PagedCache the fast path did not take (reason logged)
