@@ -20,6 +20,7 @@ apply, transformers' own assisted generation runs with the caller's arguments.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -211,9 +212,11 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
                 reason = engine.check(gc, model_kwargs)
                 if reason is None:
                     return _run_fast(model, engine, gc, model_kwargs, speculative)
-                if original_generate is not None and engine.check(gc, model_kwargs, prepared_loop=True) is None:
-                    return _run_prepared_loop(model, engine, original_generate, args, kwargs, model_kwargs, reason,
-                                              speculative)
+                if original_generate is not None:
+                    call, gc, model_kwargs = _stop_strings_as_criterion(model, kwargs, gc, model_kwargs)
+                    if engine.check(gc, model_kwargs, prepared_loop=True) is None:
+                        return _run_prepared_loop(model, engine, original_generate, args, call, model_kwargs,
+                                                  reason, speculative)
     log_once(f"fast-skip:{reason}", f"hf-accel: fast decode path not used: {reason}; transformers' loop runs "
              "on hf-accel's kernels")
     return None
@@ -240,6 +243,28 @@ def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | 
     out = engine.generate(gc, model_kwargs)
     model._hf_accel_last_cache_stats = engine.last_stats
     return out
+
+
+def _stop_strings_as_criterion(model, kwargs, gc, model_kwargs):
+    """A call's ``stop_strings=`` (with its ``tokenizer=``) as transformers' own ``StopStringCriteria`` in the call's
+    ``stopping_criteria``: transformers hands no tokenizer to a ``custom_generate`` decoding method's criteria, so
+    the prepared loop gets the criterion built here instead. Returns ``(kwargs, gc, model_kwargs)`` for the
+    prepared loop (copies; unchanged where the call has no such option, no tokenizer, or a generation config that
+    sets stop strings too: those keep transformers' loop)."""
+    strings = kwargs.get("stop_strings")
+    tokenizer = kwargs.get("tokenizer")
+    configs = (kwargs.get("generation_config"), model.generation_config)
+    if strings is None or tokenizer is None or any(getattr(c, "stop_strings", None) for c in configs if c is not None):
+        return kwargs, gc, model_kwargs
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=strings)
+    call = {k: v for k, v in kwargs.items() if k != "stop_strings"}
+    call["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), criterion])
+    gc = copy.copy(gc)
+    gc.stop_strings = None
+    model_kwargs = dict(model_kwargs, stopping_criteria=call["stopping_criteria"])
+    return call, gc, model_kwargs
 
 
 def _run_prepared_loop(model, engine, original_generate, args, kwargs, model_kwargs, reason: str,

@@ -234,8 +234,8 @@ def test_speculative_model_runs_the_prepared_loop_plain(tiny, hf_log):
 @pytest.mark.parametrize("options", [dict(stop_strings=["ab"]), dict(guidance_scale=2.0),
                                      dict(output_attentions=True, return_dict_in_generate=True)])
 def test_options_the_prepared_loop_cannot_take_keep_transformers_loop(options, tiny, hf_log, decode_steps):
-    """Stop strings (transformers passes no tokenizer to a custom decoding method), classifier-free guidance (its
-    processor runs the model) and attention outputs: transformers' loop, as before."""
+    """Stop strings without a tokenizer (transformers raises its own error), classifier-free guidance (its processor
+    runs the model) and attention outputs: transformers' loop, as before."""
     model = _model(tiny, "llama")
     ids, mask = tiny.batch(seed=3)
     ours = accelerate_model(copy.deepcopy(model))
@@ -244,3 +244,30 @@ def test_options_the_prepared_loop_cannot_take_keep_transformers_loop(options, t
     except ValueError as e:  # stop_strings without a tokenizer: transformers' own error
         assert "tokenizer" in str(e)
     assert not _messages(hf_log, PREPARED_MSG) and not decode_steps
+
+
+@pytest.mark.slow
+def test_stop_strings_with_a_tokenizer_on_the_embedded_model(smollm2, hf_log, decode_steps):
+    """``stop_strings=`` with ``tokenizer=`` (transformers' StopStringCriteria, built for the prepared loop because
+    transformers passes no tokenizer to a custom decoding method): the answer stops where stock's stops."""
+    from hf_accel import revert_model
+
+    model, tokenizer = smollm2
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Count from one to ten in words."}],
+                                         tokenize=False, add_generation_prompt=True)
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    options = dict(max_new_tokens=24, do_sample=False, stop_strings=["3."], tokenizer=tokenizer,
+                   pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        unstopped = model.generate(**inputs, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        stock = model.generate(**inputs, **options)
+    assert stock.shape[1] < unstopped.shape[1], "the stop string does not occur: the test would not see a stop"
+    assert tokenizer.decode(stock[0, inputs["input_ids"].shape[1]:]).rstrip().endswith("3.")
+    try:
+        accelerate_model(model)
+        with torch.no_grad():
+            out = model.generate(**inputs, **options)
+    finally:
+        revert_model(model)
+    assert torch.equal(out, stock)
+    assert _messages(hf_log, PREPARED_MSG) and decode_steps
