@@ -247,3 +247,65 @@ def test_accelerated_model_must_be_reverted_first():
     accelerate_model(model)
     out = model.generate(tokens(1, 8), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 11)
+
+
+# --- the pooling weights against their closed forms, on heads that differ ---------------------------------------
+
+
+def _per_head_loop_norms(module, num_heads, num_kv_heads, d):
+    """Per KV head: the summed squared norms of the q_proj rows and of the o_proj columns of the query heads that
+    read it, head by head in Python (the module's docstring: ``norm``)."""
+    rep = num_heads // num_kv_heads
+    q, o = module.q_proj.weight.double(), module.o_proj.weight.double()
+    sk, sv = torch.zeros(num_kv_heads, dtype=torch.float64), torch.zeros(num_kv_heads, dtype=torch.float64)
+    for i in range(num_heads):
+        sk[i // rep] += (q[i * d:(i + 1) * d] ** 2).sum()
+        sv[i // rep] += (o[:, i * d:(i + 1) * d] ** 2).sum()
+    return sk, sv
+
+
+def test_norm_weights_equal_their_closed_form_on_differing_heads():
+    from hf_accel.conversion.pooling import norm_weights
+
+    num_heads, num_kv, new_kv, d = 8, 4, 2, 8
+    module = attention_modules(build("llama", num_heads=num_heads, num_kv_heads=num_kv, head_dim=d))[0]
+    a_k, a_v = norm_weights(module, num_kv, new_kv, d)
+    sk, sv = _per_head_loop_norms(module, num_heads, num_kv, d)
+    r = num_kv // new_kv
+    for a, s in ((a_k, sk), (a_v, sv)):
+        want = s.view(new_kv, r) / s.view(new_kv, r).sum(1, keepdim=True)
+        assert not torch.allclose(want, torch.full_like(want, 1 / r), atol=1e-3)  # the heads' weights differ
+        torch.testing.assert_close(a.double(), want[:, :, None, None] * torch.eye(d, dtype=torch.float64))
+
+
+def test_activation_weights_equal_their_closed_form_on_sampled_inputs():
+    """K: per RoPE frequency pair, the share of the query energy E[q_p^2 + q_{p+d/2}^2] of the query heads reading
+    each KV head, measured on explicit input samples; V: (sum_j G_j)^-1 G_j with G_j = sum_i O_i^T O_i."""
+    from hf_accel.conversion.pooling import activation_weights
+
+    num_heads, num_kv, new_kv, d = 8, 4, 2, 8
+    module = attention_modules(build("qwen2", num_heads=num_heads, num_kv_heads=num_kv, head_dim=d))[0]
+    hidden, rep, r = module.q_proj.in_features, num_heads // num_kv, num_kv // new_kv
+    x = torch.randn(4000, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1.5 + 0.2
+    aug = torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], dim=1)
+    moment = aug.T @ aug / len(x)
+    a_k, a_v = activation_weights(module, num_heads, num_kv, new_kv, d, moment, ridge=0.0)
+
+    q = module.q_proj(x).detach().view(len(x), num_heads, d)  # qwen2: q_proj has a bias
+    energy = (q ** 2).mean(0)  # [heads, d]
+    pair = energy[:, : d // 2] + energy[:, d // 2:]
+    per_kv = torch.stack([pair[j * rep:(j + 1) * rep].sum(0) for j in range(num_kv)]).view(new_kv, r, d // 2)
+    w = per_kv / per_kv.sum(1, keepdim=True)
+    want_k = torch.diag_embed(torch.cat([w, w], dim=-1))
+    torch.testing.assert_close(a_k.double(), want_k, rtol=1e-9, atol=1e-9)
+
+    o = module.o_proj.weight.detach().double()
+    grams = torch.zeros(num_kv, d, d, dtype=torch.float64)
+    for i in range(num_heads):
+        block = o[:, i * d:(i + 1) * d]
+        grams[i // rep] += block.T @ block
+    grams = grams.view(new_kv, r, d, d)
+    want_v = torch.stack([torch.stack([torch.linalg.solve(grams[g].sum(0), grams[g, j]) for j in range(r)])
+                          for g in range(new_kv)])
+    assert (want_v - torch.eye(d, dtype=torch.float64) / r).abs().max() > 1e-2  # not the mean
+    torch.testing.assert_close(a_v.double(), want_v, rtol=1e-8, atol=1e-8)
