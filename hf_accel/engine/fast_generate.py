@@ -780,6 +780,7 @@ class FastEngine:
         finally:
             cache.release()
 
+    @torch.inference_mode()
     def decode_prepared(self, input_ids: torch.Tensor, logits_processor, stopping_criteria, gc, model_kwargs,
                         streamer=None, prefix: PagedCache | None = None):
         """transformers' sampling / greedy loop (``GenerationMixin._sample``) on the fast path: the decoding method
@@ -863,8 +864,12 @@ class FastEngine:
         class holding them, ``outputs`` (``scores`` / ``logits``: tuples of per-step tensors, or None) and the K/V of
         every token but the last (what transformers' loop leaves in its cache) in ``prefix`` (the caller's cache,
         grown in place) or a new growable PagedCache. A passed cache gets them without ``return_dict_in_generate``
-        too, as transformers' loop fills it."""
+        too, as transformers' loop fills it. The tensors returned are ordinary tensors, not inference tensors (as
+        transformers returns them: a caller may feed them to a forward tracked by autograd, or write into them)."""
         as_dict = getattr(gc, "return_dict_in_generate", False)
+        with torch.inference_mode(False):
+            sequences = sequences.clone()
+            outputs = {k: None if v is None else tuple(t.clone() for t in v) for k, v in outputs.items()}
         if prefix is None and not as_dict:
             return sequences
         batch, keep = sequences.shape[0], sequences.shape[1] - 1

@@ -341,6 +341,34 @@ def test_update_returns_new_kv_then_pools_with_matching_mask_sizes(tiny):
     torch.testing.assert_close(values, torch.cat([v, v1], 2), rtol=0, atol=0)
 
 
+def test_crop_then_a_step_of_the_same_shape_gets_fresh_slots(tiny):
+    """Speculative rollback: verify k tokens from position s, crop them, verify k other tokens from s again. The
+    step the cache kept for the layers of one forward (same start and q_len) must not be reused after the crop:
+    the block tables grow again and the new K/V land where the next step reads them."""
+    config = tiny.config("llama")
+    config._attn_implementation = hf_attn.register()
+    cache = PagedCache(config, num_blocks=12, block_size=4)
+    g = torch.Generator().manual_seed(5)
+
+    def forward(q_len):
+        k, v = torch.randn(2, 2, q_len, 16, generator=g), torch.randn(2, 2, q_len, 16, generator=g)
+        for layer in range(config.num_hidden_layers):
+            cache.update(k, v, layer)
+        return k, v
+
+    k0, v0 = forward(5)
+    forward(3)
+    cache.crop(-3)
+    assert cache.get_seq_length() == 5 and [cache.manager.length(q) for q in cache.seq_ids] == [5, 5]
+    k1, v1 = forward(3)
+    assert [cache.manager.length(q) for q in cache.seq_ids] == [8, 8]
+    k2, v2 = torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)
+    pool_k, _ = cache.update(k2, v2, 0)
+    keys, values = paged_cache_mod.active_step(pool_k).gather()
+    torch.testing.assert_close(keys, torch.cat([k0, k1, k2], 2), rtol=0, atol=0)
+    torch.testing.assert_close(values, torch.cat([v0, v1, v2], 2), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_chunked_prefill_matches_one_shot(model_type, tiny):
     """Prefill in two chunks (the second on the paged path with q_len > 1) = one-shot prefill. Row 2's

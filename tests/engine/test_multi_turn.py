@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_accel import accelerate_model
-from hf_accel.cache import PagedCache
+from hf_accel.cache import OutOfBlocksError, PagedCache
 from hf_accel.engine.fast_generate import FastEngine, output_cache
 
 FAST_RUNS = "generate runs the fast decode path"
@@ -206,7 +206,7 @@ def test_caches_the_fast_path_cannot_take_fall_back_with_the_reason(tiny, hf_log
     assert any("the passed PagedCache holds 1 sequences and the batch has 3 rows" in r.getMessage()
                for r in hf_log.records)
     small = PagedCache(model.config, num_blocks=3, block_size=4)
-    with pytest.raises(Exception, match="out of blocks"), torch.no_grad():
+    with pytest.raises(OutOfBlocksError, match="out of blocks"), torch.no_grad():
         model.generate(**kw, **{name: small})
     assert any("not growable) has 3 free blocks" in r.getMessage() for r in hf_log.records)
     with torch.no_grad():

@@ -271,3 +271,24 @@ def test_stop_strings_with_a_tokenizer_on_the_embedded_model(smollm2, hf_log, de
         revert_model(model)
     assert torch.equal(out, stock)
     assert _messages(hf_log, PREPARED_MSG) and decode_steps
+
+
+@pytest.mark.parametrize("route", ["direct", "prepared_loop", "speculative"])
+def test_outputs_are_ordinary_tensors_usable_under_autograd(route, tiny):
+    """What generate returns can be fed to a forward tracked by autograd (scoring samples for a loss, as RL
+    fine-tuning scripts do) and written into, as stock's output: not inference tensors."""
+    model = _model(tiny, "llama")
+    ids, mask = tiny.batch(seed=3)
+    ours = accelerate_model(copy.deepcopy(model), speculative="prompt_lookup" if route == "speculative" else None)
+    options = dict(no_repeat_ngram_size=2, return_dict_in_generate=True, output_scores=True) \
+        if route == "prepared_loop" else {}
+    out = _run(ours, ids, mask, **options)
+    sequences = out.sequences if route == "prepared_loop" else out
+    tensors = [sequences, *(out.scores if route == "prepared_loop" else ())]
+    assert not any(t.is_inference() for t in tensors)
+    stock = _model(tiny, "llama")  # a trainable copy: its forward is tracked
+    stock.train()
+    loss = stock(input_ids=sequences).logits.float().log_softmax(-1).mean()
+    loss.backward()
+    assert stock.lm_head.weight.grad is not None
+    sequences[:, -1] = tiny.PAD  # writable outside inference mode
