@@ -257,7 +257,10 @@ def expand_kv_heads(model, num_kv_heads: int | None = None):
         num_kv_heads: a multiple of the current KV head count that divides the number of query heads.
 
     Returns:
-        The same model, expanded in place (config and attention bookkeeping updated).
+        The same model, expanded in place (config and attention bookkeeping updated): each layer's ``k_proj`` /
+        ``v_proj`` weight goes from [current * head_dim, hidden] to [num_kv_heads * head_dim, hidden] (biases
+        likewise), each head repeated ``num_kv_heads // current`` times in a row, in the
+        weights' dtype; q_proj / o_proj are unchanged.
 
     Raises:
         TypeError / ValueError: as :func:`convert_to_gqa`; an invalid count lists the valid choices.

@@ -418,7 +418,13 @@ def last_cache_stats(model) -> dict | None:
 
 def speculative_stats(model) -> dict | None:
     """Speculative-decoding counters of the model's last ``generate`` call, or None if it did not decode
-    speculatively.
+    speculatively (also for a model never accelerated; never raises).
+
+    Args:
+        model: the model ``generate`` was called on (a transformers model, or a peft ``PeftModel`` wrapping one).
+
+    Returns:
+        A new dict (changing it changes nothing), or None.
 
     Keys: ``method``; ``num_draft_tokens`` (the largest k); ``match_gated`` (prompt lookup choosing each
     round from its own matches); ``verify_steps`` (verify passes with k > 0, also those in which no row had a

@@ -18,6 +18,14 @@ class TimingStreamer(BaseStreamer):
 
     transformers calls ``put`` once with the prompt ids, then once per generated step with the new
     token ids [batch] (or [batch, 1]); the first of those is the first token (TTFT).
+
+    Args:
+        inner: a streamer that gets every ``put`` / ``end`` as well (e.g. ``TextStreamer``), or None.
+        sync_device: a CUDA device to synchronise before the first token's timestamp (so that TTFT counts the
+            GPU work queued before it), or None.
+
+    Attributes (seconds, ``time.perf_counter``): ``t_start`` (set by the caller, or at construction),
+    ``t_first`` (first generated token; None until then), ``t_end`` (``end()``); ``steps``: generated steps seen.
     """
 
     def __init__(self, inner: BaseStreamer | None = None, sync_device: torch.device | None = None):
@@ -49,7 +57,18 @@ class TimingStreamer(BaseStreamer):
 
 @dataclass
 class GenerationStats:
-    """What one timed ``generate`` call did. Times in seconds, memory in bytes (None off-GPU)."""
+    """What one timed ``generate`` call did (:func:`measure_generate`). Times in seconds, memory in bytes.
+
+    Attributes:
+        new_tokens: generated tokens summed over the batch, each row counted up to and including its first EOS
+            (the padding after it is not counted).
+        steps: decode steps, i.e. new positions of the returned sequences (the longest row).
+        seconds: wall time of the whole ``generate`` call (prefill included; synchronised on CUDA).
+        ttft_s: time to the first generated token, or None when no token was streamed.
+        tokens_per_s: ``new_tokens / seconds``.
+        peak_memory_bytes: ``torch.cuda.max_memory_allocated`` during the call; None off-GPU.
+        sequences: [batch, prompt_len + steps] int64, what ``generate`` returned.
+    """
 
     new_tokens: int  # generated tokens summed over the batch (padding after EOS not counted)
     steps: int  # decode steps (max new tokens over the batch)
@@ -89,9 +108,14 @@ def measure_generate(model, inputs: dict, streamer: BaseStreamer | None = None, 
         inputs: tokenizer output with ``input_ids`` [batch, prompt_len] int64 and optionally
             ``attention_mask`` [batch, prompt_len].
         streamer: optional streamer (e.g. ``TextStreamer``) that also receives the tokens.
+        **generate_kwargs: passed to ``generate`` as they are (``max_new_tokens``, ``do_sample``, ...; not
+            ``return_dict_in_generate``: the call must return the sequences tensor).
 
     Returns:
         :class:`GenerationStats`; tokens after the first EOS of a row are not counted.
+
+    Raises:
+        Whatever ``model.generate`` raises for these arguments.
     """
     device = inputs["input_ids"].device
     on_cuda = device.type == "cuda"

@@ -13,6 +13,8 @@ from hf_accel._logging import logger
 from hf_accel.integrations import generate as paged_generate
 from hf_accel.integrations.attention import register
 
+#: ``config.model_type`` values :func:`accelerate_model` takes (decoder-only models with RoPE, RMSNorm, a SwiGLU MLP
+#: and grouped-query attention as transformers implements them); other types raise ValueError.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATE_ATTR = "_hf_accel_state"
 
@@ -76,6 +78,11 @@ def accelerate_model(
 
     The model is patched in place and returned, so ``model = accelerate_model(model)`` is the one line
     a script needs. Calling it twice is harmless; :func:`revert_model` undoes it exactly.
+
+    Algorithms: FlashAttention-2 prefill (Dao 2023, "FlashAttention-2", §3), a paged KV cache (Kwon et al. 2023,
+    "Efficient Memory Management for Large Language Model Serving with PagedAttention", §4) and split-KV decode
+    attention merged by log-sum-exp (Dao et al. 2023, "Flash-Decoding for long-context inference"); speculative
+    decoding as in Leviathan et al. 2023 and Chen et al. 2023 (:mod:`hf_accel.speculative`).
 
     Args:
         model: a transformers ``PreTrainedModel`` of type llama, mistral, qwen2 or qwen3, or a peft
@@ -244,7 +251,9 @@ def _restore(hf_model, peft_model, state: dict) -> None:
 
 
 def is_accelerated(model) -> bool:
-    """True if :func:`accelerate_model` is in effect on this model."""
+    """True if :func:`accelerate_model` is in effect on ``model`` (a transformers model or a peft ``PeftModel``
+    wrapping one); False after :func:`revert_model`, for a model never accelerated, and for any other object
+    (never raises)."""
     hf_model, _ = _unwrap_peft(model)
     return getattr(hf_model, _STATE_ATTR, None) is not None
 

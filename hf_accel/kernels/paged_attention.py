@@ -502,7 +502,16 @@ def paged_attention(
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, row: int) -> torch.Tensor:
-    """Contiguous [num_kv_heads, seq_len, head_dim] copy of one sequence's keys or values (reference/tests)."""
+    """Contiguous [num_kv_heads, seq_len, head_dim] copy of one sequence's keys or values (reference/tests).
+
+    Args:
+        cache: a K or V pool [num_blocks, block_size, num_kv_heads, head_dim] (any dtype; the copy keeps it).
+        block_table: [batch, max_blocks] int32 / int64 block ids per sequence.
+        seq_len: tokens to gather from position 0.
+        row: the sequence's row of ``block_table``.
+
+    Raises:
+        IndexError: the row's table has fewer than ``ceil(seq_len / block_size)`` entries."""
     block_size = cache.shape[1]
     pos = torch.arange(seq_len, device=cache.device)
     blocks = block_table[row, pos // block_size].long()

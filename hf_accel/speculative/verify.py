@@ -36,6 +36,10 @@ def greedy_accept(draft_tokens: torch.Tensor, draft_valid: torch.Tensor, target_
         (out [batch, k + 1] int64, num_accepted [batch] int64): ``out`` is the target's argmax at every
         position; the first ``num_accepted`` drafts equal it, so committing ``out[:, :num_accepted + 1]``
         gives exactly the target's greedy continuation.
+
+    Raises:
+        RuntimeError (PyTorch's) for shapes that do not match as above; values are not checked (an internal
+        step of the speculative engine, which builds its inputs).
     """
     k = draft_tokens.shape[1]
     out = target_logits.argmax(dim=-1)
@@ -63,6 +67,10 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_valid: torch.Tensor, draf
 
     Returns:
         (out [batch, k + 1] int64, num_accepted [batch] int64) as in :func:`greedy_accept`.
+
+    Raises:
+        RuntimeError (PyTorch's) for shapes that do not match as above; the distributions are not checked
+        (rows must be non-negative and sum to 1, as the engine's softmax outputs do).
     """
     b, k = draft_tokens.shape
     if k == 0:  # nothing drafted: plain sampling from p_0
