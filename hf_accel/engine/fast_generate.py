@@ -122,16 +122,23 @@ def eos_ids(eos) -> list[int]:
     return [int(x) for x in eos]
 
 
-def call_inputs(gc, model_kwargs, input_ids):
+def call_inputs(gc, model_kwargs, input_ids, vocab_size: int | None = None):
     """``(attention_mask, eos_ids, pad_id)`` of a generate call, by transformers' rules: without a mask, one
     is inferred from padding when the pad id occurs in the prompt and is not an EOS id; the pad id defaults
-    to the first EOS id (else 0). Ids come back as Python ints."""
+    to the first EOS id (else 0). Ids come back as Python ints.
+
+    With ``vocab_size``, a pad id outside ``[0, vocab_size)`` comes back as 0 for one-row calls: the pad id a
+    finished row is fed in the steps after its end (transformers' loop stops a one-row call at its EOS and
+    never feeds it; those steps' tokens are not returned). :meth:`FastEngine.check` sends batches with such a
+    pad id to transformers' loop."""
     eos_list = eos_ids(gc.eos_token_id)
     pad = int(gc.pad_token_id) if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         infer = gc.pad_token_id is not None and pad not in eos_list and bool((input_ids == pad).any())
         attention_mask = input_ids.ne(pad).long() if infer else torch.ones_like(input_ids)
+    if vocab_size is not None and not 0 <= pad < vocab_size and input_ids.shape[0] == 1:
+        pad = 0
     return attention_mask.to(input_ids.device), eos_list, pad
 
 
@@ -339,6 +346,11 @@ class FastEngine:
         weight = getattr(head, "weight", None)
         return weight.device if isinstance(weight, torch.Tensor) else self.model.device
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's input embedding (the token ids a step can take)."""
+        return self.model.get_input_embeddings().num_embeddings
+
     def _model_reason(self) -> str | None:
         """Why the model cannot take the fast path (None if it can). The full check walks every parameter
         (~1 ms per ``generate`` call on a slow host), so its answer is kept while a cheap key stays the same:
@@ -420,6 +432,11 @@ class FastEngine:
             return "right-padded batch (decoder-only models need padding_side='left')"
         if self._max_new(gc, ids.shape[1]) <= 0:
             return "the prompt is not shorter than max_length"  # transformers raises its own error
+        pad = call_inputs(gc, model_kwargs, ids)[2]
+        vocab = self.vocab_size
+        if ids.shape[0] > 1 and not 0 <= pad < vocab:  # a one-row call feeds 0 instead (call_inputs)
+            return (f"pad_token_id {pad} is outside the vocabulary of {vocab} tokens (a finished row of a batch is "
+                    "fed it; transformers' loop raises where that happens)")
         if (not prepared_loop and repetition_penalty(gc) is not None
                 and not bool(call_inputs(gc, model_kwargs, ids)[0].bool().all())):
             # transformers 5.x versions differ on whether left padding counts as seen tokens (pad = EOS often)
@@ -715,7 +732,7 @@ class FastEngine:
         max_new = self._max_new(gc, prompt_len)
         if max_new <= 0:
             return input_ids
-        attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids)
+        attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids, self.vocab_size)
         eos_t = torch.tensor(eos_list, dtype=torch.long, device=device)
 
         processors = LogitsProcessorList()

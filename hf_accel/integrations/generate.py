@@ -214,9 +214,11 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
                     return _run_fast(model, engine, gc, model_kwargs, speculative)
                 if original_generate is not None:
                     call, gc, model_kwargs = _stop_strings_as_criterion(model, kwargs, gc, model_kwargs)
-                    if engine.check(gc, model_kwargs, prepared_loop=True) is None:
+                    prepared_reason = engine.check(gc, model_kwargs, prepared_loop=True)
+                    if prepared_reason is None:
                         return _run_prepared_loop(model, engine, original_generate, args, call, model_kwargs,
                                                   reason, speculative)
+                    reason = prepared_reason  # what keeps the call off both routes
     log_once(f"fast-skip:{reason}", f"hf-accel: fast decode path not used: {reason}; transformers' loop runs "
              "on hf-accel's kernels")
     return None

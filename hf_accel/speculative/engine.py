@@ -403,7 +403,7 @@ class SpeculativeEngine:
         streamer = model_kwargs.get("streamer")
         batch, prompt_len = input_ids.shape
         max_new = fast._max_new(gc, prompt_len)
-        attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids)
+        attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids, fast.vocab_size)
         warp = sampling_warpers(gc)
         no_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
 

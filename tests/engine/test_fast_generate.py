@@ -895,3 +895,31 @@ def test_fused_flag_change_rebuilds_steps(tiny, monkeypatch):
     model._hf_accel_engine.fused = True
     again = _generate(model, ids, mask, tiny.PAD, max_new_tokens=3, eos_token_id=None)
     assert calls and torch.equal(again, first)
+
+
+@pytest.mark.parametrize("pad", [128, -1], ids=["vocab_size", "negative"])
+@pytest.mark.parametrize("route", ["greedy", "sampling", "prepared_loop", "speculative"])
+def test_pad_id_outside_the_vocabulary(route, pad, tiny, hf_log):
+    """A pad id the embedding does not have (a pad token added to a tokenizer without resizing the model): a
+    one-row call ends at its EOS as stock's does (the fast path runs a few steps past it, fed a valid id);
+    a batch with a row that finishes early raises in transformers' loop, as stock's does."""
+    model = tiny.model("llama", seed=6)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    plain = _generate(model, ids, torch.ones_like(ids), 0, max_new_tokens=12, eos_token_id=None)
+    eos = int(plain[0, ids.shape[1] + 3])  # the row ends after 4 of its 12 tokens
+    options = dict(max_new_tokens=12, eos_token_id=eos)
+    if route == "sampling":
+        options.update(do_sample=True, top_k=1)
+    if route == "prepared_loop":
+        options.update(no_repeat_ngram_size=4)
+    stock = _generate(model, ids, torch.ones_like(ids), pad, **options)
+    assert stock.shape[1] < ids.shape[1] + 12, "the row must end early for the test to see steps past its end"
+    ours = accelerate_model(copy.deepcopy(model), speculative="prompt_lookup" if route == "speculative" else None)
+    assert torch.equal(_generate(ours, ids, torch.ones_like(ids), pad, **options), stock)
+    assert _messages(hf_log, FAST_MSG)
+    batch = torch.cat([ids, torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(5))])
+    with pytest.raises(IndexError):
+        _generate(model, batch, torch.ones_like(batch), pad, **options)
+    with pytest.raises(IndexError):
+        _generate(ours, batch, torch.ones_like(batch), pad, **options)
+    assert _messages(hf_log, f"pad_token_id {pad} is outside the vocabulary of 128 tokens")
