@@ -308,11 +308,34 @@ def _prepared_or_none(model, args, kwargs):
         return None
 
 
+def _continuous_batching(model, original_generate, engine, args, kwargs):
+    """``generate(cache_implementation="paged")``: transformers switches to its continuous-batching engine, which
+    takes only its own attention implementations; the call runs it with the model's attention from before
+    :func:`~hf_accel.integrations.patch.accelerate_model` (hf-accel's is set back afterwards, also on error).
+    Calls on the fast path wait meanwhile (they need hf-accel's attention)."""
+    import contextlib
+
+    from hf_accel.integrations.patch import original_attention
+
+    before = original_attention(model)
+    log_once("continuous-batching", "hf-accel: cache_implementation='paged' runs transformers' continuous batching "
+             f"with the model's own attention ({before!r}), not hf-accel's kernels")
+    current = model.config._attn_implementation
+    with engine.call_lock if engine is not None else contextlib.nullcontext():
+        model.set_attn_implementation(before)
+        try:
+            return original_generate(*args, **kwargs)
+        finally:
+            model.set_attn_implementation(current)
+
+
 def paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):
     """Fast path (speculative where asked), else ``original_generate`` with a fresh PagedCache, unless
     :func:`_skip_reason` applies. Those decisions read the call's prepared generation config (the model's
     generation config merged into a caller's ``generation_config``, as transformers' loop reads it)."""
     model._hf_accel_spec_stats = None  # set again only by a call that decodes speculatively
+    if kwargs.get("cache_implementation") == "paged":  # transformers reads it from the call's arguments only
+        return _continuous_batching(model, original_generate, engine, args, kwargs)
     call_spec, rest, assisted_reason = assisted_config(model, kwargs)
     if call_spec is not None and engine is not None:
         prepared = _prepared_or_none(model, args, rest)

@@ -250,6 +250,13 @@ def _restore(hf_model, peft_model, state: dict) -> None:
     hf_model.__dict__.pop(_STATE_ATTR, None)
 
 
+def original_attention(model) -> str | None:
+    """The attention implementation ``model`` had before :func:`accelerate_model` (None if not accelerated)."""
+    hf_model, _ = _unwrap_peft(model)
+    state = getattr(hf_model, _STATE_ATTR, None)
+    return None if state is None else state["attn_implementation"]
+
+
 def is_accelerated(model) -> bool:
     """True if :func:`accelerate_model` is in effect on ``model`` (a transformers model or a peft ``PeftModel``
     wrapping one); False after :func:`revert_model`, for a model never accelerated, and for any other object

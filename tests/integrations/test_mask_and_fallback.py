@@ -402,3 +402,48 @@ def test_a_config_whose_layer_count_differs_from_the_model_keeps_transformers_lo
     assert torch.equal(tiny.greedy(ours, ids, torch.ones_like(ids), 5), want)
     assert any("config.num_hidden_layers (1) differs from the model's 2 layers" in r.getMessage()
                for r in hf_log.records)
+
+
+def test_continuous_batching_runs_with_the_models_own_attention(tiny, hf_log, monkeypatch):
+    """``generate(cache_implementation="paged")`` switches transformers to its continuous-batching engine, which
+    refuses other attention implementations: it runs with the model's attention from before accelerate_model,
+    and hf-accel's is set back afterwards (also when it raises)."""
+    model = _tiny_llama(tiny, 11)
+    ours = accelerate_model(copy.deepcopy(model))
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    seen = []
+
+    class _Request:
+        def __init__(self, prompt):
+            self.prompt_ids, self.generated_tokens = prompt, [7, 8]
+
+    def fake_generate_batch(inputs, **kwargs):
+        seen.append(ours.config._attn_implementation)
+        return {f"req_{i}": _Request(row) for i, row in enumerate(inputs)}
+
+    monkeypatch.setattr(ours, "generate_batch", fake_generate_batch)
+    with torch.no_grad():
+        out = ours.generate(ids, max_new_tokens=2, cache_implementation="paged")
+    assert seen == [model.config._attn_implementation] and ours.config._attn_implementation == "hf_accel"
+    assert out.reshape(-1).tolist() == ids[0].tolist() + [7, 8]
+    assert [r for r in hf_log.records if "runs transformers' continuous batching" in r.getMessage()]
+
+    def failing(inputs, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ours, "generate_batch", failing)
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+        ours.generate(ids, max_new_tokens=2, cache_implementation="paged")
+    assert ours.config._attn_implementation == "hf_accel"
+
+
+def test_continuous_batching_gives_stock_greedy_tokens(tiny):
+    """The real continuous-batching engine on the accelerated model (about 30 s on a 2-core CPU)."""
+    model = _tiny_llama(tiny, 12)
+    ours = accelerate_model(copy.deepcopy(model))
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=3, do_sample=False)
+        got = ours.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="paged")
+    assert got.reshape(-1).tolist() == want[0].tolist()
+    assert ours.config._attn_implementation == "hf_accel"
