@@ -84,6 +84,27 @@ MAX_LOOKAHEAD = 33
 EOS_LAG = 2
 
 
+class _RngStates:
+    """The default generator's state of ``device`` before each of the last ``keep`` steps' draws (a step's
+    ``torch.multinomial``), so that :meth:`restore` can set the state after the first ``n`` steps' draws."""
+
+    def __init__(self, device: torch.device, keep: int):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.states: dict[int, torch.Tensor] = {}
+        self.keep = keep
+
+    def save(self, step: int) -> None:
+        self.states[step] = torch.cuda.get_rng_state(self.device) if self.cuda else torch.get_rng_state()
+        self.states.pop(step - self.keep, None)
+
+    def restore(self, step: int) -> None:
+        """Set the state saved before step ``step`` (nothing if that step did not run: every step's draw counts)."""
+        state = self.states.get(step)
+        if state is not None:
+            torch.cuda.set_rng_state(state, self.device) if self.cuda else torch.set_rng_state(state)
+
+
 class _EosWatch:
     """End-of-sequence check of a loop of CUDA-graph steps without blocking: each step's unfinished flags
     are copied to page-locked memory (:meth:`DecodeStep.host_flags`) and read ``lag`` steps later, once
@@ -762,7 +783,13 @@ class FastEngine:
             cur = prompt_len
             watch = (_EosWatch(step, EOS_LAG) if eos_list and streamer is None and step.use_graph and EOS_LAG > 0
                      else None)
+            # Sampling: the random-number state before each recent step's draw. Steps past the last EOS (the host
+            # learns of it a few steps late) draw too; the state after the draws transformers' loop makes is put
+            # back at the end, so that later draws (the next call's) are the ones they would be.
+            rng = _RngStates(device, max(EOS_LAG, self.sync_every) + 2) if gc.do_sample and eos_list else None
             for i in range(max_new):
+                if rng is not None:
+                    rng.save(i)
                 scores = processors(tokens[:, :cur], logits) if len(processors) else logits
                 if gc.do_sample:
                     probs = torch.softmax(scores, dim=-1)
@@ -792,6 +819,8 @@ class FastEngine:
             if streamer is not None:
                 streamer.end()
             n = int(steps_run)
+            if rng is not None:
+                rng.restore(n)  # the state after n draws, as after transformers' loop
             self.last_stats = cache.memory_stats()
             return self._output(gc, tokens[:, : prompt_len + n], prefix)
         finally:

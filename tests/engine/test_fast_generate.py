@@ -923,3 +923,21 @@ def test_pad_id_outside_the_vocabulary(route, pad, tiny, hf_log):
     with pytest.raises(IndexError):
         _generate(ours, batch, torch.ones_like(batch), pad, **options)
     assert _messages(hf_log, f"pad_token_id {pad} is outside the vocabulary of 128 tokens")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["module-step", "fused-step"])
+def test_seeded_sampling_leaves_the_random_state_as_stock(fused, tiny):
+    """Steps past the last EOS (the fast path learns of it some steps late) draw random numbers too: the state
+    after stock's draws is put back, so the next call and later draws are stock's as well."""
+    model = tiny.model("llama", seed=8)
+    ids, mask = tiny.batch(seed=9)
+    ours = _accelerated(model, fused=fused)
+    results = []
+    for m in (model, ours):
+        torch.manual_seed(0)
+        first = _generate(m, ids, mask, tiny.PAD, do_sample=True, max_new_tokens=30, eos_token_id=list(range(3, 60)))
+        second = _generate(m, ids, mask, tiny.PAD, do_sample=True, max_new_tokens=6, eos_token_id=None)
+        results.append((first, second, torch.rand(3)))
+    (f0, s0, r0), (f1, s1, r1) = results
+    assert f0.shape[1] < ids.shape[1] + 30 - 16, "every row must end early, more than 16 steps before the limit"
+    assert torch.equal(f1, f0) and torch.equal(s1, s0) and torch.equal(r1, r0)
