@@ -453,7 +453,11 @@ class FastEngine:
             return "right-padded batch (decoder-only models need padding_side='left')"
         if self._max_new(gc, ids.shape[1]) <= 0:
             return "the prompt is not shorter than max_length"  # transformers raises its own error
-        pad = call_inputs(gc, model_kwargs, ids)[2]
+        try:
+            pad = call_inputs(gc, model_kwargs, ids)[2]
+        except (TypeError, ValueError, RuntimeError):  # transformers' loop raises its own error
+            return (f"eos_token_id={gc.eos_token_id!r} / pad_token_id={gc.pad_token_id!r} are not token ids "
+                    "(ints or int tensors)")
         vocab = self.vocab_size
         if ids.shape[0] > 1 and not 0 <= pad < vocab:  # a one-row call feeds 0 instead (call_inputs)
             return (f"pad_token_id {pad} is outside the vocabulary of {vocab} tokens (a finished row of a batch is "

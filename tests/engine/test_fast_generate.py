@@ -941,3 +941,15 @@ def test_seeded_sampling_leaves_the_random_state_as_stock(fused, tiny):
     (f0, s0, r0), (f1, s1, r1) = results
     assert f0.shape[1] < ids.shape[1] + 30 - 16, "every row must end early, more than 16 steps before the limit"
     assert torch.equal(f1, f0) and torch.equal(s1, s0) and torch.equal(r1, r0)
+
+
+@pytest.mark.parametrize("options", [dict(eos_token_id="a"), dict(pad_token_id="x", eos_token_id=3)])
+def test_token_ids_that_are_not_ints_raise_what_stock_raises(options, tiny, hf_log):
+    model = tiny.model("llama")
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(Exception) as want:
+        model.generate(ids, max_new_tokens=3, **options)
+    with pytest.raises(type(want.value)) as got:
+        accelerate_model(copy.deepcopy(model)).generate(ids, max_new_tokens=3, **options)
+    assert str(got.value) == str(want.value)
+    assert _messages(hf_log, "are not token ids")
