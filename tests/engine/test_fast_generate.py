@@ -952,4 +952,5 @@ def test_token_ids_that_are_not_ints_raise_what_stock_raises(options, tiny, hf_l
     with pytest.raises(type(want.value)) as got:
         accelerate_model(copy.deepcopy(model)).generate(ids, max_new_tokens=3, **options)
     assert str(got.value) == str(want.value)
-    assert _messages(hf_log, "are not token ids")
+    if "eos_token_id" in options and "pad_token_id" not in options:  # (a bad pad id fails transformers' own
+        assert _messages(hf_log, "are not token ids")                 # preparation, before the fast path looks)
