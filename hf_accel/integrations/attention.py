@@ -161,11 +161,15 @@ def hf_accel_attention_forward(
             return eager_attention_forward(module, query, key, value, additive, scaling=scaling,
                                            dropout=dropout, **kwargs)
         log_once(f"fallback:{reason}", f"hf-accel: SDPA fallback: {reason}")
-        # A query row with no visible key would give NaN in SDPA (and poison later layers through V);
-        # let it attend everywhere instead: its output is padding and never seen by real tokens.
-        mask = mask | ~mask.any(-1, keepdim=True)
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
-                                      scaling=scaling, is_causal=False, **kwargs)
+        # A query row with no visible key (left padding) would give NaN in SDPA, also in its gradient: it attends
+        # everywhere, then its output is set to 0, as transformers' own SDPA path and hf-accel's kernels give it
+        # (the logits at padding positions enter a loss through the label of the first real token).
+        empty = ~mask.any(-1, keepdim=True)  # [batch, 1, q_len, 1]
+        out, weights = sdpa_attention_forward(module, query, key, value, mask | empty, dropout=dropout,
+                                              scaling=scaling, is_causal=False, **kwargs)
+        if bool(empty.any()):
+            out = out * (~empty).squeeze(-1).transpose(1, 2)[..., None].to(out.dtype)  # out: [batch, q, heads, d]
+        return out, weights
     if step is not None:
         fn = paged_attention if query.is_cuda else paged_attention_sdpa
         out = fn(query, step.key_cache, step.value_cache, step.block_table, step.seq_lens, step.max_seq_len,

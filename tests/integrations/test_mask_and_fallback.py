@@ -121,22 +121,28 @@ def test_generate_with_output_attentions(tiny, attention_spy):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
 def test_training_mode_falls_back_and_trains(padded, tiny, hf_log, attention_spy):
+    """Logits at every position (the padding ones too: the last padding position predicts the first real token's
+    label, so they enter the loss), the loss and the gradients equal stock's."""
     model = tiny.model("mistral", seed=41)
     stock = copy.deepcopy(model).train()
     ids, mask = tiny.batch(seed=42, lengths=(8, 5, 3) if padded else (8, 8, 8))
-    expect = stock(input_ids=ids, attention_mask=mask).logits
+    labels = ids.masked_fill(mask == 0, -100)
+    expect = stock(input_ids=ids, attention_mask=mask, labels=labels)
+    expect.loss.backward()
     spy = attention_spy()
     accelerate_model(model)
     model.train()
-    out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
     assert spy.kernel_calls == 0 and set(spy.fallbacks) == {"sdpa_attention_forward"}
     assert torch.isfinite(out.logits).all()  # padding rows included: no NaN leaks from masked rows
-    valid = mask.bool()
-    torch.testing.assert_close(out.logits[valid], expect[valid], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits, expect.logits, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out.loss, expect.loss, atol=1e-6, rtol=1e-6)
     out.loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert any(g.abs().sum() > 0 for g in grads)
+    for a, b in zip(grads, [p.grad for p in stock.parameters() if p.requires_grad]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert len(_messages(hf_log, "fallback", "training")) == 1
 
 
