@@ -6,6 +6,8 @@ in place); no module-level class is patched, so later models are unaffected.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import PreTrainedModel
 
@@ -30,16 +32,62 @@ def _unwrap_peft(model):
     return model, None
 
 
-def _lora_base_weights(peft_model) -> dict:
-    """Copies of the base weights LoRA merging will change (restored exactly by revert_model)."""
+def _lora_base_weights(peft_model) -> list:
+    """Copies of the base weights LoRA merging will change, with the base layers holding them (restored exactly
+    by revert_model, also after peft's ``unload`` has replaced the LoRA layers by those base layers)."""
     from peft.tuners.lora import LoraLayer
 
-    saved = {}
-    for name, module in peft_model.named_modules():
+    saved = []
+    for module in peft_model.modules():
         if isinstance(module, LoraLayer):
             base = module.get_base_layer()
-            saved[name] = {k: v.detach().clone() for k, v in base.named_parameters(recurse=False)}
+            saved.append((base, {k: v.detach().clone() for k, v in base.named_parameters(recurse=False)}))
     return saved
+
+
+_PEFT_LEAVING = ("unload", "merge_and_unload")
+
+
+def _guard_peft(peft_model, state: dict) -> None:
+    """While hf-accel holds a PeftModel's LoRA adapters merged, the calls that assume they are not revert hf-accel
+    first (logged): ``unload`` / ``merge_and_unload`` (on the PeftModel or its tuner; else ``unload`` would keep
+    the merged weights), ``train()``, and a forward with autograd on while LoRA parameters require grad (training:
+    merged adapters get no gradient). Module-level functions bound with ``functools.partial``: a copy of the model
+    (``copy.deepcopy``, ``torch.save``) carries guards of its own."""
+    attrs = []
+    for owner in (peft_model, peft_model.base_model):
+        for name in _PEFT_LEAVING:
+            if hasattr(owner, name):
+                setattr(owner, name, functools.partial(_peft_leaving, peft_model, owner, name))
+                attrs.append((owner, name))
+    peft_model.train = functools.partial(_peft_train, peft_model)
+    attrs.append((peft_model, "train"))
+    state["peft_guards"] = (attrs, peft_model.register_forward_pre_hook(_peft_pre_forward, with_kwargs=True))
+
+
+def _revert_for(peft_model, what: str) -> None:
+    state = getattr(peft_model.get_base_model(), _STATE_ATTR, None)
+    if state is not None and state.get("lora_merged"):
+        logger.warning("hf-accel: %s on a PeftModel whose LoRA adapters hf-accel merged: reverted hf-accel first "
+                       "(accelerate_model again afterwards for inference)", what)
+        revert_model(peft_model)
+
+
+def _peft_leaving(peft_model, owner, name: str, *args, **kwargs):
+    _revert_for(peft_model, f"{name}()")
+    owner.__dict__.pop(name, None)  # (the revert removed it already)
+    return getattr(owner, name)(*args, **kwargs)
+
+
+def _peft_train(peft_model, mode: bool = True):
+    if mode:
+        _revert_for(peft_model, "train()")
+    return type(peft_model).train(peft_model, mode)
+
+
+def _peft_pre_forward(module, args, kwargs):
+    if torch.is_grad_enabled() and any(p.requires_grad for n, p in module.named_parameters() if "lora_" in n):
+        _revert_for(module, "a forward with autograd")
 
 
 def _check_lora_only(peft_model) -> None:
@@ -178,6 +226,7 @@ def accelerate_model(
             state["lora_base_weights"] = _lora_base_weights(peft_model)
             peft_model.merge_adapter()
             state["lora_merged"] = True
+            _guard_peft(peft_model, state)
         hf_model.set_attn_implementation(name)
         if paged_cache:
             paged_generate.install(hf_model, block_size, fast_decode=fast_decode, cuda_graphs=cuda_graphs,
@@ -238,13 +287,18 @@ def _restore(hf_model, peft_model, state: dict) -> None:
     (base weights copied back bit for bit from the copies taken before merging)."""
     hf_model.set_attn_implementation(state["attn_implementation"])
     paged_generate.uninstall(hf_model)
+    guards = state.pop("peft_guards", None)
+    if guards is not None:
+        attrs, hook = guards
+        hook.remove()
+        for owner, name in attrs:
+            owner.__dict__.pop(name, None)
     saved = state.get("lora_base_weights")
-    if saved is not None and peft_model is not None:
-        peft_model.unmerge_adapter()
-        modules = dict(peft_model.named_modules())
-        with torch.no_grad():
-            for name, params in saved.items():
-                base = modules[name].get_base_layer()
+    if saved is not None:
+        if peft_model is not None and state.get("lora_merged"):
+            peft_model.unmerge_adapter()  # peft's bookkeeping; the weights are copied back below
+        with torch.no_grad():  # also after peft's unload(), which keeps these very base layers
+            for base, params in saved:
                 for k, v in params.items():
                     getattr(base, k).copy_(v)
     hf_model.__dict__.pop(_STATE_ATTR, None)

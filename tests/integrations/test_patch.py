@@ -379,6 +379,50 @@ def test_peft_revert_restores_base_weights_exactly(tiny):
             assert torch.equal(p, base_weights[name]), name
 
 
+@pytest.mark.parametrize("leave", ["unload", "merge_and_unload", "tuner_unload"])
+def test_peft_unload_after_accelerating_gives_what_peft_gives(leave, tiny, hf_log):
+    """peft's unload() keeps the base weights as they are: hf-accel's merge is undone first (logged), so the
+    base model comes back exactly (merge_and_unload: LoRA merged by peft itself), not accelerated."""
+    stock = _lora_model(tiny, seed=16)
+    ours = copy.deepcopy(stock)
+    ids, mask = tiny.batch(seed=17)
+    want = getattr(stock.base_model if leave == "tuner_unload" else stock, leave.replace("tuner_", ""))()
+    accelerate_model(ours)
+    got = getattr(ours.base_model if leave == "tuner_unload" else ours, leave.replace("tuner_", ""))()
+    assert not is_accelerated(got)
+    for (name, a), b in zip(got.state_dict().items(), want.state_dict().values()):
+        if leave.endswith("unload") and leave != "merge_and_unload":
+            assert torch.equal(a, b), name  # the base weights bit for bit
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+    assert torch.equal(tiny.greedy(got, ids, mask), tiny.greedy(want, ids, mask))
+    assert [r for r in hf_log.records if "on a PeftModel whose LoRA adapters hf-accel merged" in r.getMessage()]
+
+
+@pytest.mark.parametrize("how", ["train", "eval_with_autograd"])
+def test_peft_training_after_accelerating_trains_the_adapters(how, tiny, hf_log):
+    """Merged adapters get no gradient: train() (or a forward with autograd while LoRA parameters require grad)
+    reverts hf-accel first, logged, and the LoRA gradients equal stock peft's."""
+    stock = _lora_model(tiny, seed=18)
+    ours = copy.deepcopy(stock)
+    ids, mask = tiny.batch(seed=19)
+    accelerate_model(ours)
+    grads = []
+    for m in (stock, ours):
+        if how == "train":
+            m.train()
+        m(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if "lora_" in n})
+    assert grads[0] and all(g is not None for g in grads[1].values())
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+    assert not is_accelerated(ours)
+    assert [r for r in hf_log.records if "on a PeftModel whose LoRA adapters hf-accel merged" in r.getMessage()]
+    ours.eval()
+    accelerate_model(ours)  # and back to inference
+    assert is_accelerated(ours) and torch.equal(tiny.greedy(ours, ids, mask), tiny.greedy(stock.eval(), ids, mask))
+
+
 def test_peft_without_merge_is_refused(tiny):
     peft_model = _lora_model(tiny, seed=15)
     with pytest.raises(ValueError, match="merge_lora"):
