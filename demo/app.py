@@ -878,6 +878,25 @@ def run_comparison(store: ModelStore, feats, model_path, prompt_text, n_new, dec
 from hf_accel.demo_launch import add_arguments  # noqa: E402  (one definition of the options)
 
 
+def model_problem(model: str | None) -> str | None:
+    """Why ``--model`` names no model hf-accel can load (an empty string, a missing path, a folder without
+    ``config.json``, a file that is not a ``.gguf``, a config transformers cannot read), or None (also for the
+    default model, which loads at the first Generate if it is missing). Reads the config only (seconds)."""
+    if model is None:
+        return None
+    if not str(model).strip():
+        return "--model is empty; give a model directory or .gguf file (or leave it out for the embedded model)"
+    from hf_accel.models import ModelNotFoundError, load_config
+
+    try:
+        load_config(model)
+    except ModelNotFoundError as e:
+        return f"--model: {e}"
+    except (OSError, ValueError, KeyError) as e:
+        return f"--model {model}: could not read its config: {type(e).__name__}: {first_line(e)}"
+    return None
+
+
 def listen_problem(host: str, port: int) -> str | None:
     """Why the page cannot be served on ``host``:``port`` (None: it can, as far as a socket bound there now
     tells), in terms of the launcher's flags: Gradio's own message names its port search and ``launch()``
@@ -924,7 +943,7 @@ def main(argv=None) -> int:
         print(f"hf-accel demo: error: --max-new-tokens must be between 1 and {MAX_NEW_TOKENS} "
               f"(got {args.max_new_tokens})", file=sys.stderr)
         return 2
-    problem = listen_problem(args.host, args.port)
+    problem = listen_problem(args.host, args.port) or model_problem(args.model)
     if problem:
         print(f"hf-accel demo: error: {problem}", file=sys.stderr)
         return 2

@@ -16,6 +16,8 @@ import os
 import re
 import sys
 
+from hf_accel import __version__
+
 EXIT_USAGE = 2
 
 
@@ -292,6 +294,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="hf-accel", description="Fast LLM inference for Hugging Face transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what hf-accel patches and which path runs")
+    parser.add_argument("--version", action="version", version=f"hf-accel {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_optional(sub, "convert-gqa", "hf_accel.conversion.cli", "convert an MHA/GQA checkpoint to fewer KV heads",

@@ -55,7 +55,7 @@ def find_demo_app() -> Path | None:
 def to_argv(args) -> list[str]:
     """The parsed options back as a command line for ``demo/app.py``'s own parser."""
     argv = ["--host", str(args.host), "--port", str(args.port)]
-    if args.model:
+    if args.model is not None:  # an empty one too: the app says so
         argv += ["--model", str(args.model)]
     if args.device:
         argv += ["--device", str(args.device)]

@@ -194,7 +194,12 @@ def _run(args) -> int:
             calibration = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise CliError(f"--calibration-file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not calibration.strip():
+            raise CliError(f"--calibration-file {str(path)!r} holds no text")
 
+    if args.model is not None and not args.model.strip():
+        raise CliError("--model is empty; give a model directory or .gguf file (or leave it out for the embedded "
+                       "model)")
     model_arg = None if args.model in (None, "default") else args.model
     config = load_config(model_arg)  # seconds: a count the model cannot take is refused before its load
     if getattr(config, "num_key_value_heads", None) and getattr(config, "num_attention_heads", None):

@@ -228,3 +228,18 @@ def test_eval_tokens_that_leave_no_calibration_text_name_the_flag(model_dir, tmp
     assert err[-1] == ("hf-accel convert-gqa: error: --eval-tokens 100000000: the perplexity text would overlap the "
                        "calibration text that --method pca needs (both come from Python's pydoc topics); use fewer "
                        "--eval-tokens or give --calibration-file")
+
+
+def test_an_empty_model_or_calibration_file_is_named_before_loading(model_dir, tmp_path, capsys, monkeypatch):
+    import hf_accel.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **kw: pytest.fail("the weights were loaded"))
+    assert main(["--model", "", "--num-kv-heads", "1", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "hf-accel convert-gqa: error: --model is empty; give a model directory or .gguf file (or leave it out for "
+        "the embedded model)")
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n")
+    assert main(["--model", str(model_dir), "--num-kv-heads", "2", "--method", "pca", "--calibration-file", str(empty),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--calibration-file {str(empty)!r} holds no text")

@@ -549,3 +549,17 @@ def test_app_main_names_a_host_or_port_it_cannot_listen_on(capsys):
         assert app.main(["--host", "127.0.0.1", "--port", str(port), "--no-preload"]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert app.listen_problem("127.0.0.1", 0) is None
+
+
+def test_app_main_refuses_a_model_path_that_names_no_model(tmp_path, capsys):
+    """A missing path, a folder without config.json, an empty string: exit 2 before the server starts (it
+    started and printed its address, then failed to preload)."""
+    pytest.importorskip("gradio")
+    pytest.importorskip("pandas")
+    cases = [(str(tmp_path / "missing"), "does not exist"), (str(tmp_path), "is not a transformers model directory"),
+             ("", "--model is empty")]
+    for model, message in cases:
+        assert app.main(["--model", model, "--no-preload"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "http://" not in err
+    assert app.model_problem(None) is None

@@ -54,7 +54,8 @@ def test_verbose_flag_after_the_other_subcommands(argv):
 
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", " "], ["generate", "--prompt", "hi", "--dtype", "float64"],
-                                  ["generate", "--prompt", "hi", "--model", "/nonexistent-model"], ["--help"]])
+                                  ["generate", "--prompt", "hi", "--model", "/nonexistent-model"], ["--help"],
+                                  ["--version"]])
 def test_argument_errors_are_answered_before_torch_loads(argv):
     """A mistyped option is answered at once: nothing imports torch (seconds) before the arguments are checked."""
     import subprocess
@@ -64,7 +65,11 @@ def test_argument_errors_are_answered_before_torch_loads(argv):
             "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')")
     run = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert run.stdout.strip().endswith("torch not loaded"), (run.stdout, run.stderr)
-    assert argv == ["--help"] or "error:" in run.stderr
+    assert argv in (["--help"], ["--version"]) or "error:" in run.stderr
+    if argv == ["--version"]:
+        import hf_accel
+
+        assert run.stdout.startswith(f"hf-accel {hf_accel.__version__}")
 
 
 @pytest.mark.parametrize(("which", "message"), [
