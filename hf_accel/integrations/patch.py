@@ -148,7 +148,9 @@ def accelerate_model(
         merge_lora: for a ``PeftModel``: merge its LoRA adapters into the base weights in place
             (peft's ``merge_adapter``; undone exactly by :func:`revert_model`, which keeps a copy of the
             affected base weights meanwhile). With ``False`` a PeftModel is
-            refused, since unmerged LoRA layers are not accelerated.
+            refused, since unmerged LoRA layers are not accelerated. While merged, peft's ``unload()`` /
+            ``merge_and_unload()``, ``train()`` and a forward with autograd on the LoRA parameters revert
+            hf-accel first (a warning says so): they need the adapters unmerged.
         speculative: speculative decoding for every ``generate`` call on the fast path: a
             :class:`~hf_accel.speculative.SpeculativeConfig`, a method name (``"prompt_lookup"``,
             ``"early_exit"``) or a draft model (a smaller causal LM sharing the tokenizer). Greedy output
