@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
-from hf_accel.engine.fast_generate import output_cache  # noqa: E402
+from hf_accel.engine.call_options import output_cache  # noqa: E402
 from hf_accel.models import load_model  # noqa: E402
 
 QUESTIONS = [

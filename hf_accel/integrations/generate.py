@@ -30,7 +30,7 @@ from transformers.generation import utils as _gen_utils
 from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
-from hf_accel.engine.fast_generate import expand_return_sequences, output_cache, passed_cache
+from hf_accel.engine.call_options import expand_return_sequences, output_cache, passed_cache
 from hf_accel.integrations.generation_config import prepare_generation_config
 from hf_accel.speculative.config import SpeculativeConfig
 

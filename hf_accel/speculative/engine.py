@@ -41,7 +41,7 @@ import torch
 
 from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
-from hf_accel.engine.fast_generate import call_inputs, eos_ids, passed_cache, repetition_penalty, sampling_warpers
+from hf_accel.engine.call_options import call_inputs, eos_ids, passed_cache, repetition_penalty, sampling_warpers
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import argmax_rows, scratch_for

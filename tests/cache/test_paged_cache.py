@@ -23,7 +23,7 @@ import hf_accel.integrations.attention as hf_attn
 import hf_accel.integrations.generate as gen_mod
 from hf_accel import accelerate_model
 from hf_accel.cache import OutOfBlocksError, PagedCache
-from hf_accel.engine.fast_generate import output_cache
+from hf_accel.engine.call_options import output_cache
 from hf_accel.integrations.generate import CACHE_KWARG, last_cache_stats
 from hf_accel.kernels.paged_attention import gather_kv, paged_attention
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache

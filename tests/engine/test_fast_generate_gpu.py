@@ -140,7 +140,8 @@ def test_multi_turn_on_the_fused_graph_path_matches_stock_fp32(new_turn):
     """Three turns passing the returned cache back (the fused step in CUDA graphs continues a PagedCache: the
     prefix copied into its pools, the new tokens prefilled after it: 5 tokens through the multi-row decode kernels,
     100 through the chunked prefill), with stock's tokens (its DynamicCache carried the same way)."""
-    from hf_accel.engine.fast_generate import FastEngine, output_cache
+    from hf_accel.engine.fast_generate import FastEngine
+    from hf_accel.engine.call_options import output_cache
 
     model = _tiny("llama")
     g = torch.Generator(device="cuda").manual_seed(3)

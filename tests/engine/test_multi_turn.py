@@ -14,7 +14,8 @@ from transformers import DynamicCache
 
 from hf_accel import accelerate_model
 from hf_accel.cache import OutOfBlocksError, PagedCache
-from hf_accel.engine.fast_generate import FastEngine, output_cache
+from hf_accel.engine.fast_generate import FastEngine
+from hf_accel.engine.call_options import output_cache
 
 FAST_RUNS = "generate runs the fast decode path"
 

@@ -19,7 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 from hf_accel import accelerate_model
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.decode_step import DecodeStep
-from hf_accel.engine.fast_generate import output_cache
+from hf_accel.engine.call_options import output_cache
 from hf_accel.integrations.generate import last_cache_stats
 
 PREPARED_MSG = "generate runs the fast decode path inside transformers' generate"

@@ -126,7 +126,7 @@ def test_eos_ids_changing_between_calls_in_graphs(method, tiny):
 def test_multi_turn_at_batch_1_in_graphs_equals_the_plain_fast_path(method, tiny):
     """Three turns passing the returned cache back, decoded speculatively (verify rounds in CUDA graphs on the
     fused step, the prefix copied into the pools): the tokens of the plain fast path's turns."""
-    from hf_accel.engine.fast_generate import output_cache
+    from hf_accel.engine.call_options import output_cache
     from hf_accel.integrations.generate import CACHE_KWARG
 
     model = tiny.model("llama", num_hidden_layers=LAYERS).cuda()
