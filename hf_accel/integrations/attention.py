@@ -60,6 +60,8 @@ def hf_accel_mask(
         key_mask = attention_mask[:, kv_offset:].to(torch.bool)
         if key_mask.shape[0] != batch_size and key_mask.shape[0] == 1:
             key_mask = key_mask.expand(batch_size, -1)
+        if torch.compiler.is_compiling():  # no data-dependent branch in a traced graph: the key mask as it is
+            return key_mask
         return None if bool(key_mask.all()) else key_mask
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
