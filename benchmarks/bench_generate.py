@@ -8,7 +8,11 @@ batch / generate wall time), TTFT (a warm ``max_new_tokens=1`` call), % of the m
 4.27 TB/s per step, bs1), first-call overhead of ours (first call - warm call: graph capture and
 Triton compilation), greedy agreement with stock sdpa (bf16; not required to be identical).
 
-    python benchmarks/bench_generate.py [--skip-8b] [--skip-smollm2] [--tiny]
+    python benchmarks/bench_generate.py [--skip-8b] [--skip-smollm2] [--tiny] [--generate-kwargs JSON]
+
+``--generate-kwargs '{"no_repeat_ngram_size": 4}'`` adds options to every provider's calls (e.g. logits processors,
+which hf-accel runs inside transformers' ``generate`` through ``custom_generate``); they are recorded in each row's
+shape as ``options``.
 """
 
 from __future__ import annotations
@@ -35,10 +39,15 @@ def _sync():
         torch.cuda.synchronize()
 
 
+#: options every provider's generate calls get (--generate-kwargs)
+EXTRA_KWARGS: dict = {}
+
+
 def timed_generate(model, ids, mask, new_tokens):
     _sync()
     t = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                         **EXTRA_KWARGS)
     _sync()
     return out, time.perf_counter() - t
 
@@ -46,6 +55,8 @@ def timed_generate(model, ids, mask, new_tokens):
 def run_model(name, model, ids, mask, new_tokens, rows, table, weight_bytes, providers):
     bs = ids.shape[0]
     shape = {"model": name, "bs": bs, "prompt_len": ids.shape[1], "new_tokens": new_tokens, "dtype": "bfloat16"}
+    if EXTRA_KWARGS:
+        shape["options"] = dict(EXTRA_KWARGS)
     ref = None
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None  # fixed-length generation for every provider
@@ -159,7 +170,13 @@ def main():
                          "or ours@NAME=VALUE+NAME=VALUE (switches of hf_accel.engine.decode_step)")
     ap.add_argument("--bs-8b", default="1,8,32", help="batch sizes of the 8B-shaped model")
     ap.add_argument("--bs-smollm2", default="1,16", help="batch sizes of SmolLM2")
+    ap.add_argument("--generate-kwargs", default=None,
+                    help='JSON object of extra generate options for every provider, e.g. \'{"no_repeat_ngram_size": 4}\'')
     args = ap.parse_args()
+    if args.generate_kwargs:
+        import json
+
+        EXTRA_KWARGS.update(json.loads(args.generate_kwargs))
     providers = args.providers.split(",")
     rows, table = [], []
     dev = "cuda" if torch.cuda.is_available() else "cpu"
