@@ -328,7 +328,14 @@ class FastEngine:
         ids = model_kwargs.get("input_ids")
         if ids is None or ids.dim() != 2 or ids.shape[1] == 0:
             return "no non-empty 2-D input_ids"
+        if model_kwargs.get("synced_gpus"):
+            return "synced_gpus (every rank steps until all ranks have finished)"
         mask = model_kwargs.get("attention_mask")
+        if mask is None:  # transformers infers one from the pad id: it may end in 0 (a prompt ending in the pad id)
+            try:
+                mask = call_inputs(gc, model_kwargs, ids)[0]
+            except (TypeError, ValueError, RuntimeError):
+                mask = None  # ids that are not ints: refused below
         if mask is not None and mask.dim() == 2 and mask.shape == ids.shape and not bool(mask[:, -1].all()):
             # transformers warns about it in its own loop; the fast path assumes left padding
             if not bool(mask.any(dim=1).all()):

@@ -191,11 +191,13 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
 
 
 def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None = None, prepared=None,
-              original_generate=None):
+              original_generate=None, assisted: bool = False):
     """Run the fast path (speculative with ``speculative``); returns the sequences, or None (reason logged)
     when it does not apply. ``prepared``: :func:`_prepared`'s result for this call, if the caller has it.
     ``original_generate``: transformers' ``generate``; with it, a call that needs transformers' logits processors,
-    stopping criteria or per-step outputs runs the fast path inside it (:func:`_run_prepared_loop`)."""
+    stopping criteria or per-step outputs runs the fast path inside it (:func:`_run_prepared_loop`). ``assisted``:
+    ``speculative`` comes from the call's assisted-generation arguments (a streamer gets what transformers'
+    assisted loop gives it)."""
     if len(args) > 1:
         reason = "positional generate arguments beyond input_ids"
     else:
@@ -211,7 +213,7 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
             with engine.call_lock:  # concurrent calls on one model wait for each other
                 reason = engine.check(gc, model_kwargs)
                 if reason is None:
-                    return _run_fast(model, engine, gc, model_kwargs, speculative)
+                    return _run_fast(model, engine, gc, model_kwargs, speculative, assisted)
                 if original_generate is not None:
                     call, gc, model_kwargs = _stop_strings_as_criterion(model, kwargs, gc, model_kwargs)
                     prepared_reason = engine.check(gc, model_kwargs, prepared_loop=True)
@@ -224,7 +226,7 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
     return None
 
 
-def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | None):
+def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | None, assisted: bool = False):
     """The fast path (speculative where asked and :meth:`SpeculativeEngine.check` allows) for a call that
     ``engine.check`` accepted; the caller holds ``engine.call_lock``."""
     log_once("generate-fast", "hf-accel: generate runs the fast decode path "
@@ -236,7 +238,7 @@ def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | 
         spec = engine_for(model, engine, speculative)
         spec_reason = spec.check(gc, model_kwargs)
         if spec_reason is None:
-            out = spec.generate(gc, model_kwargs)
+            out = spec.generate(gc, model_kwargs, assisted=assisted)
             model._hf_accel_spec_stats = spec.last_stats
             model._hf_accel_last_cache_stats = engine.last_stats
             return out
@@ -253,12 +255,15 @@ def _stop_strings_as_criterion(model, kwargs, gc, model_kwargs):
     the prepared loop gets the criterion built here instead. Returns ``(kwargs, gc, model_kwargs)`` for the
     prepared loop (copies; unchanged where the call has no such option, no tokenizer, or a generation config that
     sets stop strings too: those keep transformers' loop)."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
     strings = kwargs.get("stop_strings")
     tokenizer = kwargs.get("tokenizer")
     configs = (kwargs.get("generation_config"), model.generation_config)
     if strings is None or tokenizer is None or any(getattr(c, "stop_strings", None) for c in configs if c is not None):
         return kwargs, gc, model_kwargs
-    from transformers import StoppingCriteriaList, StopStringCriteria
+    if any(isinstance(c, StopStringCriteria) for c in (kwargs.get("stopping_criteria") or [])):
+        return kwargs, gc, model_kwargs  # transformers lets the caller's criterion replace the one of stop_strings
 
     criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=strings)
     call = {k: v for k, v in kwargs.items() if k != "stop_strings"}
@@ -342,7 +347,8 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
         reason = _skip_reason(model, args, rest, assisted_handled=True, engine=engine,
                               gc=None if prepared is None else prepared[0])
         out = None if reason is not None else _try_fast(model, engine, args, rest, speculative=call_spec,
-                                                        prepared=prepared, original_generate=original_generate)
+                                                        prepared=prepared, original_generate=original_generate,
+                                                        assisted=True)
         if out is not None:
             return out
         log_once(f"assisted-stock:{reason}", "hf-accel: assisted generation runs transformers' own loop"

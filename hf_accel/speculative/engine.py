@@ -372,12 +372,16 @@ class SpeculativeEngine:
 
     # -- generate -------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, gc, model_kwargs):
+    def generate(self, gc, model_kwargs, assisted: bool = False):
         """Speculative ``generate`` for a call the fast path accepted (``FastEngine.check``) and
         :meth:`check` allows.
 
         Args:
             gc: the call's prepared ``GenerationConfig``.
+            assisted: the call asked for it with transformers' assisted-generation arguments: a streamer gets each
+                round's committed tokens as one [1, n] tensor, as transformers' assisted loop puts them; else (the
+                model was accelerated with ``speculative=``, the call is a plain ``generate``) one [1] tensor per
+                token, as transformers' plain loop puts them.
             model_kwargs: ``input_ids`` [batch, prompt_len] int64 (left padded), optional ``attention_mask``
                 [batch, prompt_len], ``streamer`` (batch 1) and a passed PagedCache (batch 1: a previous turn's,
                 continued as :meth:`FastEngine.start` does).
@@ -392,11 +396,11 @@ class SpeculativeEngine:
         (the draft's own ``generate`` calls in other threads wait).
         """
         if self.draft_fast is None:
-            return self._generate(gc, model_kwargs)
+            return self._generate(gc, model_kwargs, assisted)
         with self.draft_fast.call_lock:
-            return self._generate(gc, model_kwargs)
+            return self._generate(gc, model_kwargs, assisted)
 
-    def _generate(self, gc, model_kwargs) -> torch.Tensor:
+    def _generate(self, gc, model_kwargs, assisted: bool = False) -> torch.Tensor:
         fast, cfg = self.fast, self.config
         device = fast.device
         input_ids = model_kwargs["input_ids"].to(device)
@@ -468,7 +472,7 @@ class SpeculativeEngine:
             st.active[:batch] = (st.remaining[:batch] > 0) & ~torch.isin(first, st.eos)
             if streamer is not None:
                 streamer.put(input_ids.cpu())
-                streamer.put(first.cpu())
+                streamer.put(first.cpu()[None] if assisted else first.cpu())
             gated = ctx["gated"]
             counts = None
             if gated:  # the first round's lookup; then each round looks up the next one's drafts at its end
@@ -566,8 +570,12 @@ class SpeculativeEngine:
                 if streamer is not None:
                     after = st.lengths[:batch]
                     if int(after[0]) > int(before[0]):
-                        # [1, n], as transformers' assisted loop puts them
-                        streamer.put(st.tokens[:1, int(before[0]): int(after[0])].cpu())
+                        new = st.tokens[:1, int(before[0]): int(after[0])].cpu()
+                        if assisted:  # [1, n], as transformers' assisted loop puts them
+                            streamer.put(new)
+                        else:  # [1] per token, as its plain loop does
+                            for token in new[0]:
+                                streamer.put(token[None])
             if deferred is not None:
                 self._update_gated(chooser, *deferred)
             if streamer is not None:

@@ -292,3 +292,67 @@ def test_outputs_are_ordinary_tensors_usable_under_autograd(route, tiny):
     loss.backward()
     assert stock.lm_head.weight.grad is not None
     sequences[:, -1] = tiny.PAD  # writable outside inference mode
+
+
+def _char_tokenizer(vocab: int = 128):
+    """One character per token id (a tokenizer for stop strings on tiny models)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.WordLevel(vocab={_char(i): i for i in range(vocab)}, unk_token=_char(0)))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.Split("", "isolated"), decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token=_char(0))
+
+
+def _char(i: int) -> str:
+    return chr(97 + i) if i < 26 else chr(0x100 + i)
+
+
+@pytest.mark.parametrize("own_criterion", [False, True], ids=["stop_strings", "with-callers-StopStringCriteria"])
+def test_stop_strings_on_a_tiny_model_stop_where_stock_stops(own_criterion, tiny, hf_log):
+    """stop_strings with tokenizer= run the prepared loop; with a caller's own StopStringCriteria as well, transformers
+    lets the caller's replace the one of stop_strings (only its strings stop the call): that call keeps
+    transformers' loop, as the prepared loop would stop on both."""
+    from transformers import StopStringCriteria
+
+    model = _model(tiny, "llama", seed=3)
+    ids = torch.tensor([[40, 41, 42, 43]])
+    tok = _char_tokenizer()
+    new = _plain(model, ids, torch.ones_like(ids))[0].tolist()
+    options = dict(max_new_tokens=MAX_NEW, eos_token_id=None, tokenizer=tok, stop_strings=[_char(new[1])])
+    if own_criterion:
+        options["stopping_criteria"] = StoppingCriteriaList([StopStringCriteria(tok, [_char(new[5])])])
+    stock = _run(model, ids, torch.ones_like(ids), **options)
+    if own_criterion:  # the caller's string stops it, later than stop_strings' would have
+        assert ids.shape[1] + 2 < stock.shape[1] < ids.shape[1] + MAX_NEW
+    else:
+        assert stock.shape[1] == ids.shape[1] + 2
+    ours = accelerate_model(copy.deepcopy(model))
+    assert torch.equal(_run(ours, ids, torch.ones_like(ids), **options), stock)
+    assert bool(_messages(hf_log, PREPARED_MSG)) is not own_criterion
+
+
+def test_a_prompt_ending_in_the_pad_id_without_a_mask_gets_transformers_inferred_mask(tiny, hf_log):
+    """Without an attention_mask transformers infers one from the pad id: a prompt whose last token is the pad id
+    gets a 0 there. The fast path assumes left padding; such calls keep transformers' loop (both routes)."""
+    model = _model(tiny, "llama", seed=4)
+    ids = torch.tensor([[40, 41, 42, 5], [7, 8, 9, 10]])
+    for extra in ({}, dict(no_repeat_ngram_size=3)):
+        options = dict(max_new_tokens=6, do_sample=False, pad_token_id=5, eos_token_id=None, **extra)
+        with torch.no_grad():
+            stock = model.generate(ids, **options)
+            ours = accelerate_model(copy.deepcopy(model)).generate(ids, **options)
+        assert torch.equal(ours, stock)
+    assert _messages(hf_log, "right-padded batch")
+
+
+def test_synced_gpus_keeps_transformers_loop(tiny):
+    """synced_gpus=True (DeepSpeed ZeRO-3 / FSDP: every rank steps until all have finished) is transformers' loop's;
+    without a process group it raises there, as stock does."""
+    model = _model(tiny, "llama")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError) as want:
+        model.generate(ids, max_new_tokens=4, synced_gpus=True)
+    with pytest.raises(ValueError) as got:
+        accelerate_model(copy.deepcopy(model)).generate(ids, max_new_tokens=4, synced_gpus=True)
+    assert str(got.value) == str(want.value)

@@ -299,17 +299,28 @@ class _Recorder(BaseStreamer):
 
 
 def test_streamer_gets_every_committed_token_once(tiny):
+    """A model accelerated with speculative=: the call is a plain generate, so the streamer gets what transformers'
+    plain loop gives it (one [1] tensor per token), also when a verify step commits several tokens. A call with
+    transformers' assisted-generation arguments: [1, n] per verify step, as transformers' assisted loop puts them."""
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny, lengths=(10,))
+    stock = _Recorder()
+    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None, streamer=stock)
     ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", adaptive=False,
                                                                                draft_model=truncated(model, LAYERS)))
     rec = _Recorder()
     out = greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, streamer=rec)
-    assert rec.ends == 1 and torch.equal(rec.puts[0], ids)
+    assert torch.equal(out, want) and speculative_stats(ours)["accepted_tokens"] > 0
+    assert rec.ends == 1 and len(rec.puts) == len(stock.puts)
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(rec.puts, stock.puts))
+
+    assisted = accelerate_model(copy.deepcopy(model))
+    rec = _Recorder()
+    out = greedy(assisted, ids, mask, tiny.PAD, eos_token_id=None, streamer=rec, assistant_model=truncated(model, LAYERS))
+    assert torch.equal(out, want) and rec.ends == 1 and torch.equal(rec.puts[0], ids)
     assert torch.cat([p.flatten() for p in rec.puts[1:]]).tolist() == out[0, ids.shape[1]:].tolist()
+    assert all(p.dim() == 2 and p.shape[0] == 1 for p in rec.puts[1:])
     assert any(p.numel() > 1 for p in rec.puts[1:])  # several tokens per verify step
-    # shapes as transformers' loops put them: the first token [batch], a verify step's tokens [1, n]
-    assert rec.puts[1].dim() == 1 and all(p.dim() == 2 and p.shape[0] == 1 for p in rec.puts[2:])
 
 
 def test_streamer_with_several_rows_takes_the_plain_fast_path(tiny, hf_log):
