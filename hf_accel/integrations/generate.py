@@ -339,6 +339,10 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
     :func:`_skip_reason` applies. Those decisions read the call's prepared generation config (the model's
     generation config merged into a caller's ``generation_config``, as transformers' loop reads it)."""
     model._hf_accel_spec_stats = None  # set again only by a call that decodes speculatively
+    from hf_accel.integrations.patch import revert_if_lora_changed
+
+    if revert_if_lora_changed(model):  # merged LoRA adapters gone stale: hf-accel reverted (logged)
+        return original_generate(*args, **kwargs)
     if kwargs.get("cache_implementation") == "paged":  # transformers reads it from the call's arguments only
         return _continuous_batching(model, original_generate, engine, args, kwargs)
     call_spec, rest, assisted_reason = assisted_config(model, kwargs)

@@ -45,6 +45,48 @@ def _lora_base_weights(peft_model) -> list:
     return saved
 
 
+def _fingerprint(tensors) -> tuple:
+    """(storage, in-place version) of each tensor: changes when a tensor is written in place or replaced."""
+    return tuple((t.data_ptr(), t._version) for t in tensors)
+
+
+def _lora_fingerprints(peft_model, saved) -> tuple:
+    """What the merged state depends on: the LoRA parameters and scalings, and the merged base weights."""
+    from peft.tuners.lora import LoraLayer
+
+    lora = _fingerprint(p for n, p in peft_model.named_parameters() if "lora_" in n)
+    scalings = tuple(tuple(sorted(m.scaling.items())) for m in peft_model.modules() if isinstance(m, LoraLayer))
+    base = _fingerprint(getattr(b, k) for b, params in saved for k in params)
+    return lora, scalings, base
+
+
+def lora_change(model) -> str | None:
+    """What changed, while hf-accel holds ``model``'s LoRA adapters merged, that the merged weights do not reflect
+    (the LoRA weights or scalings, or the merged base weights written or replaced), or None."""
+    hf_model, _ = _unwrap_peft(model)
+    state = getattr(hf_model, _STATE_ATTR, None)
+    if state is None or not state.get("lora_merged") or state.get("lora_peft") is None:
+        return None
+    now = _lora_fingerprints(state["lora_peft"], state["lora_base_weights"])
+    lora, scalings, base = state["lora_fingerprints"]
+    if now[0] != lora or now[1] != scalings:
+        return "LoRA weights or scalings changed"
+    if now[2] != base:
+        # written or replaced: by a caller, or re-viewed by the fast path's merged projections (same values)
+        if _value_sums(state["lora_base_weights"]) != state["lora_base_sums"]:
+            return "base weights of LoRA layers changed"
+        state["lora_fingerprints"] = (lora, scalings, now[2])
+    return None
+
+
+def _value_sums(saved) -> list:
+    """Sum and sum of squares (float64) of each merged base weight: what tells a caller's edit from the fast path
+    giving the same values other storage."""
+    with torch.no_grad():
+        return [(float(t.double().sum()), float(t.double().square().sum()))
+                for t in (getattr(b, k) for b, params in saved for k in params)]
+
+
 _PEFT_LEAVING = ("unload", "merge_and_unload")
 
 
@@ -62,7 +104,15 @@ def _guard_peft(peft_model, state: dict) -> None:
                 attrs.append((owner, name))
     peft_model.train = functools.partial(_peft_train, peft_model)
     attrs.append((peft_model, "train"))
-    state["peft_guards"] = (attrs, peft_model.register_forward_pre_hook(_peft_pre_forward, with_kwargs=True))
+    hooks = [peft_model.register_forward_pre_hook(_peft_pre_forward, with_kwargs=True)]
+    for module in (peft_model, peft_model.get_base_model()):  # load_state_dict on either (before any weight loads)
+        hooks.append(module.register_load_state_dict_pre_hook(functools.partial(_peft_before_load, peft_model)))
+    for base, _ in state["lora_base_weights"]:  # state_dict(): the unmerged weights
+        hooks.append(base.register_state_dict_post_hook(functools.partial(_peft_state_dict, peft_model)))
+    state["peft_guards"] = (attrs, hooks)
+    state["lora_peft"] = peft_model
+    state["lora_fingerprints"] = _lora_fingerprints(peft_model, state["lora_base_weights"])
+    state["lora_base_sums"] = _value_sums(state["lora_base_weights"])
 
 
 def _revert_for(peft_model, what: str) -> None:
@@ -88,6 +138,37 @@ def _peft_train(peft_model, mode: bool = True):
 def _peft_pre_forward(module, args, kwargs):
     if torch.is_grad_enabled() and any(p.requires_grad for n, p in module.named_parameters() if "lora_" in n):
         _revert_for(module, "a forward with autograd")
+    else:
+        revert_if_lora_changed(module)
+
+
+def revert_if_lora_changed(model) -> bool:
+    """Revert hf-accel (logged) where :func:`lora_change` finds the merged weights stale; True if it did."""
+    change = lora_change(model)
+    if change is not None:
+        _revert_for(model if _unwrap_peft(model)[1] is not None else getattr(model, _STATE_ATTR)["lora_peft"],
+                    f"{change} while merged; a call")
+    return change is not None
+
+
+def _peft_before_load(peft_model, *args, **kwargs):
+    _revert_for(peft_model, "load_state_dict()")
+
+
+def _peft_state_dict(peft_model, module, state_dict, prefix, local_metadata):
+    """A merged base layer's entries of a state dict hold the weights before the merge (what the model holds when
+    not accelerated); where they changed since, hf-accel is reverted first (the entries share their storage)."""
+    if lora_change(peft_model) is not None:
+        revert_if_lora_changed(peft_model)
+        return
+    state = getattr(peft_model.get_base_model(), _STATE_ATTR, None)
+    if state is None or not state.get("lora_merged"):
+        return
+    for base, params in state["lora_base_weights"]:
+        if base is module:
+            for name, value in params.items():
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = value.clone()
 
 
 def _check_lora_only(peft_model) -> None:
@@ -291,18 +372,33 @@ def _restore(hf_model, peft_model, state: dict) -> None:
     paged_generate.uninstall(hf_model)
     guards = state.pop("peft_guards", None)
     if guards is not None:
-        attrs, hook = guards
-        hook.remove()
+        attrs, hooks = guards
+        for hook in hooks:
+            hook.remove()
         for owner, name in attrs:
             owner.__dict__.pop(name, None)
     saved = state.get("lora_base_weights")
     if saved is not None:
+        # Base weights written since the merge (a caller's edit) keep it: peft's unmerge subtracts the LoRA delta
+        # from them. The others get their copies from before the merge back, bit for bit. (If the LoRA weights
+        # changed as well, peft subtracts the new delta from an edited weight: not exact.)
+        edited = set()
+        if state.get("lora_fingerprints") is not None:
+            _, _, base_prints = state["lora_fingerprints"]
+            now = _fingerprint(getattr(b, k) for b, params in saved for k in params)
+            keys = [(id(b), k) for b, params in saved for k in params]
+            if now != base_prints:  # written or replaced; the same values (merged projections) are no edit
+                sums = _value_sums(saved)
+                edited = {key for i, key in enumerate(keys)
+                          if now[i] != base_prints[i] and sums[i] != state["lora_base_sums"][i]}
         if peft_model is not None and state.get("lora_merged"):
-            peft_model.unmerge_adapter()  # peft's bookkeeping; the weights are copied back below
+            peft_model.unmerge_adapter()
         with torch.no_grad():  # also after peft's unload(), which keeps these very base layers
             for base, params in saved:
                 for k, v in params.items():
-                    getattr(base, k).copy_(v)
+                    if (id(base), k) not in edited:
+                        getattr(base, k).copy_(v)
+    state.pop("lora_peft", None)
     hf_model.__dict__.pop(_STATE_ATTR, None)
 
 

@@ -655,3 +655,71 @@ def test_revert_of_a_copy_reverts_its_copied_draft(tiny, generate_first):
     assert is_accelerated(copied_draft) and is_accelerated(user_draft)
     revert_model(model)
     assert is_accelerated(user_draft)
+
+
+def _peft_pair(tiny, seed):
+    stock = _lora_model(tiny, seed=seed)
+    return stock, accelerate_model(copy.deepcopy(stock))
+
+
+def _reverted_logged(hf_log, what):
+    return [r for r in hf_log.records if what in r.getMessage() and "reverted hf-accel first" in r.getMessage()]
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "set_peft_model_state_dict", "lora_in_place", "scale_layer",
+                                    "base_in_place"])
+def test_peft_weights_changed_while_merged_give_what_stock_gives(change, tiny, hf_log):
+    """The merged weights go stale when the adapters or the merged base weights change: hf-accel reverts first
+    (load_state_dict: before anything loads) or at the next call (logged), and a base-weight edit survives."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft.tuners.lora import LoraLayer
+
+    stock, ours = _peft_pair(tiny, seed=20)
+    other = _lora_model(tiny, seed=21)
+    ids, mask = tiny.batch(seed=22)
+    for m in (stock, ours):
+        with torch.no_grad():
+            if change == "load_state_dict":
+                m.load_state_dict(other.state_dict())
+            elif change == "set_peft_model_state_dict":
+                set_peft_model_state_dict(m, get_peft_model_state_dict(other))
+            elif change == "lora_in_place":
+                for n, p in m.named_parameters():
+                    if "lora_B" in n:
+                        p.mul_(3)
+            elif change == "scale_layer":
+                for layer in m.modules():
+                    if isinstance(layer, LoraLayer):
+                        layer.scale_layer(0.0)
+            else:
+                m.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.add_(0.05)
+    want = tiny.greedy(stock, ids, mask)
+    assert not torch.equal(want, tiny.greedy(_lora_model(tiny, seed=20), ids, mask))  # the change matters
+    assert torch.equal(tiny.greedy(ours, ids, mask), want)
+    assert not is_accelerated(ours) and _reverted_logged(hf_log, "")
+    for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_peft_state_dict_while_merged_holds_the_unmerged_weights(tiny, hf_log):
+    """state_dict() of an accelerated PeftModel (what save / torch.save write) holds the weights as without
+    hf-accel (a reload applied LoRA twice). A merged base weight given other storage with the same values (as the
+    fused step's merged projections do to plain projections) is no change: calls do not revert, and
+    revert_model stays exact."""
+    stock, ours = _peft_pair(tiny, seed=23)
+    ids, mask = tiny.batch(seed=24)
+    want = tiny.greedy(stock, ids, mask, max_new_tokens=4)
+    assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=4), want)
+    q_weight = ours.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    q_weight.data = q_weight.data.clone()  # same values, other storage
+    assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=4), want)
+    assert is_accelerated(ours) and not _reverted_logged(hf_log, "")
+    got = ours.state_dict()
+    for name, value in stock.state_dict().items():
+        assert torch.equal(got[name], value), name
+    reloaded = _lora_model(tiny, seed=99)
+    reloaded.load_state_dict(got)
+    assert torch.equal(tiny.greedy(reloaded, ids, mask, max_new_tokens=4), want)
+    revert_model(ours)
+    for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
+        assert torch.equal(a, b), name
