@@ -889,11 +889,21 @@ def model_problem(model: str | None) -> str | None:
     from hf_accel.models import ModelNotFoundError, load_config
 
     try:
-        load_config(model)
+        config = load_config(model)
     except ModelNotFoundError as e:
         return f"--model: {e}"
     except (OSError, ValueError, KeyError) as e:
         return f"--model {model}: could not read its config: {type(e).__name__}: {first_line(e)}"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in hf_accel.SUPPORTED_MODEL_TYPES:
+        return (f"--model {model}: hf-accel does not support model_type {model_type!r} (supported: "
+                f"{', '.join(hf_accel.SUPPORTED_MODEL_TYPES)})")
+    from pathlib import Path
+
+    path = Path(model).expanduser()
+    weights = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+    if path.is_dir() and not any(next(path.glob(pattern), None) for pattern in weights):
+        return f"--model {model}: the folder has no weights ({', '.join(weights)})"
     return None
 
 

@@ -33,14 +33,17 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
 try:
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-    if args.draft_model:  # the draft shares the target's tokenizer: its folder needs no tokenizer files
+    if args.draft_model is not None:  # the draft shares the target's tokenizer: its folder needs no tokenizer files
         speculative = load_model(args.draft_model, dtype=dtype, device=device, tokenizer=False)[0]
 except ModelNotFoundError as e:
     parser.error(str(e))
-if not args.draft_model:
+if args.draft_model is None:
     speculative = args.method or "prompt_lookup"
 
-model = accelerate_model(model, speculative=speculative)  # <- the one line, with speculative decoding
+try:
+    model = accelerate_model(model, speculative=speculative)  # <- the one line, with speculative decoding
+except ValueError as e:  # a draft hf-accel cannot use (another vocabulary, an unsupported type): named in e
+    parser.error(f"--draft-model {args.draft_model}: {e}" if args.draft_model is not None else str(e))
 
 passage = topics["with"][:800]
 messages = [{"role": "user", "content": f"Rewrite this passage in plain English, keeping its terms:\n\n{passage}"}]

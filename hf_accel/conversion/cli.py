@@ -187,6 +187,8 @@ def _run(args) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     calibration = None
     if args.calibration_file is not None:
+        if not args.calibration_file.strip():
+            raise CliError("--calibration-file is empty; give a UTF-8 text file (or leave it out for pydoc text)")
         path = Path(args.calibration_file)
         if not path.is_file():
             raise CliError(f"--calibration-file {str(path)!r} is not a file")

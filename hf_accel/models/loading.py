@@ -99,6 +99,8 @@ def _model_path(model) -> Path:
     if model is None:
         path = find_default_gguf()
     else:
+        if not str(model).strip():  # Path("") is the current directory
+            raise ModelNotFoundError("the model path is empty; give a model directory or .gguf file")
         path = Path(model).expanduser()
         if not path.exists():
             raise ModelNotFoundError(f"model path {str(path)!r} does not exist")

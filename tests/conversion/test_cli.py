@@ -243,3 +243,10 @@ def test_an_empty_model_or_calibration_file_is_named_before_loading(model_dir, t
     assert main(["--model", str(model_dir), "--num-kv-heads", "2", "--method", "pca", "--calibration-file", str(empty),
                  "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip().endswith(f"--calibration-file {str(empty)!r} holds no text")
+
+
+def test_an_empty_calibration_file_path_is_named(model_dir, tmp_path, capsys):
+    assert main(["--model", str(model_dir), "--num-kv-heads", "2", "--method", "pca", "--calibration-file", "",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip().endswith("--calibration-file is empty; give a UTF-8 text file (or leave it "
+                                                    "out for pydoc text)")

@@ -563,3 +563,17 @@ def test_app_main_refuses_a_model_path_that_names_no_model(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and "http://" not in err
     assert app.model_problem(None) is None
+
+
+def test_app_main_refuses_a_model_it_cannot_run(tmp_path, capsys):
+    """A folder of an unsupported model type, or one with a config but no weights: exit 2 before the server starts."""
+    from transformers import GPT2Config, LlamaConfig
+
+    pytest.importorskip("gradio")
+    pytest.importorskip("pandas")
+    gpt2, empty = tmp_path / "gpt2", tmp_path / "no-weights"
+    GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(gpt2)
+    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(empty)
+    for path, message in ((gpt2, "does not support model_type 'gpt2'"), (empty, "the folder has no weights")):
+        assert app.main(["--model", str(path), "--no-preload"]) == 2
+        assert message in capsys.readouterr().err

@@ -47,3 +47,24 @@ def test_speculative_example_takes_a_draft_folder_without_tokenizer_files(tmp_pa
     assert not list(tmp_path.glob("tokenizer*"))
     run = _run("speculative_decoding.py", "--draft-model", str(tmp_path), "--max-new-tokens", "4")
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_examples_name_an_empty_model_path():
+    for script, flag in (("one_line_patch.py", "--model"), ("speculative_decoding.py", "--model"),
+                         ("speculative_decoding.py", "--draft-model")):
+        run = _run(script, flag, "")
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.strip().splitlines()[-1].endswith("the model path is empty; give a model directory or "
+                                                            ".gguf file"), (script, flag, run.stderr[-500:])
+
+
+@pytest.mark.slow
+def test_speculative_example_refuses_a_draft_of_another_vocabulary_in_one_line(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    run = _run("speculative_decoding.py", "--draft-model", str(tmp_path), "--max-new-tokens", "4")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "--draft-model" in run.stderr.strip().splitlines()[-1] and "vocab_size (1000)" in run.stderr
