@@ -59,6 +59,16 @@ MAX_LOOKAHEAD = 33
 EOS_LAG = 2
 
 
+def _next_logits(step, batch: int, tokens: torch.Tensor, i: int) -> torch.Tensor:
+    """Run the decode step on step ``i``'s tokens [batch] (``i`` = 0: the first new token, whose positions and
+    cache lengths :meth:`FastEngine.start` set); returns the next logits [batch, vocab]."""
+    step.input_ids[:batch, 0].copy_(tokens)
+    if i > 0:
+        step.position_ids[:batch] += 1
+        step.cache_lens[:batch] += 1
+    return step.run()[:batch, 0]
+
+
 class _RngStates:
     """The default generator's state of ``device`` before each of the last ``keep`` steps' draws (a step's
     ``torch.multinomial``), so that :meth:`restore` can set the state after the first ``n`` steps' draws."""
@@ -705,11 +715,7 @@ class FastEngine:
                         break
                 elif (streamer is not None or (i + 1) % self.sync_every == 0) and eos_list and not bool(unfinished.any()):
                     break
-                step.input_ids[:batch, 0].copy_(next_tokens)
-                if i > 0:
-                    step.position_ids[:batch] += 1
-                    step.cache_lens[:batch] += 1
-                logits = step.run()[:batch, 0]
+                logits = _next_logits(step, batch, next_tokens, i)
             if streamer is not None:
                 streamer.end()
             n = int(steps_run)
@@ -787,11 +793,7 @@ class FastEngine:
                 unfinished = unfinished & ~stopping_criteria(ids, scores)
                 if unfinished.max() == 0 or i == max_new - 1:  # the cache holds max_new new tokens per row
                     break
-                step.input_ids[:batch, 0].copy_(next_tokens)
-                if i > 0:
-                    step.position_ids[:batch] += 1
-                    step.cache_lens[:batch] += 1
-                logits = step.run()[:batch, 0]
+                logits = _next_logits(step, batch, next_tokens, i)
             if streamer is not None:
                 streamer.end()
             self.last_stats = cache.memory_stats()

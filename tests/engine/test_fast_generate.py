@@ -20,24 +20,9 @@ from transformers import DynamicCache, LogitsProcessor, TextStreamer, pipeline
 from transformers.generation.streamers import BaseStreamer
 
 from hf_accel import accelerate_model, revert_model
-from hf_accel.engine.decode_step import DecodeStep
 
 FAST_MSG = "generate runs the fast decode path"
 MODEL_TYPES = ["llama", "qwen2", "mistral", "qwen3"]
-
-
-@pytest.fixture
-def decode_steps(monkeypatch):
-    """Records every decode step of the fast path: the ``fused`` flag of the DecodeStep that ran."""
-    calls: list[bool] = []
-    original = DecodeStep._forward
-
-    def counting(self):
-        calls.append(self.fused)
-        return original(self)
-
-    monkeypatch.setattr(DecodeStep, "_forward", counting)
-    return calls
 
 
 def _messages(caplog, needle):

@@ -18,26 +18,11 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_accel import accelerate_model
 from hf_accel.cache.paged_cache import PagedCache
-from hf_accel.engine.decode_step import DecodeStep
 from hf_accel.engine.call_options import output_cache
 from hf_accel.integrations.generate import last_cache_stats
 
 PREPARED_MSG = "generate runs the fast decode path inside transformers' generate"
 MAX_NEW = 10
-
-
-@pytest.fixture
-def decode_steps(monkeypatch):
-    """Counts the fast path's decode steps."""
-    calls: list[bool] = []
-    original = DecodeStep._forward
-
-    def counting(self):
-        calls.append(self.fused)
-        return original(self)
-
-    monkeypatch.setattr(DecodeStep, "_forward", counting)
-    return calls
 
 
 def _messages(caplog, needle):
