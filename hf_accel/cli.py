@@ -155,6 +155,8 @@ def _run_generate(args) -> int:
             raise CLIError(f"--json {args.json_out}: folder {parent} does not exist")
         _check_writable(args.json_out)
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
+        if path is not None and not path.strip():
+            raise CLIError(f"{flag} is empty; give a model directory or .gguf file")
         if path is not None and not os.path.exists(path):
             raise CLIError(f"{flag} {path!r} does not exist")
     import torch  # after the checks that need no torch (a mistyped option is answered at once)

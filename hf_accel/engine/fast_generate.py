@@ -316,6 +316,8 @@ class FastEngine:
         for key, value in vars(gc).items():
             if key in _HANDLED or key.startswith("_") or (prepared_loop and key in PREPARED_LOOP_OPTIONS):
                 continue
+            if key in ("output_scores", "output_logits") and not getattr(gc, "return_dict_in_generate", False):
+                continue  # transformers returns them only with return_dict_in_generate
             default = defaults.get(key, None)
             if value not in (default, None) and value != {}:
                 return f"generation option {key}={value!r}"

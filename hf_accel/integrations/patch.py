@@ -45,46 +45,45 @@ def _lora_base_weights(peft_model) -> list:
     return saved
 
 
-def _fingerprint(tensors) -> tuple:
-    """(storage, in-place version) of each tensor: changes when a tensor is written in place or replaced."""
-    return tuple((t.data_ptr(), t._version) for t in tensors)
+def _norms(tensors) -> list[float]:
+    """float32 L2 norm of each tensor, read with one host sync: what tells whether a weight changed (in place,
+    through ``.data`` or replaced) from the same values in other storage (the fast path's merged projections)."""
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
+        return []
+    with torch.no_grad():
+        try:
+            norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        except (AttributeError, TypeError, RuntimeError):  # (a torch without it): one kernel per tensor
+            norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+        return torch.stack([n.to(tensors[0].device) for n in norms]).tolist()
 
 
-def _lora_fingerprints(peft_model, saved) -> tuple:
-    """What the merged state depends on: the LoRA parameters and scalings, and the merged base weights."""
+def _lora_values(peft_model, saved) -> tuple:
+    """What the merged weights depend on: the norms of the LoRA parameters, their scalings, and the norms of the
+    merged base weights."""
     from peft.tuners.lora import LoraLayer
 
-    lora = _fingerprint(p for n, p in peft_model.named_parameters() if "lora_" in n)
+    lora = _norms(p for n, p in peft_model.named_parameters() if "lora_" in n)
     scalings = tuple(tuple(sorted(m.scaling.items())) for m in peft_model.modules() if isinstance(m, LoraLayer))
-    base = _fingerprint(getattr(b, k) for b, params in saved for k in params)
-    return lora, scalings, base
+    return lora, scalings, _norms(getattr(b, k) for b, params in saved for k in params)
 
 
 def lora_change(model) -> str | None:
     """What changed, while hf-accel holds ``model``'s LoRA adapters merged, that the merged weights do not reflect
-    (the LoRA weights or scalings, or the merged base weights written or replaced), or None."""
+    (the LoRA weights or scalings, or the merged base weights: written in place, through ``.data`` or replaced with
+    other values; peft's own unmerge by ``set_adapter`` included), or None. Reads every LoRA parameter and merged
+    base weight once (one fused norm kernel and one host sync per call)."""
     hf_model, _ = _unwrap_peft(model)
     state = getattr(hf_model, _STATE_ATTR, None)
     if state is None or not state.get("lora_merged") or state.get("lora_peft") is None:
         return None
-    now = _lora_fingerprints(state["lora_peft"], state["lora_base_weights"])
-    lora, scalings, base = state["lora_fingerprints"]
-    if now[0] != lora or now[1] != scalings:
+    lora, scalings, base = _lora_values(state["lora_peft"], state["lora_base_weights"])
+    if lora != state["lora_values"][0] or scalings != state["lora_values"][1]:
         return "LoRA weights or scalings changed"
-    if now[2] != base:
-        # written or replaced: by a caller, or re-viewed by the fast path's merged projections (same values)
-        if _value_sums(state["lora_base_weights"]) != state["lora_base_sums"]:
-            return "base weights of LoRA layers changed"
-        state["lora_fingerprints"] = (lora, scalings, now[2])
+    if base != state["lora_values"][2]:
+        return "base weights of LoRA layers changed"
     return None
-
-
-def _value_sums(saved) -> list:
-    """Sum and sum of squares (float64) of each merged base weight: what tells a caller's edit from the fast path
-    giving the same values other storage."""
-    with torch.no_grad():
-        return [(float(t.double().sum()), float(t.double().square().sum()))
-                for t in (getattr(b, k) for b, params in saved for k in params)]
 
 
 _PEFT_LEAVING = ("unload", "merge_and_unload")
@@ -111,8 +110,7 @@ def _guard_peft(peft_model, state: dict) -> None:
         hooks.append(base.register_state_dict_post_hook(functools.partial(_peft_state_dict, peft_model)))
     state["peft_guards"] = (attrs, hooks)
     state["lora_peft"] = peft_model
-    state["lora_fingerprints"] = _lora_fingerprints(peft_model, state["lora_base_weights"])
-    state["lora_base_sums"] = _value_sums(state["lora_base_weights"])
+    state["lora_values"] = _lora_values(peft_model, state["lora_base_weights"])
 
 
 def _revert_for(peft_model, what: str) -> None:
@@ -157,18 +155,26 @@ def _peft_before_load(peft_model, *args, **kwargs):
 
 def _peft_state_dict(peft_model, module, state_dict, prefix, local_metadata):
     """A merged base layer's entries of a state dict hold the weights before the merge (what the model holds when
-    not accelerated); where they changed since, hf-accel is reverted first (the entries share their storage)."""
-    if lora_change(peft_model) is not None:
-        revert_if_lora_changed(peft_model)
-        return
+    not accelerated); where the adapters or this layer's weights changed since, hf-accel is reverted first (the
+    entries share their storage with the weights). Reads this layer's weights and the LoRA parameters only."""
     state = getattr(peft_model.get_base_model(), _STATE_ATTR, None)
-    if state is None or not state.get("lora_merged"):
+    if state is None or not state.get("lora_merged") or state.get("lora_values") is None:
         return
-    for base, params in state["lora_base_weights"]:
+    lora, scalings, _ = _lora_values(peft_model, [])
+    params, stored, offset = None, [], 0
+    for base, saved in state["lora_base_weights"]:  # this layer's norms at the merge (flattened in this order)
         if base is module:
-            for name, value in params.items():
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = value.clone()
+            params, stored = saved, state["lora_values"][2][offset: offset + len(saved)]
+            break
+        offset += len(saved)
+    changed = (lora != state["lora_values"][0] or scalings != state["lora_values"][1] or params is None
+               or _norms(getattr(module, k) for k in params) != stored)
+    if changed:
+        _revert_for(peft_model, "state_dict() after weights changed while merged")
+        return
+    for name, value in params.items():
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = value.clone()
 
 
 def _check_lora_only(peft_model) -> None:
@@ -230,8 +236,10 @@ def accelerate_model(
             (peft's ``merge_adapter``; undone exactly by :func:`revert_model`, which keeps a copy of the
             affected base weights meanwhile). With ``False`` a PeftModel is
             refused, since unmerged LoRA layers are not accelerated. While merged, peft's ``unload()`` /
-            ``merge_and_unload()``, ``train()`` and a forward with autograd on the LoRA parameters revert
-            hf-accel first (a warning says so): they need the adapters unmerged.
+            ``merge_and_unload()``, ``train()``, a forward with autograd on the LoRA parameters and
+            ``load_state_dict`` revert hf-accel first (a warning says so): they need the adapters unmerged; LoRA
+            weights, scalings or merged base weights changed meanwhile (``set_adapter`` included) revert it at the
+            next call (:func:`lora_change`; a base-weight edit is kept); ``state_dict()`` holds the unmerged weights.
         speculative: speculative decoding for every ``generate`` call on the fast path: a
             :class:`~hf_accel.speculative.SpeculativeConfig`, a method name (``"prompt_lookup"``,
             ``"early_exit"``) or a draft model (a smaller causal LM sharing the tokenizer). Greedy output
@@ -383,14 +391,10 @@ def _restore(hf_model, peft_model, state: dict) -> None:
         # from them. The others get their copies from before the merge back, bit for bit. (If the LoRA weights
         # changed as well, peft subtracts the new delta from an edited weight: not exact.)
         edited = set()
-        if state.get("lora_fingerprints") is not None:
-            _, _, base_prints = state["lora_fingerprints"]
-            now = _fingerprint(getattr(b, k) for b, params in saved for k in params)
+        if state.get("lora_values") is not None:
             keys = [(id(b), k) for b, params in saved for k in params]
-            if now != base_prints:  # written or replaced; the same values (merged projections) are no edit
-                sums = _value_sums(saved)
-                edited = {key for i, key in enumerate(keys)
-                          if now[i] != base_prints[i] and sums[i] != state["lora_base_sums"][i]}
+            now = _norms(getattr(b, k) for b, params in saved for k in params)
+            edited = {key for key, before, after in zip(keys, state["lora_values"][2], now) if before != after}
         if peft_model is not None and state.get("lora_merged"):
             peft_model.unmerge_adapter()
         with torch.no_grad():  # also after peft's unload(), which keeps these very base layers

@@ -341,3 +341,14 @@ def test_synced_gpus_keeps_transformers_loop(tiny):
     with pytest.raises(ValueError) as got:
         accelerate_model(copy.deepcopy(model)).generate(ids, max_new_tokens=4, synced_gpus=True)
     assert str(got.value) == str(want.value)
+
+
+def test_output_scores_without_return_dict_takes_the_direct_path(tiny, hf_log, decode_steps):
+    """transformers returns scores only with return_dict_in_generate: without it the flag changes nothing, and the
+    call decodes on the direct fast path (not inside transformers' generate)."""
+    model = _model(tiny, "llama")
+    ids, mask = tiny.batch(seed=3)
+    stock = _run(model, ids, mask, output_scores=True, output_logits=True)
+    ours = accelerate_model(copy.deepcopy(model))
+    assert torch.equal(_run(ours, ids, mask, output_scores=True, output_logits=True), stock)
+    assert not _messages(hf_log, PREPARED_MSG) and _messages(hf_log, "generate runs the fast decode path") and decode_steps

@@ -22,6 +22,8 @@ from hf_accel.cli import EXIT_USAGE, main
     (["generate", "--prompt", "hi", "--json", ""], "--json needs a file path"),
     (["generate", "--prompt", "hi", "--json", "/proc/x.json"], "--json /proc/x.json: cannot be written"),
     (["generate", "--prompt", "hi", "--draft-model", "/nonexistent-model"], "--draft-model '/nonexistent-model' does"),
+    (["generate", "--prompt", "hi", "--model", ""], "--model is empty; give a model directory or .gguf file"),
+    (["generate", "--prompt", "hi", "--draft-model", " "], "--draft-model is empty"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == EXIT_USAGE

@@ -666,8 +666,8 @@ def _reverted_logged(hf_log, what):
     return [r for r in hf_log.records if what in r.getMessage() and "reverted hf-accel first" in r.getMessage()]
 
 
-@pytest.mark.parametrize("change", ["load_state_dict", "set_peft_model_state_dict", "lora_in_place", "scale_layer",
-                                    "base_in_place"])
+@pytest.mark.parametrize("change", ["load_state_dict", "set_peft_model_state_dict", "lora_in_place", "lora_data",
+                                    "scale_layer", "base_in_place", "base_data", "set_adapter"])
 def test_peft_weights_changed_while_merged_give_what_stock_gives(change, tiny, hf_log):
     """The merged weights go stale when the adapters or the merged base weights change: hf-accel reverts first
     (load_state_dict: before anything loads) or at the next call (logged), and a base-weight edit survives."""
@@ -687,10 +687,25 @@ def test_peft_weights_changed_while_merged_give_what_stock_gives(change, tiny, h
                 for n, p in m.named_parameters():
                     if "lora_B" in n:
                         p.mul_(3)
+            elif change == "lora_data":  # through .data: no in-place version bump
+                for n, p in m.named_parameters():
+                    if "lora_B" in n:
+                        p.data.mul_(3)
             elif change == "scale_layer":
                 for layer in m.modules():
                     if isinstance(layer, LoraLayer):
                         layer.scale_layer(0.0)
+            elif change == "set_adapter":  # peft unmerges the merged adapter (through .data), then switches
+                from peft import LoraConfig
+
+                torch.manual_seed(5)  # the new adapter's A is drawn at random
+                m.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+                for n, p in m.named_parameters():
+                    if "lora_B.b" in n:
+                        p.copy_(torch.linspace(-0.3, 0.3, p.numel()).view_as(p))
+                m.set_adapter("b")
+            elif change == "base_data":
+                m.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.data.add_(0.05)
             else:
                 m.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.add_(0.05)
     want = tiny.greedy(stock, ids, mask)
