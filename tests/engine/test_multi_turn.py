@@ -287,7 +287,8 @@ def test_speculative_turns_at_batch_1_equal_stock(method, tiny, fast_calls, monk
 
     spec_calls = []
     original = SpeculativeEngine.generate
-    monkeypatch.setattr(SpeculativeEngine, "generate", lambda self, gc, kw: spec_calls.append(1) or original(self, gc, kw))
+    monkeypatch.setattr(SpeculativeEngine, "generate",
+                        lambda self, gc, kw, **options: spec_calls.append(1) or original(self, gc, kw, **options))
 
     stock = tiny.model("llama", seed=102, num_hidden_layers=3)
     pattern = _tokens(103, 1, 6)
