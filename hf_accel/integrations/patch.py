@@ -92,9 +92,11 @@ _PEFT_LEAVING = ("unload", "merge_and_unload")
 def _guard_peft(peft_model, state: dict) -> None:
     """While hf-accel holds a PeftModel's LoRA adapters merged, the calls that assume they are not revert hf-accel
     first (logged): ``unload`` / ``merge_and_unload`` (on the PeftModel or its tuner; else ``unload`` would keep
-    the merged weights), ``train()``, and a forward with autograd on while LoRA parameters require grad (training:
-    merged adapters get no gradient). Module-level functions bound with ``functools.partial``: a copy of the model
-    (``copy.deepcopy``, ``torch.save``) carries guards of its own."""
+    the merged weights), ``train()``, a forward with autograd on while LoRA parameters require grad (training:
+    merged adapters get no gradient), and ``load_state_dict`` (on the PeftModel or the base model, before anything
+    loads). Any other forward checks :func:`lora_change` first (the merged weights gone stale: revert); a merged base
+    layer's ``state_dict`` entries are the weights before the merge. Module-level functions bound with
+    ``functools.partial``: a copy of the model (``copy.deepcopy``, ``torch.save``) carries guards of its own."""
     attrs = []
     for owner in (peft_model, peft_model.base_model):
         for name in _PEFT_LEAVING:
