@@ -342,12 +342,14 @@ class FastEngine:
             return "no non-empty 2-D input_ids"
         if model_kwargs.get("synced_gpus"):
             return "synced_gpus (every rank steps until all ranks have finished)"
+        try:  # once per call: without a mask it reads the prompt (a device sync on a GPU)
+            call_mask, _, pad = call_inputs(gc, model_kwargs, ids)
+        except (TypeError, ValueError, RuntimeError):
+            call_mask = pad = None  # ids that are not ints: refused below
+        # without a mask transformers infers one from the pad id: it may end in 0 (a prompt ending in the pad id)
         mask = model_kwargs.get("attention_mask")
-        if mask is None:  # transformers infers one from the pad id: it may end in 0 (a prompt ending in the pad id)
-            try:
-                mask = call_inputs(gc, model_kwargs, ids)[0]
-            except (TypeError, ValueError, RuntimeError):
-                mask = None  # ids that are not ints: refused below
+        if mask is None:
+            mask = call_mask
         if mask is not None and mask.dim() == 2 and mask.shape == ids.shape and not bool(mask[:, -1].all()):
             # transformers warns about it in its own loop; the fast path assumes left padding
             if not bool(mask.any(dim=1).all()):
@@ -355,9 +357,7 @@ class FastEngine:
             return "right-padded batch (decoder-only models need padding_side='left')"
         if self._max_new(gc, ids.shape[1]) <= 0:
             return "the prompt is not shorter than max_length"  # transformers raises its own error
-        try:
-            pad = call_inputs(gc, model_kwargs, ids)[2]
-        except (TypeError, ValueError, RuntimeError):  # transformers' loop raises its own error
+        if pad is None:  # transformers' loop raises its own error
             return (f"eos_token_id={gc.eos_token_id!r} / pad_token_id={gc.pad_token_id!r} are not token ids "
                     "(ints or int tensors)")
         vocab = self.vocab_size
@@ -365,7 +365,7 @@ class FastEngine:
             return (f"pad_token_id {pad} is outside the vocabulary of {vocab} tokens (a finished row of a batch is "
                     "fed it; transformers' loop raises where that happens)")
         if (not prepared_loop and repetition_penalty(gc) is not None
-                and not bool(call_inputs(gc, model_kwargs, ids)[0].bool().all())):
+                and not bool(call_mask.bool().all())):
             # transformers 5.x versions differ on whether left padding counts as seen tokens (pad = EOS often)
             return "repetition_penalty with a padded batch"
         if getattr(gc, "return_dict_in_generate", False):
