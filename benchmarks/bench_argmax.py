@@ -12,7 +12,7 @@ sys.path.insert(0, 'benchmarks')
 import torch
 import bench_speculative as bs
 from common import meta
-import hf_accel.engine.decode_step as ds
+from hf_accel.engine import step_switches
 import hf_accel.speculative.engine as se
 from hf_accel.kernels.argmax import argmax_rows, scratch_for
 
@@ -54,14 +54,14 @@ orig = se.argmax_rows
 res = {}
 for rep in range(2):
     for variant in ("kernel", "torch"):
-        ds.GREEDY_TAIL_KERNEL = variant == "kernel"
+        step_switches.GREEDY_TAIL_KERNEL = variant == "kernel"
         se.argmax_rows = orig if variant == "kernel" else (lambda x, out=None, scratch=None: x.argmax(dim=-1))
         for prov in ("ours", "ours-prompt_lookup"):
             for c, batches in cats.items():
                 wall, tokens, outs, st = bs.measure(prov, model, batches, args, 128, eos_ids, None)
                 res.setdefault((variant, prov, c), []).append((wall, tokens, outs))
                 print(variant, prov, c, f"{tokens / wall:.1f} tok/s ({tokens} tokens, {wall * 1e3:.1f} ms)", flush=True)
-ds.GREEDY_TAIL_KERNEL = True; se.argmax_rows = orig
+step_switches.GREEDY_TAIL_KERNEL = True; se.argmax_rows = orig
 for (variant, prov, c), v in sorted(res.items()):
     walls = [w for w, _, _ in v]; tokens = v[0][1]
     same = all(o == res[("torch", prov, c)][0][2] for _, _, o in v)

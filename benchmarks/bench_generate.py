@@ -77,25 +77,25 @@ def run_model(name, model, ids, mask, new_tokens, rows, table, weight_bytes, pro
 
 def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, weight_bytes, shape, ref):
     bs = ids.shape[0]
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import step_switches
 
     from hf_accel.kernels import paged_attention as pa
 
-    fused_rows = decode_step.FUSED_LINEAR_MAX_ROWS
+    fused_rows = step_switches.FUSED_LINEAR_MAX_ROWS
     chunk_tokens = pa.CHUNK_TOKENS
-    saved = {k: getattr(decode_step, k) for k in ("GEMV_ONE_ROW", "DECODE_PDL", "ATTENTION_PDL")}
+    saved = {k: getattr(step_switches, k) for k in ("GEMV_ONE_ROW", "DECODE_PDL", "ATTENTION_PDL")}
     if provider == "ours-no-gemv":
         # A/B of the one-row GEMV path: the same engine with fused_linear / cuBLAS at batch 1.
-        decode_step.GEMV_ONE_ROW = False
+        step_switches.GEMV_ONE_ROW = False
     if provider == "ours-no-pdl":
         # A/B of programmatic dependent launch: the step's kernels launched plainly.
-        decode_step.DECODE_PDL = False
+        step_switches.DECODE_PDL = False
     if provider == "ours-attention-no-pdl":
         # A/B of PDL on the RoPE / attention / merge kernels alone.
-        decode_step.ATTENTION_PDL = False
+        step_switches.ATTENTION_PDL = False
     if provider == "ours-unfused-linear":
         # A/B of the fused norm/linear/SwiGLU kernels: the same engine with RMSNorm + cuBLAS + SwiGLU.
-        decode_step.FUSED_LINEAR_MAX_ROWS = 0
+        step_switches.FUSED_LINEAR_MAX_ROWS = 0
     if provider == "ours-ids-per-tile":
         # A/B of the paged kernel's block-id chunks: the same engine with ids loaded by each tile.
         pa.CHUNK_TOKENS = 0
@@ -136,10 +136,10 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
     if provider.startswith("ours"):
         hf_accel.revert_model(model)
     overrides.__exit__(None, None, None)
-    decode_step.FUSED_LINEAR_MAX_ROWS = fused_rows
+    step_switches.FUSED_LINEAR_MAX_ROWS = fused_rows
     pa.CHUNK_TOKENS = chunk_tokens
     for k, v in saved.items():
-        setattr(decode_step, k, v)
+        setattr(step_switches, k, v)
     return ref
 
 
@@ -167,7 +167,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
     ap.add_argument("--providers", default="hf-eager,hf-sdpa,ours",
                     help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile, ours-no-gemv, ours-no-pdl, ours-attention-no-pdl, "
-                         "or ours@NAME=VALUE+NAME=VALUE (switches of hf_accel.engine.decode_step)")
+                         "or ours@NAME=VALUE+NAME=VALUE (switches of hf_accel.engine.step_switches)")
     ap.add_argument("--bs-8b", default="1,8,32", help="batch sizes of the 8B-shaped model")
     ap.add_argument("--bs-smollm2", default="1,16", help="batch sizes of SmolLM2")
     ap.add_argument("--generate-kwargs", default=None,

@@ -493,7 +493,7 @@ def parse_args(argv):
                     help="passed as SpeculativeConfig(exit_layer=...) to early_exit (default: the library's)")
     ap.add_argument("--dtype", default=None, help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--set", default="", metavar="NAME=VALUE+...",
-                    help="switches of hf_accel.engine.decode_step for the whole run (A/B of a kernel choice)")
+                    help="switches of hf_accel.engine.step_switches for the whole run (A/B of a kernel choice)")
     args = ap.parse_args(argv)
     args.max_new_tokens = args.max_new_tokens or (16 if args.tiny else 128)
     args.repeats = args.repeats or (1 if args.tiny else 3)

@@ -96,16 +96,16 @@ def time_in_turns(variants: dict, iters: int, passes: int, reset=None, label: st
 
 
 def _switch_modules():
-    from hf_accel.engine import decode_step, fast_generate
+    from hf_accel.engine import fast_generate, step_switches
     from hf_accel.speculative import draft_length
     from hf_accel.speculative import engine as speculative_engine
 
-    return decode_step, draft_length, speculative_engine, fast_generate
+    return step_switches, draft_length, speculative_engine, fast_generate
 
 
 def parse_overrides(spec: str) -> dict:
     """``"NAME=VALUE+NAME=VALUE"`` -> {NAME: value} for module constants of
-    :mod:`hf_accel.engine.decode_step`, :mod:`hf_accel.speculative.draft_length`,
+    :mod:`hf_accel.engine.step_switches`, :mod:`hf_accel.speculative.draft_length`,
     :mod:`hf_accel.speculative.engine` or :mod:`hf_accel.engine.fast_generate` (A/B runs of their switches);
     values are Python literals."""
     import ast
@@ -114,7 +114,7 @@ def parse_overrides(spec: str) -> dict:
     for item in filter(None, spec.split("+")):
         name, _, value = item.partition("=")
         if not name.isupper() or not any(hasattr(m, name) for m in _switch_modules()):
-            raise ValueError(f"{name!r} is not a switch of hf_accel.engine.decode_step, "
+            raise ValueError(f"{name!r} is not a switch of hf_accel.engine.step_switches, "
                              f"hf_accel.speculative.draft_length, hf_accel.speculative.engine or "
                              f"hf_accel.engine.fast_generate")
         out[name] = ast.literal_eval(value)

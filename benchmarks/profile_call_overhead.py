@@ -101,12 +101,12 @@ def prefill_variants(model, batches, rows, base):
     """GPU time of the bucketed prefill graph (CUDA events, median of 20 replays) and host time of its
     ``replay()`` call, for PREFILL_NUM_SPLITS None (the kernel's default) / 1 / 2; the host time of a decode
     step's replay."""
-    import hf_accel.engine.decode_step as ds
+    from hf_accel.engine import step_switches
     hf_accel.accelerate_model(model)
     fast = model._hf_accel_engine
-    saved = ds.PREFILL_NUM_SPLITS
+    saved = step_switches.PREFILL_NUM_SPLITS
     for splits in (None, 1, 2):
-        ds.PREFILL_NUM_SPLITS = splits
+        step_switches.PREFILL_NUM_SPLITS = splits
         for step in fast.steps.values():
             for key in [k for k in step.graphs if isinstance(k, tuple) and k and k[0] == "prefill"]:
                 del step.graphs[key]
@@ -123,7 +123,7 @@ def prefill_variants(model, batches, rows, base):
             for metric, value in vals.items():
                 rows.append({"bench": "profile_call_overhead", "provider": "ours", "shape": shape, "metric": metric,
                              "unit": "ms", "value": value})
-    ds.PREFILL_NUM_SPLITS = saved
+    step_switches.PREFILL_NUM_SPLITS = saved
     # host time of one decode-step graph launch (the greedy step of the last prompt's shape)
     ids, mask = batches[0]
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)

@@ -145,7 +145,7 @@ ABLATIONS = {"no-rope": {"rope_and_cache": _skip_rope}, "no-attention": {"paged_
 
 def ablate(name, model, batch, context, rows, variants):
     """Graph replay time of the step (logits only, no sampling) for each variant: ``NAME=VALUE+...`` switch
-    overrides of :mod:`hf_accel.engine.decode_step` or an :data:`ABLATIONS` key; the first is ``default``."""
+    overrides of :mod:`hf_accel.engine.step_switches` or an :data:`ABLATIONS` key; the first is ``default``."""
     from common import decode_step_overrides
 
     from hf_accel.engine import decode_step

@@ -120,6 +120,7 @@ for name, spec in (("plain", None), ("lookup", "prompt_lookup")):
 
 # verify forward variants at q16 (timing only where pieces are removed)
 import hf_accel.engine.decode_step as ds  # noqa: E402
+from hf_accel.engine import step_switches  # noqa: E402
 
 from profile_speculative_round import time_graph  # noqa: E402
 
@@ -164,10 +165,10 @@ with torch.inference_mode():
     res["q16_no_attn_ms"], _ = time_graph(lambda: fwd())
     ds.paged_attention = orig_attn
     for flag, val in (("DECODE_PDL", False), ("ATTENTION_PDL", False)):
-        old = getattr(ds, flag)
-        setattr(ds, flag, val)
+        old = getattr(step_switches, flag)
+        setattr(step_switches, flag, val)
         res[f"q16_{flag}_{val}_ms"], _ = time_graph(lambda: fwd())
-        setattr(ds, flag, old)
+        setattr(step_switches, flag, old)
     # rows sweep
     for q in (2, 4, 8, 16):
         w = fast._step_for(1, nb, q_len=q)

@@ -9,7 +9,7 @@ below), timed alone as ``state_restore_ms``; then
 torch.profiler tables of the kernels of the k = 15 round, the match-gated plain round and the plain step.
 Writes ``profile_speculative_round-<date>.json``.
 
-    python benchmarks/profile_speculative_round.py [--set NAME=VALUE+...]   # decode_step switches (A/B)
+    python benchmarks/profile_speculative_round.py [--set NAME=VALUE+...]   # step_switches (A/B)
     python benchmarks/profile_speculative_round.py --ab-verify-inputs     # + rounds with PyTorch verify inputs
 """
 
@@ -50,7 +50,7 @@ def main():
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--set", default="", help="switches of hf_accel.engine.decode_step (NAME=VALUE+...)")
+    ap.add_argument("--set", default="", help="switches of hf_accel.engine.step_switches (NAME=VALUE+...)")
     ap.add_argument("--ab-verify-inputs", action="store_true",
                     help="also time the rounds with VERIFY_INPUTS_KERNEL off (metrics suffixed _torch_inputs)")
     args = ap.parse_args()
@@ -63,7 +63,8 @@ def _main(ab_verify_inputs: bool = False):
 
     from hf_accel import SpeculativeConfig, accelerate_model
     from hf_accel.models import load_default_model
-    from hf_accel.speculative.engine import _State, engine_for
+    from hf_accel.speculative.registry import engine_for
+    from hf_accel.speculative.state import RoundState
 
     model, tok = load_default_model(dtype="bfloat16", device="cuda")
     accelerate_model(model)
@@ -83,7 +84,7 @@ def _main(ab_verify_inputs: bool = False):
         for k in (1, 4, 8, 15, 16):
             v = step_over_blocks(fast, step, ids, k + 1, prompt_len)
             res[f"verify_forward_q{k + 1}_ms"], _ = time_graph(lambda: v._forward())
-        st = _State(step.batch, nb * step.block_size + 1, model.device, 15)
+        st = RoundState(step.batch, nb * step.block_size + 1, model.device, 15)
         st.reset(0)
         st.tokens[0, :prompt_len] = ids[0]
         st.tokens[0, prompt_len] = logits.argmax(-1)[0]

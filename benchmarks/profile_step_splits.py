@@ -10,7 +10,7 @@ cached contexts of ``--contexts`` tokens:
 
 * ``q1``: the one-row decode step; ``q2`` ... ``q32`` (``--q-lens``): the verify pass over that many tokens.
 
-``--set NAME=VALUE+...`` overrides switches of :mod:`hf_accel.engine.decode_step` for the whole run (e.g.
+``--set NAME=VALUE+...`` overrides switches of :mod:`hf_accel.engine.step_switches` for the whole run (e.g.
 ``FUSED_LINEAR_MAX_ROWS=32``: verify passes of 17-32 tokens through fused_linear instead of cuBLAS).
 Writes ``profile_step_splits-<date>.json``.
 
@@ -50,7 +50,7 @@ def main(argv=None):
     ap.add_argument("--contexts", default="305,600")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--q-lens", default="1,2,16")
-    ap.add_argument("--set", default="", help="switches of hf_accel.engine.decode_step (NAME=VALUE+...)")
+    ap.add_argument("--set", default="", help="switches of hf_accel.engine.step_switches (NAME=VALUE+...)")
     args = ap.parse_args(argv)
     with decode_step_overrides(args.set):
         _main(args)

@@ -56,7 +56,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=305)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--settings", default=None,
-                    help="named settings 'NAME:SPEC,NAME:SPEC' (SPEC: decode_step switches NAME=VALUE+...) instead "
+                    help="named settings 'NAME:SPEC,NAME:SPEC' (SPEC: step_switches NAME=VALUE+...) instead "
                          "of the three above; the kernel tables then run under the first")
     args = ap.parse_args(argv)
     settings = dict(SETTINGS)

@@ -25,19 +25,19 @@ PROMPT = 305
 
 
 def main():
-    import hf_accel.engine.decode_step as ds
+    from hf_accel.engine import step_switches
 
     model = smollm2_shaped_model()
     fast = model._hf_accel_engine
     ids = torch.randint(100, 49000, (1, PROMPT), device="cuda")
     rows = []
-    saved = ds.FUSED_LINEAR_ROPE, ds.FUSED_LINEAR_SMALL_TILES
+    saved = step_switches.FUSED_LINEAR_ROPE, step_switches.FUSED_LINEAR_SMALL_TILES
     try:
         with torch.inference_mode():
             step, _ = fast.start(ids, torch.ones_like(ids), 128, lookahead=17)
             for rope in (True, False):
                 for tiles in (True, False):
-                    ds.FUSED_LINEAR_ROPE, ds.FUSED_LINEAR_SMALL_TILES = rope, tiles
+                    step_switches.FUSED_LINEAR_ROPE, step_switches.FUSED_LINEAR_SMALL_TILES = rope, tiles
                     for q in (2, 16):
                         v = step_over_blocks(fast, step, ids, q, PROMPT)
 
@@ -54,7 +54,7 @@ def main():
                                      "metric": "latency", "unit": "ms", "value": ms})
             fast.cache.release()
     finally:
-        ds.FUSED_LINEAR_ROPE, ds.FUSED_LINEAR_SMALL_TILES = saved
+        step_switches.FUSED_LINEAR_ROPE, step_switches.FUSED_LINEAR_SMALL_TILES = saved
     write_results("profile_verify_tiles", rows)
 
 

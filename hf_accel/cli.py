@@ -77,7 +77,7 @@ def _load(path, dtype, device, what, tokenizer: bool = True):
 def _check_draft_config(model_path, draft_path) -> None:
     """Raise CLIError where ``--draft-model`` cannot draft for ``--model`` by their configs alone (not a model,
     an unsupported model type, another vocabulary size): seconds, instead of after the main model's load.
-    :func:`~hf_accel.speculative.engine.check_draft` checks the loaded models again."""
+    :func:`~hf_accel.speculative.config.check_draft` checks the loaded models again."""
     from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES
     from hf_accel.models import ModelNotFoundError, load_config
 
@@ -176,7 +176,7 @@ def _run_generate(args) -> int:
     # What accelerate_model would refuse is refused before the stock run, naming the option at fault.
     from hf_accel.integrations.patch import check_model_type
     from hf_accel.speculative.config import SpeculativeConfig
-    from hf_accel.speculative.engine import check_draft, check_speculative
+    from hf_accel.speculative.config import check_draft, check_speculative
 
     try:
         check_model_type(model)

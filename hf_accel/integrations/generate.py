@@ -233,7 +233,7 @@ def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | 
              f"({'CUDA graphs' if engine.device.type == 'cuda' and engine.use_cuda_graphs else 'eager steps'})")
     model._hf_accel_spec_stats = None
     if speculative is not None:
-        from hf_accel.speculative.engine import engine_for
+        from hf_accel.speculative.registry import engine_for
 
         spec = engine_for(model, engine, speculative)
         spec_reason = spec.check(gc, model_kwargs)
@@ -424,7 +424,7 @@ def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool 
     original = model.generate
     engine = FastEngine(model, block_size=block_size, use_cuda_graphs=cuda_graphs) if fast_decode else None
     if speculative is not None:
-        from hf_accel.speculative.engine import engine_for
+        from hf_accel.speculative.registry import engine_for
 
         engine_for(model, engine, speculative)  # checks the draft model now
     model._hf_accel_engine = engine

@@ -294,7 +294,7 @@ def accelerate_model(
         if not (paged_cache and fast_decode):
             raise ValueError("speculative decoding runs on the fast decode path: it needs paged_cache=True and "
                              "fast_decode=True")
-        from hf_accel.speculative.engine import check_speculative
+        from hf_accel.speculative.config import check_speculative
 
         check_speculative(hf_model, spec)
     options = {"paged_cache": bool(paged_cache), "fast_decode": bool(fast_decode), "cuda_graphs": bool(cuda_graphs),

@@ -20,7 +20,7 @@ accumulation differs from cuBLAS.
 RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization". SwiGLU: Shazeer 2020, "GLU
 Variants Improve Transformer". The matmul is a Triton tile loop (``tl.dot`` over a 16- or 32-row tile, float32
 accumulation); where it pays is measured in ``benchmarks/bench_fused_linear.py`` and decided in
-:data:`hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS` / ``FUSED_LINEAR_MAX_HIDDEN``.
+:data:`hf_accel.engine.step_switches.FUSED_LINEAR_MAX_ROWS` / ``FUSED_LINEAR_MAX_HIDDEN``.
 """
 
 from __future__ import annotations
@@ -485,7 +485,7 @@ WHOLE_K_MAX = 4096
 #: loading the same weight rows (the second time from L2), since 32 input rows of a whole K do not fit the
 #: registers: H200, SmolLM2-shaped verify forwards of 17 / 32 tokens took 2.82 / 7.28 ms with 32-row programs
 #: (``profile_step_splits-max-rows-20261203-4924036.json``). With 16-row blocks see
-#: :data:`~hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS` (the decode step sends more rows to cuBLAS).
+#: :data:`~hf_accel.engine.step_switches.FUSED_LINEAR_MAX_ROWS` (the decode step sends more rows to cuBLAS).
 WHOLE_K_BLOCK_M = 16
 
 
@@ -627,7 +627,7 @@ def fused_linear(
             > 1 and PDL, where it is the whole weight share of the program).
         norm_k: input columns per step of the RMSNorm prologue, a power of two >= 16; None or 0 = ``block_k``
             (default: wider steps, 512 columns at 16 rows, slowed SmolLM2's 16-row matmuls on the H200, see
-            :data:`hf_accel.engine.decode_step.FUSED_LINEAR_NORM_K`).
+            :data:`hf_accel.engine.step_switches.FUSED_LINEAR_NORM_K`).
         small_tiles: True = the small-layer tiles of :func:`_tiles` (faster alone, slower inside the decode
             step: see there).
         whole_k: no K loop: each program loads its weight rows over all of ``hidden`` (two power-of-two

@@ -28,7 +28,7 @@ class SpeculativeConfig:
             lookup: drafting is free, and verifying 17 tokens of SmolLM2 at bs1 on an H200 took 1.007 ms
             against 0.967 ms for one (``profile_speculative_round-20261201.json``); 15 drafts + 1 make the 16
             token rows of one row block of the fused small-batch matmuls (up to
-            :data:`hf_accel.engine.decode_step.FUSED_LINEAR_MAX_ROWS` rows run there). 31 drafts did not
+            :data:`hf_accel.engine.step_switches.FUSED_LINEAR_MAX_ROWS` rows run there). 31 drafts did not
             separate from 15 on the H200 (``bench_speculative-bs1-5pass-k31-20261203-3da9682.json``). 4 for
             the model-based drafts.
         adaptive: choose k per verify step from the measured acceptance and step times (down to 0: plain
@@ -106,3 +106,50 @@ class SpeculativeConfig:
             return cls(method="draft_model", draft_model=arg)
         raise TypeError("speculative must be a SpeculativeConfig, one of "
                         f"{', '.join(repr(m) for m in METHODS)} or a draft model; got {type(arg).__qualname__}")
+
+
+_NO_DRAFT_STEP = ("the draft model was accelerated without fast_decode; it has no decode step to draft with "
+                  "(revert_model(draft) first, or accelerate it with paged_cache=True, fast_decode=True)")
+
+
+def check_draft(target, draft) -> None:
+    """Raise ValueError if ``draft`` cannot draft for ``target``: not a supported transformers causal LM,
+    another vocabulary size (it must share the tokenizer), another device, the target itself, accelerated
+    without the fast decode step, or unable to run that step (training mode, a dtype the kernels do not
+    take, ...: :func:`~hf_accel.engine.eligibility.model_reason`). Changes neither model."""
+    from transformers import PreTrainedModel
+
+    from hf_accel.engine.eligibility import model_reason
+    from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, is_accelerated
+
+    if not isinstance(draft, PreTrainedModel) or not hasattr(draft, "lm_head"):
+        raise ValueError(f"the draft model must be a transformers causal LM, got {type(draft).__qualname__}")
+    if draft is target:
+        raise ValueError("the draft model is the target itself; use method 'early_exit' for self-speculation")
+    if getattr(draft.config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"draft model_type {getattr(draft.config, 'model_type', None)!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if getattr(draft.config, "vocab_size", None) != target.config.vocab_size:
+        raise ValueError(f"the draft model's vocab_size ({getattr(draft.config, 'vocab_size', None)}) differs "
+                         f"from the target's ({target.config.vocab_size}); it must share the tokenizer")
+    if draft.device != target.device:
+        raise ValueError(f"the draft model is on {draft.device}, the target on {target.device}")
+    if is_accelerated(draft) and getattr(draft, "_hf_accel_engine", None) is None:
+        raise ValueError(_NO_DRAFT_STEP)
+    reason = model_reason(draft)
+    if reason:
+        raise ValueError(f"the draft model cannot run hf-accel's decode step: {reason}")
+
+
+def check_speculative(model, config: SpeculativeConfig) -> None:
+    """Raise ValueError naming what ``accelerate_model(model, speculative=config)`` refuses, without building
+    anything (so a caller can check before other work): early exit on a model of fewer than 2 layers or an
+    ``exit_layer`` not below its layer count; a draft model :func:`check_draft` refuses."""
+    n_layers = model.config.num_hidden_layers
+    if config.method == "early_exit":
+        if n_layers < 2:
+            raise ValueError("early-exit drafting needs a model with at least 2 layers")
+        if config.exit_layer is not None and config.exit_layer >= n_layers:
+            raise ValueError(f"exit_layer must be < the model's {n_layers} layers, got {config.exit_layer}")
+    if config.draft_model is not None:
+        check_draft(model, config.draft_model)

@@ -39,20 +39,20 @@ import time
 
 import torch
 
-from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.engine.call_options import call_inputs, eos_ids, passed_cache, repetition_penalty, sampling_warpers
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
-from hf_accel.kernels.argmax import argmax_rows, scratch_for
-from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, INFO_SIZE, MAX_DRAFT, NUM_CLASSES,
-                                            TOTALS_SIZE, commit_tokens, commit_tokens_ref)
+from hf_accel.kernels.argmax import argmax_rows
+from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, MAX_DRAFT, NUM_CLASSES,
+                                            commit_tokens, commit_tokens_ref)
 from hf_accel.kernels.ngram_lookup import ngram_lookup
 from hf_accel.kernels.verify_inputs import verify_inputs, verify_inputs_ref
-from hf_accel.speculative.config import SpeculativeConfig
+from hf_accel.speculative.config import _NO_DRAFT_STEP, SpeculativeConfig, check_draft
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.speculative.verify import rejection_sample, sample
 from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates
+from hf_accel.speculative.state import RoundState
 
 #: A round's verify inputs (last committed token + drafts, positions, cache lengths) from one
 #: :func:`~hf_accel.kernels.verify_inputs.verify_inputs` launch where the round runs Triton kernels, instead of
@@ -66,67 +66,6 @@ VERIFY_INPUTS_KERNEL = True
 #: 20261203-8c738be.json``: gated plain round 0.523 vs 0.519 ms, gated k = 15 round 0.640 vs 0.644, with the
 #: unchanged plain step at 0.496 vs 0.489 in the same two runs).
 LOOKUP_CLASS_COUNTS_KERNEL = True
-
-
-class _State:
-    """Device state of one generate call (static buffers; the round graphs read and update them).
-
-    tokens [batch, capacity] int64 (prompt with its left padding, then output; pad after a row's end),
-    lengths / starts / remaining [batch] int64, active [batch] bool, info [INFO_SIZE] int64 (this round's
-    counters, layout in :mod:`hf_accel.kernels.commit_tokens`), totals [TOTALS_SIZE] int64 (drafts proposed,
-    accepted, row-steps, tokens they committed, rounds per k that had an active row); for match-gated prompt
-    lookup the next round's lookup: drafts [batch, k_max] int64, valid [batch, k_max] bool and ngram [batch]
-    int64 (match class). One state per graph key, reused by every call
-    of that shape (captured graphs read these very tensors)."""
-
-    NAMES = ("tokens", "lengths", "starts", "remaining", "active", "info", "totals", "drafts", "valid", "ngram")
-
-    def __init__(self, batch: int, capacity: int, device, k_max: int = 1):
-        self.tokens = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-        self.lengths = torch.ones(batch, dtype=torch.long, device=device)
-        self.starts = torch.zeros(batch, dtype=torch.long, device=device)
-        self.remaining = torch.zeros(batch, dtype=torch.long, device=device)
-        self.active = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.info = torch.zeros(INFO_SIZE, dtype=torch.long, device=device)
-        self.totals = torch.zeros(TOTALS_SIZE, dtype=torch.long, device=device)
-        self.eos = torch.full((8,), -1, dtype=torch.long, device=device)
-        self.eos_ids: tuple = ()  # the EOS ids in eos (-1 after them); kept across calls, rewritten when they change
-        self.drafts = torch.zeros(batch, k_max, dtype=torch.long, device=device)
-        self.valid = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
-        self.ngram = torch.zeros(batch, dtype=torch.long, device=device)
-        self._host = None  # host_counters: (host rows, their numpy view)
-        self._argmax = None  # argmax_scratch: argmax_rows' scratch for every k of this state
-
-    def argmax_scratch(self, vocab: int):
-        """:func:`~hf_accel.kernels.argmax.argmax_rows`' scratch for ``batch x (k + 1)`` rows of any k <=
-        ``MAX_DRAFT``, made once (the rounds' captured graphs all use these tensors)."""
-        if self._argmax is None or self._argmax[0] != vocab:
-            self._argmax = (vocab, scratch_for(self.tokens.shape[0] * (MAX_DRAFT + 1), vocab, self.tokens.device))
-        return self._argmax[1]
-
-    def reset(self, pad: int) -> None:
-        self.tokens.fill_(pad)
-        self.lengths.fill_(1)
-        for t in (self.starts, self.remaining, self.info, self.totals, self.drafts, self.ngram):
-            t.zero_()
-        self.active.zero_()
-        self.valid.zero_()
-
-    def host_counters(self, pinned: bool):
-        """Three host rows of ``info``'s size (page-locked when ``pinned``: the rounds' counters are copied
-        there without blocking) and their numpy view, made once per state: the host reads a few counters per
-        round, and numpy indexing is cheaper than tensor indexing."""
-        if self._host is None or self._host[0].is_pinned() != pinned:
-            rows = torch.zeros(3, self.info.numel(), dtype=torch.long, pin_memory=pinned)
-            self._host = (rows, rows.numpy())
-        return self._host
-
-    def snapshot(self):
-        return [getattr(self, n).clone() for n in self.NAMES]
-
-    def restore(self, saved) -> None:
-        for n, t in zip(self.NAMES, saved):
-            getattr(self, n).copy_(t)
 
 
 class SpeculativeEngine:
@@ -229,7 +168,7 @@ class SpeculativeEngine:
         return None
 
     # -- one round --------------------------------------------------------------------------------------
-    def _round(self, k: int, st: _State, ctx) -> None:
+    def _round(self, k: int, st: RoundState, ctx) -> None:
         """Draft ``k`` tokens, verify, commit (updates ``st``; device work only)."""
         b = st.lengths.shape[0]
         inputs = verify_inputs if ctx["kernels"] and VERIFY_INPUTS_KERNEL else verify_inputs_ref
@@ -272,7 +211,7 @@ class SpeculativeEngine:
         if ctx["gated"]:
             self._lookup_next(st, ctx)
 
-    def _lookup_next(self, st: _State, ctx) -> None:
+    def _lookup_next(self, st: RoundState, ctx) -> None:
         """Match-gated prompt lookup: the next round's drafts, valid masks and match classes into ``st``, and
         the active rows per class into ``info[INFO_CLASS_COUNTS:]`` (device work only)."""
         cfg = self.config
@@ -290,7 +229,7 @@ class SpeculativeEngine:
         counts.scatter_add_(0, st.ngram, st.active.long())
 
     @staticmethod
-    def _window_inputs(st: _State, width: int, end: torch.Tensor):
+    def _window_inputs(st: RoundState, width: int, end: torch.Tensor):
         """Draft-model input over the ``width`` committed tokens before index ``end`` [b] of each row: ids [b,
         width] int64, their rotary positions [b, width] int64 and the cache length before them [b] int32.
 
@@ -304,7 +243,7 @@ class SpeculativeEngine:
         return st.tokens.gather(1, idx), pos, first.to(torch.int32)
 
     @classmethod
-    def _refeed_inputs(cls, st: _State):
+    def _refeed_inputs(cls, st: RoundState):
         """The draft model's first input of a round: the last two committed tokens [b, 2], their positions and
         the cache length before them. Its cache then holds every committed token but the newest, whatever
         the last round accepted: a round that drafted accepts n of k drafts and commits n + 1 tokens, and
@@ -318,7 +257,7 @@ class SpeculativeEngine:
         return max_plain_run + 1
 
     @classmethod
-    def _catch_up_inputs(cls, st: _State, width: int):
+    def _catch_up_inputs(cls, st: RoundState, width: int):
         """Catch-up input of a draft model whose cache lagged through plain rounds: the ``width`` committed
         tokens before the newest (ids [b, width] int64, positions, cache length before them [b] int32).
 
@@ -330,13 +269,13 @@ class SpeculativeEngine:
         tokens already cached, at the same positions, writes the same values."""
         return cls._window_inputs(st, width, st.lengths - 1)
 
-    def _catch_up_draft(self, st: _State, ctx) -> None:
+    def _catch_up_draft(self, st: RoundState, ctx) -> None:
         """One draft-model forward over :meth:`_catch_up_inputs` (device work only; writes the draft's cache)."""
         ids, pos, lens = self._catch_up_inputs(st, ctx["catch_up_width"])
         ctx["draft_catch_up"].forward_tokens(ids, pos, lens, ctx["draft_block_table"], ctx["draft_key_mask"],
                                              last_only=True)
 
-    def _run_graph(self, gkey, fn, st: _State, ctx, replay: bool = True) -> bool:
+    def _run_graph(self, gkey, fn, st: RoundState, ctx, replay: bool = True) -> bool:
         """``fn()`` (device work on ``st`` and the caches) as a CUDA-graph replay once captured under ``gkey``;
         with ``replay=False`` only the capture, leaving ``st`` as it was. Returns True if captured now."""
         if not ctx["use_graph"]:
@@ -361,12 +300,12 @@ class SpeculativeEngine:
             graph.replay()
         return captured
 
-    def _run_round(self, k: int, st: _State, ctx, key, replay: bool = True) -> bool:
+    def _run_round(self, k: int, st: RoundState, ctx, key, replay: bool = True) -> bool:
         """One round (a CUDA-graph replay once captured; with ``replay=False`` only the capture, leaving
         ``st`` as it was). Returns True if the graph was captured now."""
         return self._run_graph((*key, k), lambda: self._round(k, st, ctx), st, ctx, replay)
 
-    def _run_catch_up(self, st: _State, ctx, key, replay: bool = True) -> bool:
+    def _run_catch_up(self, st: RoundState, ctx, key, replay: bool = True) -> bool:
         """:meth:`_catch_up_draft` (a CUDA-graph replay once captured, as :meth:`_run_round`)."""
         return self._run_graph((*key, "catch_up"), lambda: self._catch_up_draft(st, ctx), st, ctx, replay)
 
@@ -458,7 +397,7 @@ class SpeculativeEngine:
             key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad, k_max, ctx["gated"])
             st = self.states.get(key)
             if st is None or not ctx["use_graph"]:
-                st = self.states[key] = _State(rows, nb * step.block_size + 1, device, k_max)
+                st = self.states[key] = RoundState(rows, nb * step.block_size + 1, device, k_max)
             st.reset(pad)
             st.tokens[:batch, :prompt_len] = input_ids
             if st.eos_ids != tuple(eos_list):  # fill kernels: the prefill is queued, a copy would wait (transfers.py)
@@ -645,121 +584,3 @@ class SpeculativeEngine:
         d, t = self.config.draft_model, self.model
         ratio = sum(p.numel() for p in d.parameters()) / max(sum(p.numel() for p in t.parameters()), 1)
         return min(1.0, ratio + 0.1)
-
-
-_NO_DRAFT_STEP = ("the draft model was accelerated without fast_decode; it has no decode step to draft with "
-                  "(revert_model(draft) first, or accelerate it with paged_cache=True, fast_decode=True)")
-
-
-def check_draft(target, draft) -> None:
-    """Raise ValueError if ``draft`` cannot draft for ``target``: not a supported transformers causal LM,
-    another vocabulary size (it must share the tokenizer), another device, the target itself, accelerated
-    without the fast decode step, or unable to run that step (training mode, a dtype the kernels do not
-    take, ...: :func:`~hf_accel.engine.fast_generate.model_reason`). Changes neither model."""
-    from transformers import PreTrainedModel
-
-    from hf_accel.engine.fast_generate import model_reason
-    from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, is_accelerated
-
-    if not isinstance(draft, PreTrainedModel) or not hasattr(draft, "lm_head"):
-        raise ValueError(f"the draft model must be a transformers causal LM, got {type(draft).__qualname__}")
-    if draft is target:
-        raise ValueError("the draft model is the target itself; use method 'early_exit' for self-speculation")
-    if getattr(draft.config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"draft model_type {getattr(draft.config, 'model_type', None)!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if getattr(draft.config, "vocab_size", None) != target.config.vocab_size:
-        raise ValueError(f"the draft model's vocab_size ({getattr(draft.config, 'vocab_size', None)}) differs "
-                         f"from the target's ({target.config.vocab_size}); it must share the tokenizer")
-    if draft.device != target.device:
-        raise ValueError(f"the draft model is on {draft.device}, the target on {target.device}")
-    if is_accelerated(draft) and getattr(draft, "_hf_accel_engine", None) is None:
-        raise ValueError(_NO_DRAFT_STEP)
-    reason = model_reason(draft)
-    if reason:
-        raise ValueError(f"the draft model cannot run hf-accel's decode step: {reason}")
-
-
-def check_speculative(model, config: SpeculativeConfig) -> None:
-    """Raise ValueError naming what ``accelerate_model(model, speculative=config)`` refuses, without building
-    anything (so a caller can check before other work): early exit on a model of fewer than 2 layers or an
-    ``exit_layer`` not below its layer count; a draft model :func:`check_draft` refuses."""
-    n_layers = model.config.num_hidden_layers
-    if config.method == "early_exit":
-        if n_layers < 2:
-            raise ValueError("early-exit drafting needs a model with at least 2 layers")
-        if config.exit_layer is not None and config.exit_layer >= n_layers:
-            raise ValueError(f"exit_layer must be < the model's {n_layers} layers, got {config.exit_layer}")
-    if config.draft_model is not None:
-        check_draft(model, config.draft_model)
-
-
-class EngineCache(dict):
-    """A model's :class:`SpeculativeEngine` objects by (method, draft model id, exit layer). A copy of the model
-    (``copy.deepcopy``, ``torch.save``) gets an empty cache: the engines hold captured graphs and are keyed by
-    the original draft's id; the copy builds its own on its first speculative call.
-
-    ``owned_drafts``: draft models that an engine of this cache accelerated (its own, and those a copy's
-    original had, which the copy carries as accelerated copies), so that :meth:`close` reverts them."""
-
-    def __init__(self):
-        super().__init__()
-        self.owned_drafts: list = []
-
-    def __reduce__(self):
-        owned = [d for d in self._owned() if _is_accelerated(d)]
-        return (EngineCache, (), {"owned_drafts": owned})
-
-    def _owned(self) -> list:
-        drafts = list(self.owned_drafts)
-        for engine in self.values():
-            draft = engine.config.draft_model
-            if engine.draft_accelerated_here and draft is not None and all(d is not draft for d in drafts):
-                drafts.append(draft)
-        return drafts
-
-    def owns(self, draft) -> bool:
-        return any(d is draft for d in self.owned_drafts)
-
-    def release_drafts(self, keep=None) -> None:
-        """Revert the owned draft models without an engine here, except ``keep`` (switching draft models)."""
-        from hf_accel.integrations.patch import revert_model
-
-        for draft in [d for d in self.owned_drafts if d is not keep]:
-            if _is_accelerated(draft):
-                revert_model(draft)
-        self.owned_drafts = [d for d in self.owned_drafts if d is keep]
-
-    def close(self) -> None:
-        """Close every engine and revert every draft model this cache accelerated (and still is)."""
-        for engine in list(self.values()):
-            engine.close()
-        self.clear()
-        self.release_drafts()
-
-
-def _is_accelerated(model) -> bool:
-    from hf_accel.integrations.patch import is_accelerated
-
-    return is_accelerated(model)
-
-
-def engine_for(model, fast, config: SpeculativeConfig) -> SpeculativeEngine:
-    """The model's cached :class:`SpeculativeEngine` for this method (and draft model), or a new one."""
-    engines = model.__dict__.setdefault("_hf_accel_spec_engines", EngineCache())
-    key = (config.method, id(config.draft_model) if config.draft_model is not None else None, config.exit_layer)
-    engine = engines.get(key)
-    if engine is None:
-        if config.method == "draft_model":  # keep one draft model referenced (and accelerated) at a time
-            for old in [k for k in engines if k[0] == "draft_model"]:
-                engines.pop(old).close()
-            engines.release_drafts(keep=config.draft_model)
-        engine = engines[key] = SpeculativeEngine(fast, config)
-        if config.draft_model is not None and engines.owns(config.draft_model):
-            engine.draft_accelerated_here = True  # a copy's draft, accelerated by its original's engine
-            engines.owned_drafts = [d for d in engines.owned_drafts if d is not config.draft_model]
-        log_once(f"spec:{key}", f"hf-accel: speculative decoding with {config.method}"
-                 + (f" (exit layer {engine.exit_layer})" if config.method == "early_exit" else ""))
-    else:
-        engine.config = config
-    return engine

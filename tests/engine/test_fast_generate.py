@@ -591,10 +591,10 @@ def test_batch1_fused_step_runs_gemv(model_type, gemv_rope, head_norm, tiny, mon
     """Batch-1 decode steps of the fused step run every matmul, the LM head included, through gemv
     (interpreter), and greedy output stays token-identical to stock in float32 (with the final norm fused
     into the LM head or not)."""
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import decode_step, step_switches
 
-    monkeypatch.setattr(decode_step, "GEMV_ROPE", gemv_rope)
-    monkeypatch.setattr(decode_step, "GEMV_LM_HEAD_NORM", head_norm)
+    monkeypatch.setattr(step_switches, "GEMV_ROPE", gemv_rope)
+    monkeypatch.setattr(step_switches, "GEMV_LM_HEAD_NORM", head_norm)
     calls = []
     original, original_rope = decode_step.gemv, decode_step.gemv_rope
     monkeypatch.setattr(decode_step, "gemv", lambda *a, **k: calls.append(k.get("swiglu", False)) or original(*a, **k))
@@ -630,9 +630,9 @@ def test_fused_step_gathers_embeddings_and_rotary_rows(gather_by_index, tiny, mo
     """The fused step's token-embedding and rotary-row gathers (by indexing, or through the embedding
     function) give greedy output token-identical to stock (float32, batch 3); a subclass of nn.Embedding
     (which may scale its rows) is called as the module even with gathering by index."""
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import step_switches
 
-    monkeypatch.setattr(decode_step, "GATHER_BY_INDEX", gather_by_index)
+    monkeypatch.setattr(step_switches, "GATHER_BY_INDEX", gather_by_index)
     _fused_five_tokens_match_stock(tiny, 2, "llama")
 
     class Scaled(torch.nn.Embedding):
@@ -655,9 +655,9 @@ def test_fused_step_split_k_and_in_kernel_merge(tiny, monkeypatch):
     """Batch-3 fused decode steps with fused_linear split into 2 K shares per output tile and 3 KV splits
     merged inside the attention kernel (both through the step's arrival counters, reused by every layer
     and step): greedy output token-identical to stock in float32, counters back at zero."""
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import decode_step, step_switches
 
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_WHOLE_K", False)  # split-K is a K-loop option
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_WHOLE_K", False)  # split-K is a K-loop option
     seen = {"split": 0, "merge": 0}
     linear, attention = decode_step.fused_linear, decode_step.paged_attention
 
@@ -672,7 +672,7 @@ def test_fused_step_split_k_and_in_kernel_merge(tiny, monkeypatch):
     monkeypatch.setattr(decode_step, "fused_linear", split_linear)
     monkeypatch.setattr(decode_step, "paged_attention", merging_attention)
     monkeypatch.setattr(decode_step, "default_num_splits", lambda *a: 3)
-    monkeypatch.setattr(decode_step, "FUSED_MERGE", True)  # off by default (measured slower on the H200)
+    monkeypatch.setattr(step_switches, "FUSED_MERGE", True)  # off by default (measured slower on the H200)
     model, ours = _fused_five_tokens_match_stock(tiny, 1, "llama")
     layers = model.config.num_hidden_layers
     assert seen["split"] == 4 * 4 * layers and seen["merge"] == 4 * layers  # 4 decode steps
@@ -688,10 +688,10 @@ def test_small_batch_fused_step_rope_epilogue(model_type, fused_rope, tiny, monk
     """Batch-3 fused decode steps (fused_linear, 3 token rows) with head_dim 32 take RoPE + the cache write
     in the Q/K/V fused_linear's epilogue (FUSED_LINEAR_ROPE; head_dim 16 models cannot), greedy output
     token-identical to stock in float32, with the switch on or off."""
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import decode_step, step_switches
 
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_ROPE", fused_rope)
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 16)  # the prefill's rows (more than 16) stay on cuBLAS
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_ROPE", fused_rope)
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_MAX_ROWS", 16)  # the prefill's rows (more than 16) stay on cuBLAS
     calls = {"fused_rope": 0, "rope_kernel": 0}
     original, original_kernel = decode_step.fused_linear_rope, decode_step.rope_and_cache
 
@@ -717,11 +717,11 @@ def test_small_batch_fused_step_preload_and_attention_overlap(tiny, monkeypatch)
     """Batch-3 fused decode steps with FUSED_LINEAR_PRELOAD (first weight tile before the PDL wait) and
     MULTI_ROW_ATTENTION_OVERLAP (attention preloading its cached K/V, triggering the merge): the options reach
     every 3-row kernel, and greedy output stays token-identical to stock in float32."""
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import decode_step, step_switches
 
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_WHOLE_K", False)  # the preload is a K-loop option
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_PRELOAD", True)
-    monkeypatch.setattr(decode_step, "MULTI_ROW_ATTENTION_OVERLAP", True)
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_WHOLE_K", False)  # the preload is a K-loop option
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_PRELOAD", True)
+    monkeypatch.setattr(step_switches, "MULTI_ROW_ATTENTION_OVERLAP", True)
     seen = {"preload": 0, "rope_preload": 0, "preload_kv": 0, "trigger": 0}
     linear, rope_linear = decode_step.fused_linear, decode_step.fused_linear_rope
     attention = decode_step.paged_attention
@@ -754,10 +754,10 @@ def test_small_batch_fused_step_preload_and_attention_overlap(tiny, monkeypatch)
 def test_small_batch_fused_step_whole_k(tiny, monkeypatch):
     """Batch-3 fused decode steps with FUSED_LINEAR_WHOLE_K (no K loop in the 3-row matmuls): it reaches every
     3-row matmul, and greedy output stays token-identical to stock in float32."""
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import decode_step, step_switches
 
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_WHOLE_K", True)
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 16)  # the prefill's rows (more than 16) stay on cuBLAS
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_WHOLE_K", True)
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_MAX_ROWS", 16)  # the prefill's rows (more than 16) stay on cuBLAS
     seen = {"whole_k": 0, "rope_whole_k": 0}
     linear, rope_linear = decode_step.fused_linear, decode_step.fused_linear_rope
 
@@ -783,10 +783,10 @@ def test_small_batch_fused_step_lm_head(model_type, tiny, monkeypatch):
     """Batch-3 fused decode steps with FUSED_LINEAR_LM_HEAD (final residual add + RMSNorm + LM head in one
     fused_linear launch, float32 logits): it reaches every 3-row step, and greedy output stays token-identical
     to stock in float32."""
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import decode_step, step_switches
 
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_LM_HEAD", True)
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 16)  # the prefill's rows (more than 16) stay on cuBLAS
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_LM_HEAD", True)
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_MAX_ROWS", 16)  # the prefill's rows (more than 16) stay on cuBLAS
     heads = []
     linear = decode_step.fused_linear
 

@@ -72,9 +72,9 @@ def test_fast_path_matches_stock_fp32_on_fused_linear_row_blocks(batch, prompt_l
     whole-K path (FUSED_LINEAR_MAX_ROWS = 72): batches of 20 / 32 (steps of 32 rows, the batch bucket), a 50-token
     prompt, two left-padded prompts of 23 and a batch of 48 give stock's float32 greedy tokens, with left padding
     in the batches."""
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import decode_step, step_switches
 
-    assert decode_step.FUSED_LINEAR_MAX_ROWS >= rows[1]
+    assert step_switches.FUSED_LINEAR_MAX_ROWS >= rows[1]
     model = _tiny("llama")
     g = torch.Generator(device="cuda").manual_seed(batch + prompt_len)
     ids = torch.randint(8, 256, (batch, prompt_len), device="cuda", generator=g)

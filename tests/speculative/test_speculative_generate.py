@@ -988,7 +988,7 @@ def test_match_gated_fused_triton_step_batch1_class_counts(counts_kernel, tiny, 
 
 def test_match_gated_matches_longer_than_the_classes_share_the_last_class(tiny):
     """max_ngram 9 > NUM_CLASSES - 1: a 9-gram match is counted in the last class; greedy is unchanged."""
-    from hf_accel.speculative.engine import _State
+    from hf_accel.speculative.state import RoundState
 
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny)
@@ -997,7 +997,7 @@ def test_match_gated_matches_longer_than_the_classes_share_the_last_class(tiny):
                                                                                max_ngram=9, match_gated=True))
     assert torch.equal(greedy(ours, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None), stock)
     (engine,) = ours.__dict__["_hf_accel_spec_engines"].values()
-    st = _State(2, 32, "cpu", 4)
+    st = RoundState(2, 32, "cpu", 4)
     st.reset(0)
     pattern = torch.randint(3, 50, (10,), generator=torch.Generator().manual_seed(0))
     st.tokens[0, :20] = pattern.repeat(2)  # row 0: its last 10 tokens also open it (a 9-gram match)
@@ -1144,9 +1144,9 @@ def test_prompt_lookup_num_tokens_below_one_raises(tiny, bad):
 def test_batch_verify_passes_of_more_than_32_rows_through_fused_linear(tiny, monkeypatch):
     """Batch 3 with 15 drafts: verify passes of 48 token rows run their matmuls through fused_linear's whole-K
     path in 16-row blocks when FUSED_LINEAR_MAX_ROWS allows (interpreter), and greedy equals stock."""
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import decode_step, step_switches
 
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 128)
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_MAX_ROWS", 128)
     rows_seen = []
     linear = decode_step.fused_linear
     monkeypatch.setattr(decode_step, "fused_linear",
@@ -1169,9 +1169,9 @@ def test_verify_passes_of_more_than_16_tokens_through_fused_linear(whole_k_fits,
     fused_linear's whole-K path in two 16-row blocks (interpreter), and greedy equals stock. A model whose matmul
     inputs do not all fit the whole-K path (whole_k_fits made to refuse inputs wider than 16 here) keeps passes of
     more than FUSED_LINEAR_K_LOOP_MAX_ROWS rows on cuBLAS."""
-    from hf_accel.engine import decode_step
+    from hf_accel.engine import decode_step, step_switches
 
-    monkeypatch.setattr(decode_step, "FUSED_LINEAR_MAX_ROWS", 32)
+    monkeypatch.setattr(step_switches, "FUSED_LINEAR_MAX_ROWS", 32)
     if not whole_k_fits:
         monkeypatch.setattr(decode_step, "whole_k_fits", lambda k, *args: k <= 16)
     monkeypatch.setattr(_GatedChooser, "choose", lambda self, counts, max_remaining=None, burst=True:
@@ -1184,4 +1184,4 @@ def test_verify_passes_of_more_than_16_tokens_through_fused_linear(whole_k_fits,
     assert speculative_stats(ours)["draft_lengths"].get("19"), speculative_stats(ours)
     assert (20 in rows_seen) == whole_k_fits, sorted(set(rows_seen))
     if not whole_k_fits:  # the 20-row passes ran on cuBLAS; nothing above the K-loop limit reached fused_linear
-        assert all(r <= decode_step.FUSED_LINEAR_K_LOOP_MAX_ROWS for r in rows_seen), sorted(set(rows_seen))
+        assert all(r <= step_switches.FUSED_LINEAR_K_LOOP_MAX_ROWS for r in rows_seen), sorted(set(rows_seen))
