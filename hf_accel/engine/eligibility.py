@@ -66,8 +66,15 @@ class CallChecks:
 
     @property
     def vocab_size(self) -> int:
-        """Rows of the model's input embedding (the token ids a step can take)."""
-        return self.model.get_input_embeddings().num_embeddings
+        """Rows of the model's input embedding (the token ids a step can take). peft wraps the embedding of a
+        model whose LoRA or trainable tokens target it (``lora.Embedding``, ``TrainableTokensWrapper``): the
+        wrapped module's rows."""
+        embed = self.model.get_input_embeddings()
+        while not hasattr(embed, "num_embeddings") and hasattr(embed, "base_layer"):
+            embed = embed.base_layer
+        if hasattr(embed, "num_embeddings"):
+            return embed.num_embeddings
+        return embed.weight.shape[0]
 
     def _model_reason(self) -> str | None:
         """Why the model cannot take the fast path (None if it can). The full check walks every parameter

@@ -86,22 +86,29 @@ def lora_change(model) -> str | None:
     return None
 
 
-_PEFT_LEAVING = ("unload", "merge_and_unload")
+#: peft calls that need the adapters unmerged: on a PeftModel (or its tuner) whose LoRA hf-accel holds merged they
+#: revert hf-accel first, which copies the base weights back bit for bit (peft's own unmerge subtracts the LoRA
+#: delta: float rounding is left in the base weights), then run. ``unload`` would otherwise keep the merged
+#: weights; the adapter calls unmerge or change what is active.
+_PEFT_REVERT_FIRST = ("unload", "merge_and_unload", "set_adapter", "disable_adapter", "add_adapter", "delete_adapter",
+                      "load_adapter", "merge_adapter", "unmerge_adapter", "enable_adapter_layers",
+                      "disable_adapter_layers")
 
 
 def _guard_peft(peft_model, state: dict) -> None:
     """While hf-accel holds a PeftModel's LoRA adapters merged, the calls that assume they are not revert hf-accel
-    first (logged): ``unload`` / ``merge_and_unload`` (on the PeftModel or its tuner; else ``unload`` would keep
-    the merged weights), ``train()``, a forward with autograd on while LoRA parameters require grad (training:
+    first (logged): the calls of :data:`_PEFT_REVERT_FIRST` (on the PeftModel or its tuner: ``unload`` would keep
+    the merged weights; ``set_adapter``, ``disable_adapter``, ``add_adapter`` and the like unmerge by subtraction or
+    change the active adapters), ``train()``, a forward with autograd on while LoRA parameters require grad (training:
     merged adapters get no gradient), and ``load_state_dict`` (on the PeftModel or the base model, before anything
     loads). Any other forward checks :func:`lora_change` first (the merged weights gone stale: revert); a merged base
     layer's ``state_dict`` entries are the weights before the merge. Module-level functions bound with
     ``functools.partial``: a copy of the model (``copy.deepcopy``, ``torch.save``) carries guards of its own."""
     attrs = []
     for owner in (peft_model, peft_model.base_model):
-        for name in _PEFT_LEAVING:
+        for name in _PEFT_REVERT_FIRST:
             if hasattr(owner, name):
-                setattr(owner, name, functools.partial(_peft_leaving, peft_model, owner, name))
+                setattr(owner, name, functools.partial(_peft_revert_first, peft_model, owner, name))
                 attrs.append((owner, name))
     peft_model.train = functools.partial(_peft_train, peft_model)
     attrs.append((peft_model, "train"))
@@ -123,7 +130,7 @@ def _revert_for(peft_model, what: str) -> None:
         revert_model(peft_model)
 
 
-def _peft_leaving(peft_model, owner, name: str, *args, **kwargs):
+def _peft_revert_first(peft_model, owner, name: str, *args, **kwargs):
     _revert_for(peft_model, f"{name}()")
     owner.__dict__.pop(name, None)  # (the revert removed it already)
     return getattr(owner, name)(*args, **kwargs)
@@ -238,10 +245,11 @@ def accelerate_model(
             (peft's ``merge_adapter``; undone exactly by :func:`revert_model`, which keeps a copy of the
             affected base weights meanwhile). With ``False`` a PeftModel is
             refused, since unmerged LoRA layers are not accelerated. While merged, peft's ``unload()`` /
-            ``merge_and_unload()``, ``train()``, a forward with autograd on the LoRA parameters and
+            ``merge_and_unload()``, the adapter calls (``set_adapter``, ``disable_adapter``, ``add_adapter``,
+            ``delete_adapter``, ``load_adapter``, ``merge_adapter`` / ``unmerge_adapter``, ``enable_`` /
+            ``disable_adapter_layers``), ``train()``, a forward with autograd on the LoRA parameters and
             ``load_state_dict`` revert hf-accel first (a warning says so): they need the adapters unmerged; LoRA
-            weights, scalings or merged base weights changed meanwhile (``set_adapter`` included) revert it at the
-            next call (:func:`lora_change`; a base-weight edit is kept); ``state_dict()`` holds the unmerged weights.
+            weights, scalings or merged base weights changed otherwise meanwhile revert it at the next call (:func:`lora_change`; a base-weight edit is kept); ``state_dict()`` holds the unmerged weights.
         speculative: speculative decoding for every ``generate`` call on the fast path: a
             :class:`~hf_accel.speculative.SpeculativeConfig`, a method name (``"prompt_lookup"``,
             ``"early_exit"``) or a draft model (a smaller causal LM sharing the tokenizer). Greedy output

@@ -738,3 +738,51 @@ def test_peft_state_dict_while_merged_holds_the_unmerged_weights(tiny, hf_log):
     revert_model(ours)
     for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("call", ["set_adapter", "disable_adapter", "add_adapter", "delete_adapter", "load_adapter",
+                                  "unmerge_adapter", "disable_adapter_layers"])
+def test_peft_adapter_calls_revert_first_and_keep_the_base_weights_exact(call, tiny, hf_log, tmp_path):
+    """peft's adapter calls unmerge a merged adapter by subtracting its delta, which leaves float rounding in the
+    base weights: on an accelerated PeftModel they revert hf-accel first (logged), which copies the base weights
+    back bit for bit, so the model's tokens and state dict equal stock peft's exactly."""
+    from peft import LoraConfig
+
+    def add(m, name, seed):
+        torch.manual_seed(seed)  # the new adapter's A is drawn at random
+        m.add_adapter(name, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if f"lora_B.{name}" in n:
+                    p.copy_(torch.linspace(-0.3, 0.3, p.numel()).view_as(p))
+
+    stock = _lora_model(tiny, seed=25)
+    add(stock, "b", seed=26)
+    ours = accelerate_model(copy.deepcopy(stock))
+    _lora_model(tiny, seed=27).save_pretrained(tmp_path)
+    ids, mask = tiny.batch(seed=28)
+    assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=4), tiny.greedy(stock, ids, mask, max_new_tokens=4))
+    assert all(layer.merged for layer in _lora_layers(ours))  # hf-accel holds the adapter merged
+    outs = []
+    for m in (stock, ours):
+        if call == "disable_adapter":
+            with m.disable_adapter():
+                outs.append(tiny.greedy(m, ids, mask, max_new_tokens=4))
+        else:
+            if call == "add_adapter":
+                add(m, "c", seed=29)
+            elif call == "load_adapter":
+                m.load_adapter(str(tmp_path), adapter_name="c")
+            elif call == "set_adapter":
+                m.set_adapter("b")
+            elif call == "delete_adapter":
+                m.delete_adapter("b")
+            else:
+                getattr(m.base_model, call)()
+            outs.append(tiny.greedy(m, ids, mask, max_new_tokens=4))
+    assert torch.equal(outs[1], outs[0])
+    assert not is_accelerated(ours) and _reverted_logged(hf_log, f"{call}()")
+    got = ours.state_dict()
+    assert got.keys() == stock.state_dict().keys()
+    for name, value in stock.state_dict().items():
+        assert torch.equal(got[name], value), name
