@@ -786,3 +786,32 @@ def test_peft_adapter_calls_revert_first_and_keep_the_base_weights_exact(call, t
     assert got.keys() == stock.state_dict().keys()
     for name, value in stock.state_dict().items():
         assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("wrap", ["lora_on_embed_tokens", "trainable_tokens"])
+def test_peft_wrapped_embedding_gives_stock_tokens_on_the_fast_path(wrap, tiny, hf_log):
+    """peft wraps the input embedding when LoRA or trainable tokens target it (``lora.Embedding``,
+    ``TrainableTokensWrapper``, neither with ``num_embeddings``): generate takes the fast path with the wrapped
+    embedding's rows and gives stock peft's tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny.model("llama", seed=30)
+    if wrap == "trainable_tokens":
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 4, 5, 6])
+    else:
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"])
+    stock = get_peft_model(base, config).eval()
+    torch.manual_seed(31)
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name or "trainable_tokens_delta" in name:
+                p.normal_(0.0, 0.5)
+    ours = accelerate_model(copy.deepcopy(stock))
+    ids, mask = tiny.batch(seed=32)
+    ids = ids.masked_fill((ids > 6) & (torch.arange(ids.shape[1]) % 3 == 0), 4)  # the trained tokens in the prompt
+    want = tiny.greedy(stock, ids, mask)
+    with stock.disable_adapter():
+        assert not torch.equal(tiny.greedy(stock, ids, mask), want)  # the wrapped embedding matters
+    assert torch.equal(tiny.greedy(ours, ids, mask), want)
+    assert is_accelerated(ours)
+    assert [r for r in hf_log.records if "generate runs the fast decode path" in r.getMessage()]
