@@ -25,6 +25,8 @@ _EXPORTS = {
     "revert_model": "hf_accel.integrations.patch",
     "SpeculativeConfig": "hf_accel.speculative",
 }
+# Subpackages reachable as attributes after `import hf_accel` (`hf_accel.models.load_default_model(...)`).
+_SUBMODULES = ("models",)
 
 if TYPE_CHECKING:
     from hf_accel.conversion import convert_to_gqa, expand_kv_heads
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"hf_accel.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hf_accel' has no attribute {name!r}")
@@ -44,7 +48,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
 
 
 __version__ = "0.1.0"

@@ -199,3 +199,15 @@ def test_default_model_is_smollm2(smollm2):
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def test_models_is_an_attribute_of_the_package():
+    """The README's ``hf_accel.models.load_default_model(...)`` works after a plain ``import hf_accel`` (in a fresh
+    interpreter: another test may have imported the subpackage already)."""
+    import subprocess
+    import sys
+
+    code = "import hf_accel; print(hf_accel.models.load_default_model.__name__, 'models' in dir(hf_accel))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["load_default_model", "True"]
