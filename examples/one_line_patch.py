@@ -25,6 +25,8 @@ try:
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)  # or AutoModelForCausalLM.from_pretrained(...)
 except ModelNotFoundError as e:
     parser.error(str(e))
+except (OSError, ValueError) as e:  # files that do not load (no weights, not a GGUF, ...)
+    parser.error(f"could not load model {args.model}: {type(e).__name__}: {e}")
 
 model = accelerate_model(model)  # <- the one line
 

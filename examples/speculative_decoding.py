@@ -31,12 +31,19 @@ if args.max_new_tokens < 1:
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
-try:
-    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-    if args.draft_model is not None:  # the draft shares the target's tokenizer: its folder needs no tokenizer files
-        speculative = load_model(args.draft_model, dtype=dtype, device=device, tokenizer=False)[0]
-except ModelNotFoundError as e:
-    parser.error(str(e))
+for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
+    if flag == "--draft-model" and path is None:
+        continue
+    try:  # the draft shares the target's tokenizer: its folder needs no tokenizer files
+        loaded = load_model(path, dtype=dtype, device=device, tokenizer=flag == "--model")
+    except ModelNotFoundError as e:
+        parser.error(f"{flag}: {e}")
+    except (OSError, ValueError) as e:  # files that do not load (no weights, not a GGUF, ...)
+        parser.error(f"could not load {flag} {path}: {type(e).__name__}: {e}")
+    if flag == "--model":
+        model, tokenizer = loaded
+    else:
+        speculative = loaded[0]
 if args.draft_model is None:
     speculative = args.method or "prompt_lookup"
 

@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 
 from hf_accel import __version__
@@ -163,12 +162,12 @@ def _run_generate(args) -> int:
 
     from hf_accel import accelerate_model, measure_generate, speculative_stats
     device = args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise CLIError(f"--device must be cpu, cuda or cuda:N (got {device!r})")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise CLIError(f"--device {device} requested but no CUDA GPU is available")
-    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    from hf_accel.models import check_device
+
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise CLIError(f"--{e}") from None
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if args.draft_model:  # a draft that cannot serve is refused from the configs, before any weights load
         _check_draft_config(args.model, args.draft_model)

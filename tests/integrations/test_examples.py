@@ -68,3 +68,21 @@ def test_speculative_example_refuses_a_draft_of_another_vocabulary_in_one_line(t
     run = _run("speculative_decoding.py", "--draft-model", str(tmp_path), "--max-new-tokens", "4")
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert "--draft-model" in run.stderr.strip().splitlines()[-1] and "vocab_size (1000)" in run.stderr
+
+
+def test_examples_name_a_model_that_does_not_load_in_one_line(tmp_path):
+    """A path that exists but does not load (a .gguf that is not one, a config without weights): one line naming
+    the path and transformers' reason, as ``hf-accel generate`` gives, not a traceback."""
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("not a gguf")
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text('{"model_type": "llama"}')
+    for script, flag, path in (("one_line_patch.py", "--model", fake),
+                               ("speculative_decoding.py", "--model", fake),
+                               ("speculative_decoding.py", "--draft-model", fake),
+                               ("speculative_decoding.py", "--draft-model", no_weights)):
+        run = _run(script, flag, str(path), *(["--max-new-tokens", "4"] if "speculative" in script else []))
+        last = run.stderr.strip().splitlines()[-1]
+        assert run.returncode == 2 and "Traceback" not in run.stderr, (script, flag, run.stderr[-1500:])
+        assert "could not load" in last and str(path) in last, (script, flag, last)

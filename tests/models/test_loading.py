@@ -211,3 +211,25 @@ def test_models_is_an_attribute_of_the_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["load_default_model", "True"]
+
+
+@pytest.mark.parametrize("device, message", [("bogus", "device must be cpu, cuda or cuda:N"),
+                                             ("cuda:x", "device must be cpu, cuda or cuda:N"),
+                                             ("cuda", "no CUDA GPU is available")])
+def test_a_device_that_is_not_there_is_refused_before_loading(device, message, monkeypatch):
+    """load_model checks the device before transformers reads any weights (a bad one raised torch's own error after
+    the whole load)."""
+    import transformers
+
+    from hf_accel.models import load_model
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("weights were loaded before the device was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loaded)
+    with pytest.raises(ValueError, match=message):
+        load_model(None, device=device)
