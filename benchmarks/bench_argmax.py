@@ -40,7 +40,10 @@ for vocab in (49152, 128256):
         ok = bool((argmax_rows(x, scratch=sc) == x.argmax(-1)).all())
         t_t = graph_time(lambda: x.argmax(dim=-1)); t_o = graph_time(lambda: argmax_rows(x, scratch=sc))
         r = {"vocab": vocab, "rows": R, "torch_us": round(t_t, 2), "ours_us": round(t_o, 2), "equal": ok}
-        print(r, flush=True); out_rows.append({"bench": "argmax", "shape": r})
+        print(r, flush=True)
+        for prov, us in (("torch", t_t), ("ours", t_o)):
+            out_rows.append({"bench": "argmax", "provider": prov, "shape": {"vocab": vocab, "rows": R},
+                             "metric": "latency", "unit": "us", "value": round(us, 2), "equal_torch": ok})
 
 args = bs.parse_args(["--skip-draft", "--batch-sizes", "1"])
 from hf_accel.models.loading import load_model

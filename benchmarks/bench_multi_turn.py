@@ -108,8 +108,11 @@ def main():
         per_turn, seq = runs[0]
         if ref is None:
             ref = seq
-        row = {"bench": "multi_turn", "provider": name, "dtype": dtype, "turns": args.turns,
-               "max_new_tokens": args.new_tokens, "new_tokens": totals[0][0],
+        row = {"bench": "multi_turn", "provider": name,
+               "shape": {"model": "smollm2-135m", "dtype": dtype, "bs": 1, "turns": args.turns,
+                         "max_new_tokens": args.new_tokens},
+               "metric": "throughput", "unit": "tok/s", "value": round(statistics.median(tok_s), 1),
+               "new_tokens": totals[0][0],
                "pass_tok_s": [round(v, 1) for v in tok_s], "tok_s": round(statistics.median(tok_s), 1),
                "turn_new_tokens": [n for n, *_ in per_turn],
                "pass_turn_ms": [[round(1e3 * s, 2) for _, s, *_ in r] for r, _ in runs],

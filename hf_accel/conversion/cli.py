@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output directory for the converted checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty --out directory")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16; auto: bf16 on CUDA, else fp32")
-    parser.add_argument("--device", default="auto", help="cpu or cuda; auto: cuda when present")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto: cuda when present (default)")
     parser.add_argument("--calibration-file", default=None,
                         help="UTF-8 text for the calibrated methods and the recovery fine-tune "
                              "(default: the last pydoc topics, disjoint from the evaluation text)")
@@ -59,17 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="perplexity / calibration window (default 512, or the model's positions if fewer)")
     parser.add_argument("--recovery-steps", type=int, default=0,
                         help="LoRA recovery fine-tune steps on the calibration text (default 0: none)")
-    parser.add_argument("--decode-tokens", type=int, default=128, help="tokens generated for decode tok/s (CUDA)")
+    parser.add_argument("--decode-tokens", type=int, default=128,
+                        help="tokens generated for decode tok/s (CUDA; default 128)")
 
 
 def _pick_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise CliError(f"--device must be cpu, cuda or auto; got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CliError("--device cuda given but no CUDA device is available")
-    return name
+    from hf_accel.models import check_device
+
+    try:
+        return str(check_device(name))
+    except ValueError as e:  # "device must be cpu, cuda or cuda:N ...", "device cuda requested but no CUDA GPU ..."
+        raise CliError(f"--{e} (or auto)") from None
 
 
 def _measure(model, tokenizer, eval_ids, args, device: str) -> dict:

@@ -164,7 +164,7 @@ def convert_to_gqa(
             pooling that also refits q_proj rows and o_proj columns to the pooled head, calibrated;
             not for qwen3) — see :mod:`hf_accel.conversion.compensation`.
         calibration_text: text (with ``tokenizer``) or token ids [n] / [1, n] int64; needed by
-            method="activation" and grouping="similarity".
+            method="activation" / "pca" and grouping="similarity".
         tokenizer: the model's tokenizer, when ``calibration_text`` is a string.
         grouping: "adjacent" (heads ``g*r ..``, the paper's choice) or "similarity" (groups of heads
             whose K and V activations on the calibration text are closest; see

@@ -142,6 +142,9 @@ def hf_accel_attention_forward(
             step (then the paged kernel reads them through the step's block table); fp16/bf16/fp32.
         attention_mask: ``None``, a bool key mask [batch, kv_len] from :func:`hf_accel_mask`, or a
             4-D mask (-> SDPA fallback).
+        dropout: attention dropout probability; above 0 (training) the call falls back to SDPA.
+        scaling: ``sm_scale`` applied to Q·Kᵀ; None: ``head_dim ** -0.5``.
+        is_causal: causal masking among the query tokens; None: the module's ``is_causal`` (True by default).
 
     Returns:
         (attn_output [batch, q_len, num_heads, head_dim], None). On CUDA tensors the Triton kernel

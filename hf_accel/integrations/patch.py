@@ -221,7 +221,8 @@ def accelerate_model(
     """Make ``model.generate()`` (and the model's forward) run on hf-accel's attention kernels.
 
     The model is patched in place and returned, so ``model = accelerate_model(model)`` is the one line
-    a script needs. Calling it twice is harmless; :func:`revert_model` undoes it exactly.
+    a script needs. Calling it again with the same options does nothing; with other options it raises ValueError
+    (:func:`revert_model` first). :func:`revert_model` undoes it exactly.
 
     Algorithms: FlashAttention-2 prefill (Dao 2023, "FlashAttention-2", §3), a paged KV cache (Kwon et al. 2023,
     "Efficient Memory Management for Large Language Model Serving with PagedAttention", §4) and split-KV decode
@@ -233,12 +234,14 @@ def accelerate_model(
             ``PeftModel`` wrapping one.
         paged_cache: ``generate`` uses a :class:`~hf_accel.cache.PagedCache` sized for each call (freed
             when it returns, or returned with ``return_dict_in_generate=True`` for the next turn) unless the
-            caller passes a cache or ``cache_implementation``; beam search and assisted generation keep
-            transformers' cache (logged). A PagedCache passed back (a previous turn's) is continued.
+            caller passes a cache or ``cache_implementation``; beam search, and assisted generation the fast
+            path cannot serve, keep transformers' cache (logged). A PagedCache passed back (a previous turn's) is continued.
         fast_decode: ``generate`` runs its decode loop on hf-accel's own step (model modules + paged
             kernels) for the configurations it supports (greedy/sampling with temperature, top-k,
-            top-p, min/max lengths, EOS, streamers, left-padded batches); other calls log why and use
-            transformers' loop. Needs ``paged_cache`` (with ``paged_cache=False`` it is off, logged).
+            top-p, min/max lengths, EOS, streamers, left-padded batches, repetition penalty,
+            ``num_return_sequences`` with sampling, multi-turn); calls with other logits processors, stopping
+            criteria or per-step scores run that step inside transformers' ``generate`` (as its
+            ``custom_generate``); the rest log why and use transformers' loop. Needs ``paged_cache`` (with ``paged_cache=False`` it is off, logged).
         cuda_graphs: on CUDA, capture that step in CUDA graphs (one per batch-size bucket).
         block_size: tokens per KV block of that cache (1 to ``hf_accel.cache.paged_cache.MAX_BLOCK_SIZE``, 1024).
         merge_lora: for a ``PeftModel``: merge its LoRA adapters into the base weights in place
@@ -249,7 +252,8 @@ def accelerate_model(
             ``delete_adapter``, ``load_adapter``, ``merge_adapter`` / ``unmerge_adapter``, ``enable_`` /
             ``disable_adapter_layers``), ``train()``, a forward with autograd on the LoRA parameters and
             ``load_state_dict`` revert hf-accel first (a warning says so): they need the adapters unmerged; LoRA
-            weights, scalings or merged base weights changed otherwise meanwhile revert it at the next call (:func:`lora_change`; a base-weight edit is kept); ``state_dict()`` holds the unmerged weights.
+            weights, scalings or merged base weights changed otherwise meanwhile revert it at the next call
+            (:func:`lora_change`; a base-weight edit is kept); ``state_dict()`` holds the unmerged weights.
         speculative: speculative decoding for every ``generate`` call on the fast path: a
             :class:`~hf_accel.speculative.SpeculativeConfig`, a method name (``"prompt_lookup"``,
             ``"early_exit"``) or a draft model (a smaller causal LM sharing the tokenizer). Greedy output
@@ -263,8 +267,9 @@ def accelerate_model(
     Raises:
         TypeError: ``model`` is not a transformers/peft model, an unknown option is given, or
             ``speculative`` is not a config, method name or model.
-        ValueError: the model type is not supported (the message lists the supported ones), or a
-            PeftModel is given with ``merge_lora=False``.
+        ValueError: the model type is not supported (the message lists the supported ones), a
+            PeftModel is given with ``merge_lora=False``, the model was accelerated before with other options
+            (:func:`revert_model` first), or ``block_size`` is not an int in [1, 1024].
         NotImplementedError: a PeftModel with non-LoRA adapters.
         ValueError: also for ``speculative`` without ``fast_decode``/``paged_cache``, or a draft model
             with another vocabulary size, on another device, of an unsupported type, or unable to run
@@ -275,8 +280,8 @@ def accelerate_model(
     touched, and an error after that (building the decode engine, say) is re-raised once the model's
     attention, ``generate`` and LoRA merge are restored and a draft model it accelerated is reverted.
 
-    Attention falls back to SDPA per call (logged once with the reason) where the kernel does not
-    apply: training, autograd, ``output_attentions``, sliding-window/softcap/sink kwargs, dtypes other
+    Attention falls back to SDPA (eager for ``output_attentions``) per call (logged once with the reason) where
+    the kernel does not apply: training, autograd, ``output_attentions``, sliding-window/softcap/sink kwargs, dtypes other
     than fp16/bf16/fp32, head_dim > 256, or masks other than causal + padding.
     """
     hf_model, peft_model = _unwrap_peft(model)

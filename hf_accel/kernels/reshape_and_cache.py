@@ -1,4 +1,6 @@
-"""Write new keys/values into a paged KV cache through a slot mapping (vLLM's ``reshape_and_cache``).
+"""Write new keys/values into a paged KV cache through a slot mapping (vLLM's ``reshape_and_cache``; the paged
+KV cache of Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with PagedAttention",
+§4).
 
 Slot ``s`` is token slot ``s % block_size`` of physical block ``s // block_size``; ``-1`` means skip
 (the token is not stored, e.g. padding).

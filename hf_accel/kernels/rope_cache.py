@@ -86,6 +86,7 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous last dims.
         slot_mapping: [batch] int32 — ``block * block_size + offset``; -1 = do not write.
         q_norm_weight, k_norm_weight: optional [head_dim] per-head RMSNorm weights applied before RoPE.
+        eps: the RMSNorm epsilon of those norms (Qwen3's ``rms_norm_eps``).
         pdl: launch with programmatic dependent launch where available (:mod:`.pdl`; ignored elsewhere).
         k_out: optional [batch, num_kv_heads, head_dim] buffer of q's dtype, contiguous, that also receives the
             rotated K of every row (rows with slot -1 included): a prompt prefill's attention then reads K

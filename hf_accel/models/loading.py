@@ -90,8 +90,9 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
             target's tokenizer, needs no tokenizer files of its own).
 
     Raises:
-        ModelNotFoundError: the model path does not exist, the default model is not installed, or (with
-            ``tokenizer``) a model directory has no tokenizer files.
+        ModelNotFoundError: the model path is empty or does not exist, is a file but not a ``.gguf``, is a
+            directory without ``config.json``, the default model is not installed, or (with ``tokenizer``) a
+            model directory has no tokenizer files.
         ValueError: unknown dtype, or a device that is not there (:func:`check_device`).
         OSError / ValueError from transformers: the files do not load (no weights, not a GGUF, ...).
     """

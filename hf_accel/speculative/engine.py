@@ -323,7 +323,7 @@ class SpeculativeEngine:
                 token, as transformers' plain loop puts them.
             model_kwargs: ``input_ids`` [batch, prompt_len] int64 (left padded), optional ``attention_mask``
                 [batch, prompt_len], ``streamer`` (batch 1) and a passed PagedCache (batch 1: a previous turn's,
-                continued as :meth:`FastEngine.start` does).
+                continued as :meth:`~hf_accel.engine.fast_generate.FastEngine.start` does).
 
         Returns:
             [batch, prompt_len + new] int64 — prompt and new tokens, ``pad_token_id`` after a row's EOS, as

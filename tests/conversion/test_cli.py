@@ -250,3 +250,15 @@ def test_an_empty_calibration_file_path_is_named(model_dir, tmp_path, capsys):
                  "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip().endswith("--calibration-file is empty; give a UTF-8 text file (or leave it "
                                                     "out for pydoc text)")
+
+
+@pytest.mark.parametrize("device, message", [("cuda:x", "--device must be cpu, cuda or cuda:N (got 'cuda:x') (or auto)"),
+                                             ("tpu", "--device must be cpu, cuda or cuda:N (got 'tpu') (or auto)")])
+def test_a_bad_device_is_named_before_loading(device, message, tmp_path, capsys, monkeypatch):
+    """``cuda:x`` passed the old prefix check and failed inside torch after the load."""
+    import hf_accel.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **kw: pytest.fail("the weights were loaded"))
+    assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--out", str(tmp_path / "o"),
+                 "--device", device]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"hf-accel convert-gqa: error: {message}"
