@@ -538,9 +538,10 @@ class DecodeStep:
             return
         if self.graph_greedy is None:
             self._warm_up(self._warm_up_greedy)
-            self.graph_greedy = torch.cuda.CUDAGraph()
-            with capture_graph(self.graph_greedy):
+            graph = torch.cuda.CUDAGraph()
+            with capture_graph(graph):
                 self._greedy_tail(self._forward())
+            self.graph_greedy = graph  # kept once captured: a capture that raised (out of memory) is not replayed
         self.graph_greedy.replay()
 
     @torch.inference_mode()
@@ -551,9 +552,10 @@ class DecodeStep:
             return self.logits
         if self.graph is None:
             self._warm_up()
-            self.graph = torch.cuda.CUDAGraph()
-            with capture_graph(self.graph):
-                self.logits = self._forward()
+            graph = torch.cuda.CUDAGraph()
+            with capture_graph(graph):
+                logits = self._forward()
+            self.graph, self.logits = graph, logits  # kept once captured (a capture that raised is not replayed)
         self.graph.replay()
         return self.logits
 

@@ -80,3 +80,47 @@ def test_a_dead_graph_collected_meanwhile_does_not_break_a_capture():
     torch.cuda.synchronize()
     assert x.tolist() == [6.0] * 4
     gc.collect()  # the dead graph goes now, outside any capture
+
+
+def test_a_capture_that_raised_is_captured_again_not_replayed(monkeypatch, tiny):
+    """A decode step's capture that raises (out of memory while the graph's pool allocates, say) leaves no graph
+    behind: the next call captures again instead of replaying a graph that was never captured (CUDA: "replay
+    without a preceding successful capture", on every later call of that shape). Stand-ins for the CUDA graph, its
+    capture and the warm-up, so this runs on CPU."""
+    import contextlib
+
+    from hf_accel import accelerate_model
+    from hf_accel.engine import decode_step
+
+    model = accelerate_model(tiny.model("llama", seed=40))
+    ids, mask = tiny.batch(seed=41)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    step = next(iter(model._hf_accel_engine.steps.values()))
+
+    class FakeGraph:
+        def __init__(self):
+            self.captured = False
+
+        def replay(self):
+            assert self.captured, "replay without a preceding successful capture"
+
+    failures = []
+
+    @contextlib.contextmanager
+    def capture(graph):
+        yield
+        if failures:
+            raise failures.pop()
+        graph.captured = True
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(decode_step, "capture_graph", capture)
+    monkeypatch.setattr(step, "_warm_up", lambda fn=None: None)
+    monkeypatch.setattr(step, "use_graph", True)
+    for run in (step.run, step.run_greedy):
+        failures.append(RuntimeError("CUDA out of memory (capture)"))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            run()
+        run()  # captured this time, then replayed
+        run()
+    assert step.graph.captured and step.graph_greedy.captured
