@@ -144,12 +144,13 @@ class _KChooser:
     def _best(self, ks) -> int:
         return max(ks, key=lambda k: self.expected_tokens(k) / self.time(k))
 
-    def choose(self, max_remaining: int) -> tuple[int, int]:
+    def choose(self, max_remaining: int, burst: bool = True) -> tuple[int, int]:
         """(k, rounds): the draft length of the next rounds and how many to run before the next host sync
-        (several plain rounds back to back while backed off, at most ``max_remaining``, and never past
-        the next probe: so at most ``max_plain_run`` plain rounds between two rounds with k > 0). Adaptive
-        choices never draft more than a row could commit besides the target's token: k < ``max_remaining``
-        (a budget of one token left runs a plain round, unless a probe is due)."""
+        (several plain rounds back to back while backed off, only with ``burst`` (a streamer takes one round per
+        sync), at most ``max_remaining``, and never past the next probe: so at most ``max_plain_run`` plain rounds
+        between two rounds with k > 0). Adaptive choices never draft more than a row could commit besides the
+        target's token: k < ``max_remaining`` (a budget of one token left runs a plain round, unless a probe is
+        due)."""
         if not self.adaptive:
             return self.k_max, 1
         if (0 in self.ks and 0 not in self.times and any(k > 0 for k in self.times)
@@ -169,7 +170,7 @@ class _KChooser:
         if self.since_probe >= self.max_plain_run:
             self.since_probe = 0
             return self._best(ks[1:]), 1
-        rounds = max(1, min(_PLAIN_BURST, max_remaining, self.max_plain_run - self.since_probe))
+        rounds = max(1, min(_PLAIN_BURST if burst else 1, max_remaining, self.max_plain_run - self.since_probe))
         self.since_probe += rounds
         return 0, rounds
 

@@ -453,7 +453,7 @@ class SpeculativeEngine:
                         for _ in range(rounds):
                             replay()
                 else:
-                    k, rounds = chooser.choose(max_remaining if streamer is None else 1)
+                    k, rounds = chooser.choose(max_remaining, burst=streamer is None)
                     replay = None
                 ks[k] = ks.get(k, 0) + rounds
                 before = st.lengths[:batch].clone() if streamer is not None else None

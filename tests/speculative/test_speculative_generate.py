@@ -323,6 +323,33 @@ def test_streamer_gets_every_committed_token_once(tiny):
     assert any(p.numel() > 1 for p in rec.puts[1:])  # several tokens per verify step
 
 
+@pytest.mark.parametrize("method", ["draft_model", "early_exit"])
+def test_streamer_gives_the_adaptive_draft_length_the_real_budget(method, tiny, monkeypatch):
+    """With a streamer the engine asks the chooser for one round per host sync (``burst=False``) with the row's
+    real token budget; it passed a budget of 1 token instead, which allows no drafts (k < budget), so with a
+    streamer the draft model and early exit ran their first 16 rounds plain
+    (test_k_chooser_with_a_streamer_drafts_as_without_one_one_round_per_sync: the choices then equal those
+    without a streamer)."""
+    asked = []
+    original = _KChooser.choose
+
+    def choose(self, max_remaining, burst=True):
+        asked.append((max_remaining, burst))
+        return original(self, max_remaining, burst)
+
+    monkeypatch.setattr(_KChooser, "choose", choose)
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    config = (SpeculativeConfig("early_exit", exit_layer=2) if method == "early_exit"
+              else SpeculativeConfig("draft_model", draft_model=truncated(model, 2)))
+    ids, mask = repetitive_batch(tiny, lengths=(10,))
+    ours = accelerate_model(copy.deepcopy(model), speculative=config)
+    for streamer in (_Recorder(), None):
+        asked.clear()
+        greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, streamer=streamer, max_new_tokens=20)
+        assert asked and asked[0] == (19, streamer is None), asked  # 20 new tokens, one from the prefill
+        assert {b for _, b in asked} == {streamer is None}
+
+
 def test_streamer_with_several_rows_takes_the_plain_fast_path(tiny, hf_log):
     """A verify step commits a different number of tokens per row, which a streamer ([batch] per put) cannot
     take: such calls decode without speculation (logged), and every put holds one token of each row."""
@@ -456,6 +483,23 @@ def test_k_chooser_backs_off_probes_and_recovers():
         k, rounds = chooser.choose(100)
         chooser.update(k, [0] * k + [1], seconds=1.0 + 0.3 * k)
     assert chooser.choose(100) == (8, 1)
+
+
+def test_k_chooser_with_a_streamer_drafts_as_without_one_one_round_per_sync():
+    """A streamer takes one round per host sync (``burst=False``): the choices are those without it, plain bursts
+    cut to single rounds. (The engine passed a budget of 1 token instead, which allowed no drafts: 16 plain
+    rounds first with a streamer, for the draft model and early exit.)"""
+    choosers = [_KChooser(k_max=8, adaptive=True, draft_cost=0.3) for _ in range(2)]
+    picks = [[], []]
+    for i in range(40):
+        accepted = i < 20  # drafts pay, then nothing is accepted
+        for chooser, burst, seen in zip(choosers, (True, False), picks):
+            k, rounds = chooser.choose(100, burst=burst)
+            seen.append((k, rounds))
+            hist = [0] * k + [1] if accepted else [1] + [0] * k
+            chooser.update(k, hist, seconds=1.0 + 0.3 * k)
+    assert picks[1][0][0] > 0 and picks[1][:20] == picks[0][:20]  # drafting from the first round
+    assert all(r == 1 for _, r in picks[1]) and any(k == 0 and r > 1 for k, r in picks[0])
 
 
 def test_k_chooser_drafts_no_more_than_the_budget_can_take():
