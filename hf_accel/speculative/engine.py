@@ -36,6 +36,7 @@ is exact).
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -91,7 +92,7 @@ class SpeculativeEngine:
         self.graphs: dict = {}
         self.states: dict = {}
         self.round_times: dict = {}  # graph key -> {k: seconds per round}, carried from call to call
-        self._graph_cache = None
+        self._graph_cache = None  # weak references to the caches whose pools the graphs read
         self.last_stats: dict | None = None
 
     def _draft_engine(self, draft):
@@ -388,13 +389,16 @@ class SpeculativeEngine:
                     ctx.update(catch_up_width=width,
                                draft_catch_up=dfast._step_for(batch, dstep.max_blocks, q_len=width))
             caches = (self.fast.cache, self.draft_fast.cache if self.draft_fast is not None else None)
-            if self._graph_cache is None or any(a is not b for a, b in zip(caches, self._graph_cache)):
+            if self._graph_cache is None or any(c is not (r() if r is not None else None)
+                                                for c, r in zip(caches, self._graph_cache)):
                 self.graphs.clear()  # graphs point at the pools of these caches and at the states
                 self.states.clear()
-                self._graph_cache = caches
+                # weak: a fast engine that replaces its cache (a larger pool) frees the old pools at once
+                self._graph_cache = tuple(None if c is None else weakref.ref(c) for c in caches)
             rows = step.batch
-            # graphs bake in the buffers, the sampling settings and the pad id
-            key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad, k_max, ctx["gated"])
+            # graphs bake in the buffers, the sampling settings, the pad id and the lookup's n-gram lengths
+            key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad, k_max, ctx["gated"],
+                   cfg.max_ngram, cfg.min_ngram)
             st = self.states.get(key)
             if st is None or not ctx["use_graph"]:
                 st = self.states[key] = RoundState(rows, nb * step.block_size + 1, device, k_max)

@@ -1229,3 +1229,34 @@ def test_verify_passes_of_more_than_16_tokens_through_fused_linear(whole_k_fits,
     assert (20 in rows_seen) == whole_k_fits, sorted(set(rows_seen))
     if not whole_k_fits:  # the 20-row passes ran on cuBLAS; nothing above the K-loop limit reached fused_linear
         assert all(r <= step_switches.FUSED_LINEAR_K_LOOP_MAX_ROWS for r in rows_seen), sorted(set(rows_seen))
+
+
+def test_old_pools_are_freed_before_a_larger_pool_is_made(tiny, monkeypatch):
+    """A call that needs a larger pool than the fast engine has drops the old PagedCache before making the new one
+    (the new pool is sized as if the old one were freed). The speculative engine's record of the caches its graphs
+    read held the old one alive meanwhile: both pools at once (on a GPU, possibly GBs)."""
+    import gc
+    import weakref
+
+    from hf_accel.engine import fast_generate
+
+    model = accelerate_model(tiny.model("llama", num_hidden_layers=LAYERS), speculative="prompt_lookup")
+    ids, mask = repetitive_batch(tiny, lengths=(10,))
+    greedy(model, ids, mask, tiny.PAD, eos_token_id=None, max_new_tokens=4)
+    engine = model._hf_accel_engine
+    old = weakref.ref(engine.cache)
+    alive_at_new_pool = []
+    made = fast_generate.PagedCache
+
+    def paged_cache(*args, **kwargs):
+        gc.collect()
+        alive_at_new_pool.append(old() is not None)
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(fast_generate, "PagedCache", paged_cache)
+    blocks = engine.cache.manager.num_blocks
+    long_ids = torch.cat([ids] * 8, dim=1)
+    out = greedy(model, long_ids, torch.ones_like(long_ids), tiny.PAD, eos_token_id=None,
+                 max_new_tokens=blocks * engine.block_size)
+    assert out.shape[1] > long_ids.shape[1] and engine.cache.manager.num_blocks > blocks
+    assert alive_at_new_pool == [False]
