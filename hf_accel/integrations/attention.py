@@ -151,6 +151,10 @@ def hf_accel_attention_forward(
         :func:`hf_accel.kernels.attention.attention` runs; on other devices the same op in PyTorch
         (:func:`~hf_accel.kernels.attention.attention_sdpa`).
     """
+    if query.is_cuda and not torch.compiler.is_compiling() and query.device.index != torch.cuda.current_device():
+        with torch.cuda.device(query.device):  # Triton launches on the current device, not the tensors'
+            return hf_accel_attention_forward(module, query, key, value, attention_mask, dropout, scaling,
+                                              is_causal, **kwargs)
     step = active_step(key)
     kv_len = step.max_seq_len if step is not None else key.shape[2]
     reason = _fallback_reason(module, query, kv_len, attention_mask, dropout, kwargs)

@@ -32,6 +32,7 @@ from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.call_options import expand_return_sequences, output_cache, passed_cache
 from hf_accel.integrations.generation_config import prepare_generation_config
+from hf_accel.kernels.device import on_device
 from hf_accel.speculative.config import SpeculativeConfig
 
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
@@ -337,7 +338,15 @@ def _continuous_batching(model, original_generate, engine, args, kwargs):
 def paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):
     """Fast path (speculative where asked), else ``original_generate`` with a fresh PagedCache, unless
     :func:`_skip_reason` applies. Those decisions read the call's prepared generation config (the model's
-    generation config merged into a caller's ``generation_config``, as transformers' loop reads it)."""
+    generation config merged into a caller's ``generation_config``, as transformers' loop reads it). Runs with
+    the model's GPU as the current CUDA device (:func:`~hf_accel.kernels.device.on_device`: a model on
+    ``cuda:1`` while ``cuda:0`` is current)."""
+    with on_device(engine.device if engine is not None else model.device):
+        return _paged_generate(model, original_generate, block_size, engine, *args, speculative=speculative,
+                               **kwargs)
+
+
+def _paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):
     model._hf_accel_spec_stats = None  # set again only by a call that decodes speculatively
     from hf_accel.integrations.patch import revert_if_lora_changed
 

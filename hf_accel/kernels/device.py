@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 from triton.runtime.jit import JITFunction
@@ -21,6 +23,16 @@ def kernels_interpreted() -> bool:
     """Whether this package's Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` was set before
     they were imported), and so take CPU tensors; otherwise they are compiled for a GPU and take CUDA tensors."""
     return _INTERPRETED
+
+
+def on_device(device: torch.device):
+    """A context in which ``device`` is PyTorch's current CUDA device, for work on a model placed on ``cuda:N``
+    that is not the current device: Triton launches its kernels on the current device and that device's current
+    stream (not on the tensors' device), as CUDA graph capture, side streams and events do. A null context where
+    ``device`` is the current device already, or not a CUDA device."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def check_launch_device(t: torch.Tensor, op: str, reference: str | None = None) -> None:

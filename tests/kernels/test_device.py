@@ -82,3 +82,46 @@ def test_every_launcher_names_an_existing_pytorch_version():
     for op, reference in calls:
         named = (reference or f"{op}_ref").split(" ")[0]
         assert callable(_resolve(named)), f"{op} names {named!r}, which does not exist"
+
+
+def test_on_device_makes_another_gpu_current_only_where_needed(monkeypatch):
+    """A model on cuda:1 while cuda:0 is current: hf-accel's work runs under ``torch.cuda.device(cuda:1)`` (Triton
+    launches on the current device); the current device, CPU and an index-less "cuda" get a null context.
+    (Stand-ins for torch.cuda's device functions: runs without a GPU.)"""
+    import contextlib
+
+    from hf_accel.kernels.device import on_device
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext())
+    for d in (torch.device("cpu"), torch.device("cuda"), torch.device("cuda", 0)):
+        with on_device(d):
+            pass
+    assert entered == []
+    with on_device(torch.device("cuda", 1)):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+
+
+def test_generate_runs_under_the_models_device(tiny, monkeypatch):
+    """The generate shim enters :func:`on_device` with the model's device for the whole call."""
+    import contextlib
+
+    import hf_accel.integrations.generate as gen
+    from hf_accel import accelerate_model
+
+    seen = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        seen.append(("enter", device))
+        yield
+        seen.append(("exit", device))
+
+    monkeypatch.setattr(gen, "on_device", recording)
+    model = accelerate_model(tiny.model("llama", seed=3))
+    ids, mask = tiny.batch(seed=4)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 2
+    assert seen == [("enter", torch.device("cpu")), ("exit", torch.device("cpu"))]
