@@ -147,6 +147,11 @@ class SpeculativeEngine:
         if len(eos_ids(gc.eos_token_id)) > 8:
             return "more than 8 EOS ids"
         if self.draft_fast is not None:
+            # the draft changed since it was checked (moved, cast, put in training mode): its engine releases
+            # what it built for the old weights, and a draft it cannot run declines here
+            reason = self.draft_fast._model_reason()
+            if reason is not None:
+                return f"the draft model cannot run hf-accel's decode step now: {reason}"
             return self._pools_reason(gc, model_kwargs["input_ids"])
         return None
 

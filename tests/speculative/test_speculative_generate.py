@@ -1260,3 +1260,19 @@ def test_old_pools_are_freed_before_a_larger_pool_is_made(tiny, monkeypatch):
                  max_new_tokens=blocks * engine.block_size)
     assert out.shape[1] > long_ids.shape[1] and engine.cache.manager.num_blocks > blocks
     assert alive_at_new_pool == [False]
+
+
+def test_a_draft_model_changed_after_accelerating_declines_speculation(tiny, hf_log):
+    """The draft is checked on every call, not only when its engine is made: a draft put in training mode (or cast
+    to a dtype the kernels do not take) makes the call decode plainly, logged, with the target's greedy tokens."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    draft = truncated(model, 2)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft))
+    ids, mask = repetitive_batch(tiny, lengths=(10,))
+    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
+    assert speculative_stats(ours) is not None
+    draft.train()
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
+    assert speculative_stats(ours) is None
+    assert _messages(hf_log, "the draft model cannot run hf-accel's decode step now: the model is in training mode")
