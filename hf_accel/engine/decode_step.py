@@ -179,9 +179,10 @@ class DecodeStep:
         widest = max([model.lm_head.weight.shape[0]] + [m.weight.shape[0] for m in model.modules()
                                                          if isinstance(m, torch.nn.Linear)])
         self.linear_counters = torch.zeros(triton.cdiv(2 * widest, 16), dtype=torch.int32, device=dev)
-        # the widest input of a layer's matmuls: whether all of them take fused_linear's whole-K path (more rows)
-        self.linear_max_k = max(m.weight.shape[1] for m in model.model.layers[0].modules()
-                                if isinstance(m, torch.nn.Linear))
+        # the widest and narrowest inputs of a layer's matmuls: whether all of them take fused_linear's whole-K
+        # path (more rows)
+        widths = [m.weight.shape[1] for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+        self.linear_max_k, self.linear_min_k = max(widths), min(widths)
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
     @property
@@ -267,7 +268,8 @@ class DecodeStep:
         residual, delta = hidden, None
         one_row = self.gemv_linear and switches.GEMV_ONE_ROW and n == 1
         # every matmul of the layer on the whole-K path (programs of up to 64 weight rows: SwiGLU / RoPE pairs)
-        whole = switches.FUSED_LINEAR_WHOLE_K and whole_k_fits(self.linear_max_k, hidden.dtype, hidden.device, 64)
+        whole = (switches.FUSED_LINEAR_WHOLE_K and whole_k_fits(self.linear_max_k, hidden.dtype, hidden.device, 64)
+                 and whole_k_fits(self.linear_min_k, hidden.dtype, hidden.device, 64))
         limit = min(switches.FUSED_LINEAR_MAX_ROWS, max_rows(whole) if whole else switches.FUSED_LINEAR_K_LOOP_MAX_ROWS)
         small = not one_row and self.small_linear and n <= limit
         # gemv and fused_linear take the same arguments: the layer's matmuls with norm / SwiGLU fused in

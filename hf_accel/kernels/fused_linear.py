@@ -480,6 +480,9 @@ def _tiles(rows: int, n: int, k: int, norm: bool, swiglu: bool, block_n: int | N
 #: Widest input the whole-K path takes (``whole_k`` of :func:`fused_linear`): the program's weight rows and
 #: input rows sit in registers at once.
 WHOLE_K_MAX = 4096
+#: Narrowest input it takes: its first column chunk is a full ``tl.dot`` K of 16, loaded without a column mask
+#: (narrower inputs read past each row and wrote past the residual output's end).
+WHOLE_K_MIN = 16
 
 #: Input rows per program of the whole-K path: more rows run as more programs (a third grid dimension), each
 #: loading the same weight rows (the second time from L2), since 32 input rows of a whole K do not fit the
@@ -512,12 +515,12 @@ def whole_k_fits(k: int, dtype: torch.dtype, device: torch.device | str, weight_
     on ``device`` for programs holding ``weight_rows`` weight rows (``block_n``; twice that with SwiGLU's
     gate/up or fused_linear_rope's pairs).
 
-    Always ``k`` <= :data:`WHOLE_K_MAX`. Under Triton's interpreter (CPU tensors) nothing else. On a GPU, fp16/bf16
+    Always 16 <= ``k`` <= :data:`WHOLE_K_MAX` (16: ``tl.dot``'s smallest K, the narrowest chunk). Under Triton's interpreter (CPU tensors) nothing else. On a GPU, fp16/bf16
     needs :data:`WHOLE_K_MIN_SHARED_MEMORY` bytes of shared memory per block (where it was tested); float32
     needs its weight and :data:`WHOLE_K_BLOCK_M` input rows over the padded K (:func:`whole_k_chunks`) in
     shared memory: on the H200 a float32 K of 1536 with 32 weight rows asked for (32 + 16) x 1536 x 4 = 294,912
     bytes of its 232,448 (Triton's OutOfResources at launch), while K 576 with 64 rows (184,320) ran."""
-    if k > WHOLE_K_MAX:
+    if not WHOLE_K_MIN <= k <= WHOLE_K_MAX:
         return False
     device = torch.device(device)
     if device.type != "cuda":
@@ -542,8 +545,9 @@ def _whole_k_tiles(rows: int, k: int, block_n: int | None, num_warps: int | None
     vs 9.3 us) and 22.6 with the K loop; 64 outputs 19.5. Second sweep
     (``bench_fused_linear-whole-k-warps-20261202-55561cc.json``): 32 outputs and 8 warps 11.5 us at 16 rows
     (10.3 at 2), 4 warps 13.1 (12.4), 2 warps 78.7, 64 outputs and 8 warps 11.9."""
-    if k > WHOLE_K_MAX:
-        raise ValueError(f"whole_k takes at most {WHOLE_K_MAX} input features, got {k}")
+    if not WHOLE_K_MIN <= k <= WHOLE_K_MAX:
+        raise ValueError(f"whole_k takes {WHOLE_K_MIN} to {WHOLE_K_MAX} input features, got {k}; use the K loop "
+                         "(whole_k=False)")
     block_n = 32 if block_n is None else block_n
     if not whole_k_fits(k, x.dtype, x.device, products * block_n):
         raise ValueError(f"whole_k does not fit {k} input features of {x.dtype} with {products * block_n} weight "
@@ -558,8 +562,8 @@ def whole_k_chunks(k: int) -> tuple[int, int]:
     """The two power-of-two column chunks ``(BLOCK_K, BLOCK_K2)`` the whole-K path covers ``k`` with: the
     largest power of two <= k, then the next power of two >= the rest (0 when k is a power of two), each
     at least 16 (tl.dot's smallest K). 576 -> (512, 64), 1536 -> (1024, 512), 4096 -> (4096, 0)."""
-    if k < 16:
-        return 16, 0
+    if k < WHOLE_K_MIN:
+        raise ValueError(f"the whole-K path takes at least {WHOLE_K_MIN} input features, got {k}")
     a = 1 << (k.bit_length() - 1)
     rest = k - a
     return a, (max(16, triton.next_power_of_2(rest)) if rest else 0)

@@ -939,3 +939,18 @@ def test_token_ids_that_are_not_ints_raise_what_stock_raises(options, tiny, hf_l
     assert str(got.value) == str(want.value)
     if "eos_token_id" in options and "pad_token_id" not in options:  # (a bad pad id fails transformers' own
         assert _messages(hf_log, "are not token ids")                 # preparation, before the fast path looks)
+
+
+@pytest.mark.interpreter
+def test_fused_step_with_a_matmul_input_narrower_than_16_gives_stock_tokens(tiny, decode_steps):
+    """An intermediate size of 8 (down_proj's input): the fused step's batched matmuls took fused_linear's whole-K
+    path, whose first column chunk is 16 wide and unmasked (wrong tokens, or heap corruption for a hidden size
+    of 8); they take the K loop there."""
+    model = tiny.model("llama", intermediate_size=8)
+    ids, mask = tiny.batch(seed=5)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=4)
+    ours = _accelerated(model, fused=True)
+    out = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    assert decode_steps and all(decode_steps)
+    assert all(step.small_linear for step in ours._hf_accel_engine.steps.values())

@@ -192,16 +192,16 @@ def test_whole_k_matches_reference_fp32(rows, hidden, out, mode):
 def test_whole_k_chunks_and_bad_arguments():
     from hf_accel.kernels.fused_linear import WHOLE_K_MAX, whole_k_chunks
 
-    assert [whole_k_chunks(k) for k in (576, 1536, 4096, 333, 40, 8)] == \
+    assert [whole_k_chunks(k) for k in (576, 1536, 4096, 333, 40, 16)] == \
         [(512, 64), (1024, 512), (4096, 0), (256, 128), (32, 16), (16, 0)]
-    for k in range(1, 300):
+    for k in range(16, 300):
         a, b = whole_k_chunks(k)
         assert a + b >= k and a >= 16 and (b == 0 or b >= 16)
     x, _, w, _, _ = linear_inputs(2, 64, 32, torch.float32)
     with pytest.raises(ValueError, match="split_k"):
         fused_linear(x, w, whole_k=True, split_k=2)
     xw, _, ww, _, _ = linear_inputs(1, WHOLE_K_MAX + 16, 16, torch.float32)
-    with pytest.raises(ValueError, match="whole_k takes at most"):
+    with pytest.raises(ValueError, match=f"whole_k takes 16 to {WHOLE_K_MAX} input features"):
         fused_linear(xw, ww, whole_k=True)
     from hf_accel.kernels.fused_linear import WHOLE_K_MAX_ROWS, max_rows
 
@@ -210,6 +210,25 @@ def test_whole_k_chunks_and_bad_arguments():
         fused_linear(torch.zeros(WHOLE_K_MAX_ROWS + 1, 64), w, whole_k=True)
     with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows, got {MAX_ROWS + 1}"):
         fused_linear(torch.zeros(MAX_ROWS + 1, 64), w)
+
+
+@pytest.mark.parametrize("k", [2, 8, 12])
+def test_inputs_narrower_than_16_take_the_k_loop_and_whole_k_refuses_them(k):
+    """The whole-K path's first column chunk is a full tl.dot K of 16, loaded without a column mask: narrower
+    inputs read past each row (wrong outputs) and wrote past the residual output (heap corruption on CPU). It
+    refuses them; whole_k_fits says so (the decode step then keeps the K loop, which masks its columns)."""
+    from hf_accel.kernels.fused_linear import whole_k_chunks, whole_k_fits
+
+    x, r, w, nw, _ = linear_inputs(3, k, 48, torch.float32)
+    assert not whole_k_fits(k, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="whole_k takes 16 to"):
+        fused_linear(x, w, whole_k=True)
+    with pytest.raises(ValueError, match="at least 16"):
+        whole_k_chunks(k)
+    got = fused_linear(x, w, norm_weight=nw, residual=r)
+    want = fused_linear_ref(x, w, norm_weight=nw, residual=r)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rows,preload,whole_k", [(1, False, False), (5, False, False), (16, False, False),
