@@ -145,8 +145,8 @@ def variant(prior: float = 1 / 3, shrink: float = 2.0, decay: float = 0.9, fit_t
                     return t1 + max(0.0, (t2 - t1) / (k2 - k1)) * (k - k1)
             return super().time(k)
 
-        def choose(self, max_remaining):
-            k, r = super().choose(max_remaining)
+        def choose(self, max_remaining, burst=True):
+            k, r = super().choose(max_remaining, burst)
             if explore_every and k > 0 and self.adaptive:
                 self.n_spec += 1
                 if self.n_spec % explore_every == 0:

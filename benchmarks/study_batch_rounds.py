@@ -43,9 +43,9 @@ def run(model, tok, category: str, policy: str, batch: int):
     draft_length.BATCH_ROWS_FRACTION = 1.0 if policy == "mean" else float(policy.split("-", 1)[1])
     orig_choose = draft_length._KChooser.choose
 
-    def choose(self, max_remaining):
+    def choose(self, max_remaining, burst=True):
         self.times = {k: v / 1e3 for k, v in TIMES_MS.items()}  # the fixed times, whatever the CPU measured
-        out = orig_choose(self, max_remaining)
+        out = orig_choose(self, max_remaining, burst)
         log.append(out)
         return out
 

@@ -108,7 +108,7 @@ def force_schedule(monkeypatch, schedule):
     """Make the chooser return ``schedule``'s (k, rounds) pairs in turn, cyclically."""
     calls = []
 
-    def choose(self, max_remaining):
+    def choose(self, max_remaining, burst=True):
         calls.append(schedule[len(calls) % len(schedule)])
         return calls[-1]
 

@@ -622,7 +622,7 @@ def alternating_k(monkeypatch):
     """The chooser alternates one verify step with k = 3 and a burst of three plain rounds."""
     calls = []
 
-    def choose(self, max_remaining):
+    def choose(self, max_remaining, burst=True):
         calls.append(len(calls))
         return (3, 1) if len(calls) % 2 else (0, 3)
 
@@ -1076,7 +1076,7 @@ def test_counters_add_up_to_the_tokens_when_eos_ends_early(options, tiny, monkey
     if options.get("match_gated") is False:
         picks = []
 
-        def choose(self, max_remaining):
+        def choose(self, max_remaining, burst=True):
             picks.append(len(picks))
             return (3, 1) if len(picks) == 1 else (0, 8)
 
