@@ -199,6 +199,25 @@ def _check_lora_only(peft_model) -> None:
         )
 
 
+def _check_adapters_enabled(peft_model) -> None:
+    """Raise ValueError if the PeftModel's adapter layers are disabled (``disable_adapter()`` / ``disable_adapter_layers``):
+    hf-accel merges the active adapters into the weights, and peft's forward unmerges them again while disabled."""
+    from peft.tuners.lora import LoraLayer
+
+    if any(isinstance(m, LoraLayer) and m.disable_adapters for m in peft_model.modules()):
+        raise ValueError("the PeftModel's adapters are disabled (disable_adapter() / disable_adapter_layers()); "
+                         "hf-accel merges the active adapters into the weights: enable them first, or accelerate "
+                         "the model without its adapters")
+
+
+def _merged_adapters(peft_model) -> list:
+    """Each LoRA layer with the adapters merged into it now (peft's ``merged_adapters``): what a caller merged
+    before accelerate_model, restored by revert_model."""
+    from peft.tuners.lora import LoraLayer
+
+    return [(m, list(m.merged_adapters)) for m in peft_model.modules() if isinstance(m, LoraLayer)]
+
+
 def check_model_type(hf_model) -> None:
     """Raise ValueError (listing the supported types) if ``hf_model.config.model_type`` is not one hf-accel runs."""
     model_type = getattr(hf_model.config, "model_type", None)
@@ -296,6 +315,7 @@ def accelerate_model(
         raise ValueError("a PeftModel needs merge_lora=True (unmerged LoRA layers are not accelerated)")
     if peft_model is not None:
         _check_lora_only(peft_model)
+        _check_adapters_enabled(peft_model)
     from hf_accel.cache.paged_cache import check_block_size
 
     check_block_size(block_size)
@@ -330,6 +350,7 @@ def accelerate_model(
         if peft_model is not None:
             # Merge/unmerge in floating point is not exact: keep the base weights to restore them bit for bit.
             state["lora_base_weights"] = _lora_base_weights(peft_model)
+            state["lora_prior_merged"] = _merged_adapters(peft_model)  # a caller's own merge_adapter(), kept
             peft_model.merge_adapter()
             state["lora_merged"] = True
             _guard_peft(peft_model, state)
@@ -417,6 +438,15 @@ def _restore(hf_model, peft_model, state: dict) -> None:
                 for k, v in params.items():
                     if (id(base), k) not in edited:
                         getattr(base, k).copy_(v)
+        # Adapters the caller had merged before accelerate_model stay merged: the copied-back weights hold them
+        # (peft's unmerge above cleared the flags); an edited weight gets them merged again by peft.
+        for layer, prior in state.get("lora_prior_merged", ()):
+            if prior and list(layer.merged_adapters) != prior:
+                base = layer.get_base_layer()
+                if any((id(base), k) in edited for k, _ in base.named_parameters(recurse=False)):
+                    layer.merge(adapter_names=prior)
+                else:
+                    layer.merged_adapters[:] = prior
     state.pop("lora_peft", None)
     hf_model.__dict__.pop(_STATE_ATTR, None)
 

@@ -815,3 +815,46 @@ def test_peft_wrapped_embedding_gives_stock_tokens_on_the_fast_path(wrap, tiny, 
     assert torch.equal(tiny.greedy(ours, ids, mask), want)
     assert is_accelerated(ours)
     assert [r for r in hf_log.records if "generate runs the fast decode path" in r.getMessage()]
+
+
+@pytest.mark.parametrize("leave", ["revert_model", "merge_and_unload", "unmerge_adapter"])
+def test_peft_adapters_the_caller_merged_stay_merged_after_revert(leave, tiny, hf_log):
+    """A caller's own merge_adapter() before accelerate_model: revert (and the calls that revert first) leave the
+    adapters merged as found, flags and weights (peft's unmerge cleared the flags while the copied-back weights
+    still held the merge: LoRA applied twice afterwards)."""
+    stock = _lora_model(tiny, seed=33)
+    stock.merge_adapter()
+    ours = copy.deepcopy(stock)
+    ids, mask = tiny.batch(seed=34)
+    accelerate_model(ours)
+    assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=4), tiny.greedy(stock, ids, mask, max_new_tokens=4))
+    if leave == "revert_model":
+        revert_model(ours)
+    elif leave == "merge_and_unload":
+        stock, ours = stock.merge_and_unload(), ours.merge_and_unload()
+    else:
+        stock.base_model.unmerge_adapter()
+        ours.base_model.unmerge_adapter()
+    assert not is_accelerated(ours)
+    if leave != "merge_and_unload":
+        assert [m.merged_adapters for m in _lora_layers(ours)] == [m.merged_adapters for m in _lora_layers(stock)]
+    for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(tiny.logits(ours, ids, mask), tiny.logits(stock, ids, mask))
+
+
+@pytest.mark.parametrize("how", ["context", "layers"])
+def test_peft_with_disabled_adapters_is_refused(how, tiny):
+    """Disabled adapters (peft's forward unmerges them): accelerate_model names it and changes nothing."""
+    model = _lora_model(tiny, seed=35)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    if how == "layers":
+        model.base_model.disable_adapter_layers()
+        with pytest.raises(ValueError, match="adapters are disabled"):
+            accelerate_model(model)
+    else:
+        with model.disable_adapter():
+            with pytest.raises(ValueError, match="adapters are disabled"):
+                accelerate_model(model)
+    assert not is_accelerated(model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
