@@ -25,10 +25,13 @@ try:
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)  # or AutoModelForCausalLM.from_pretrained(...)
 except ModelNotFoundError as e:
     parser.error(str(e))
-except (OSError, ValueError) as e:  # files that do not load (no weights, not a GGUF, ...)
+except Exception as e:  # files that do not load (no weights, not a GGUF, a corrupt safetensors file, ...)
     parser.error(f"could not load model {args.model}: {type(e).__name__}: {e}")
 
-model = accelerate_model(model)  # <- the one line
+try:
+    model = accelerate_model(model)  # <- the one line
+except ValueError as e:  # a model type hf-accel does not run: the message lists the supported ones
+    parser.error(str(e))
 
 messages = [{"role": "user", "content": args.prompt}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -38,7 +38,7 @@ for flag, path in (("--model", args.model), ("--draft-model", args.draft_model))
         loaded = load_model(path, dtype=dtype, device=device, tokenizer=flag == "--model")
     except ModelNotFoundError as e:
         parser.error(f"{flag}: {e}")
-    except (OSError, ValueError) as e:  # files that do not load (no weights, not a GGUF, ...)
+    except Exception as e:  # files that do not load (no weights, not a GGUF, a corrupt safetensors file, ...)
         parser.error(f"could not load {flag} {path}: {type(e).__name__}: {e}")
     if flag == "--model":
         model, tokenizer = loaded

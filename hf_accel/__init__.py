@@ -25,8 +25,9 @@ _EXPORTS = {
     "revert_model": "hf_accel.integrations.patch",
     "SpeculativeConfig": "hf_accel.speculative",
 }
-# Subpackages reachable as attributes after `import hf_accel` (`hf_accel.models.load_default_model(...)`).
-_SUBMODULES = ("models",)
+# Subpackages reachable as attributes after `import hf_accel` (`hf_accel.models.load_default_model(...)`,
+# `hf_accel.cache.PagedCache`), imported on first use.
+_SUBMODULES = ("cache", "conversion", "engine", "integrations", "kernels", "models", "speculative")
 
 if TYPE_CHECKING:
     from hf_accel.conversion import convert_to_gqa, expand_kv_heads

@@ -69,7 +69,7 @@ def _load(path, dtype, device, what, tokenizer: bool = True):
         return load_model(path, dtype=dtype, device=device, tokenizer=tokenizer)
     except ModelNotFoundError as e:
         raise CLIError(str(e)) from None
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 (files that do not load raise many types: OSError, SafetensorError, ...)
         raise CLIError(f"could not load {what} {path or '(default)'}: {type(e).__name__}: {e}") from None
 
 

@@ -71,7 +71,7 @@ def _pick_device(name: str) -> str:
     try:
         return str(check_device(name))
     except ValueError as e:  # "device must be cpu, cuda or cuda:N ...", "device cuda requested but no CUDA GPU ..."
-        raise CliError(f"--{e} (or auto)") from None
+        raise CliError("--" + str(e).replace("device must be cpu,", "device must be auto, cpu,", 1)) from None
 
 
 def _measure(model, tokenizer, eval_ids, args, device: str) -> dict:

@@ -53,10 +53,12 @@ def check_device(device) -> torch.device:
     """``device`` (a string or ``torch.device``) as a ``torch.device``, checked before any weights load.
 
     Raises:
-        ValueError: not ``cpu``, ``cuda`` or ``cuda:N``; CUDA asked for where none is available; or a GPU index
+        ValueError: not ``cpu`` (``cpu:0``), ``cuda`` or ``cuda:N``; CUDA asked for where none is available; or a GPU index
             past this machine's GPUs. The message starts with "device".
     """
     name = str(device)
+    if name == "cpu:0":  # torch.device("cpu", 0): the same device
+        name = "cpu"
     if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
         raise ValueError(f"device must be cpu, cuda or cuda:N (got {name!r})")
     if name.startswith("cuda") and not torch.cuda.is_available():

@@ -252,8 +252,8 @@ def test_an_empty_calibration_file_path_is_named(model_dir, tmp_path, capsys):
                                                     "out for pydoc text)")
 
 
-@pytest.mark.parametrize("device, message", [("cuda:x", "--device must be cpu, cuda or cuda:N (got 'cuda:x') (or auto)"),
-                                             ("tpu", "--device must be cpu, cuda or cuda:N (got 'tpu') (or auto)")])
+@pytest.mark.parametrize("device, message", [("cuda:x", "--device must be auto, cpu, cuda or cuda:N (got 'cuda:x')"),
+                                             ("tpu", "--device must be auto, cpu, cuda or cuda:N (got 'tpu')")])
 def test_a_bad_device_is_named_before_loading(device, message, tmp_path, capsys, monkeypatch):
     """``cuda:x`` passed the old prefix check and failed inside torch after the load."""
     import hf_accel.models.loading as loading

@@ -75,14 +75,30 @@ def test_examples_name_a_model_that_does_not_load_in_one_line(tmp_path):
     the path and transformers' reason, as ``hf-accel generate`` gives, not a traceback."""
     fake = tmp_path / "fake.gguf"
     fake.write_text("not a gguf")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF" + bytes(40))  # the magic, then too few bytes (struct.error inside gguf)
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     (no_weights / "config.json").write_text('{"model_type": "llama"}')
     for script, flag, path in (("one_line_patch.py", "--model", fake),
                                ("speculative_decoding.py", "--model", fake),
                                ("speculative_decoding.py", "--draft-model", fake),
-                               ("speculative_decoding.py", "--draft-model", no_weights)):
+                               ("speculative_decoding.py", "--draft-model", no_weights),
+                               ("one_line_patch.py", "--model", truncated)):
         run = _run(script, flag, str(path), *(["--max-new-tokens", "4"] if "speculative" in script else []))
         last = run.stderr.strip().splitlines()[-1]
         assert run.returncode == 2 and "Traceback" not in run.stderr, (script, flag, run.stderr[-1500:])
         assert "could not load" in last and str(path) in last, (script, flag, last)
+
+
+def test_one_line_patch_names_an_unsupported_model_type_in_one_line(tmp_path):
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from hf_accel.models import find_default_gguf
+
+    gguf = find_default_gguf()
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    run = _run("one_line_patch.py", "--model", str(tmp_path))
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-1500:]
+    assert "does not support model_type 'gpt2'" in run.stderr.strip().splitlines()[-1]

@@ -207,10 +207,11 @@ def test_models_is_an_attribute_of_the_package():
     import subprocess
     import sys
 
-    code = "import hf_accel; print(hf_accel.models.load_default_model.__name__, 'models' in dir(hf_accel))"
+    code = ("import hf_accel; print(hf_accel.models.load_default_model.__name__, 'models' in dir(hf_accel), "
+            "hf_accel.cache.PagedCache.__name__, hf_accel.speculative.SpeculativeConfig.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["load_default_model", "True"]
+    assert out.stdout.split() == ["load_default_model", "True", "PagedCache", "SpeculativeConfig"]
 
 
 @pytest.mark.parametrize("device, message", [("bogus", "device must be cpu, cuda or cuda:N"),
@@ -233,3 +234,9 @@ def test_a_device_that_is_not_there_is_refused_before_loading(device, message, m
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loaded)
     with pytest.raises(ValueError, match=message):
         load_model(None, device=device)
+
+
+def test_check_device_takes_cpu_0_as_cpu():
+    from hf_accel.models import check_device
+
+    assert check_device(torch.device("cpu", 0)) == check_device("cpu:0") == torch.device("cpu")
