@@ -76,7 +76,10 @@ def test_examples_name_a_model_that_does_not_load_in_one_line(tmp_path):
     fake = tmp_path / "fake.gguf"
     fake.write_text("not a gguf")
     truncated = tmp_path / "truncated.gguf"
-    truncated.write_bytes(b"GGUF" + bytes(40))  # the magic, then too few bytes (struct.error inside gguf)
+    from hf_accel.models import find_default_gguf
+
+    with open(find_default_gguf(), "rb") as f:  # a real header cut short: struct.error inside gguf
+        truncated.write_bytes(f.read(100))
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     (no_weights / "config.json").write_text('{"model_type": "llama"}')
