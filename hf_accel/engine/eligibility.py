@@ -112,7 +112,8 @@ class CallChecks:
         """Reason why this call can't take the fast path, or None.
 
         ``prepared_loop``: whether it can take the fast path inside transformers' own ``generate``, with the logits
-        processors, stopping criteria and outputs transformers prepares (:meth:`~hf_accel.engine.fast_generate.FastEngine.decode_prepared`): also the options
+        processors, stopping criteria and outputs transformers prepares
+        (:meth:`~hf_accel.engine.fast_generate.FastEngine.decode_prepared`): also the options
         of :data:`PREPARED_LOOP_OPTIONS`, custom ``logits_processor`` / ``stopping_criteria`` lists,
         ``prefix_allowed_tokens_fn``, and a repetition penalty over a padded batch."""
         reason = self._model_reason()

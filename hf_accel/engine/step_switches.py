@@ -216,7 +216,8 @@ PREFILL_CONTIGUOUS_ATTENTION = True
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
 
-#: Fewest keys per KV split of the step's paged attention (:func:`~hf_accel.engine.decode_step.default_num_splits`). H200, Llama-3-8B
+#: Fewest keys per KV split of the step's paged attention
+#: (:func:`~hf_accel.engine.decode_step.default_num_splits`). H200, Llama-3-8B
 #: shape bs1 (``bench_generate-gemv-rope-ab-20261201-3899aa9.json``): 234.7 tok/s at 64, 230.7 at 128,
 #: 235.1 at 32. At batch 1 SmolLM2's grid has 3 programs before splitting, and fewer, longer splits lose:
 #: random SmolLM2-shaped bf16 weights, forwards in CUDA graphs (``profile_step_splits-20261203-afa165e.json``),

@@ -228,7 +228,8 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
 
 
 def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | None, assisted: bool = False):
-    """The fast path (speculative where asked and :meth:`~hf_accel.speculative.engine.SpeculativeEngine.check` allows) for a call that
+    """The fast path (speculative where asked and
+    :meth:`~hf_accel.speculative.engine.SpeculativeEngine.check` allows) for a call that
     ``engine.check`` accepted; the caller holds ``engine.call_lock``."""
     log_once("generate-fast", "hf-accel: generate runs the fast decode path "
              f"({'CUDA graphs' if engine.device.type == 'cuda' and engine.use_cuda_graphs else 'eager steps'})")

@@ -200,8 +200,8 @@ def _check_lora_only(peft_model) -> None:
 
 
 def _check_adapters_enabled(peft_model) -> None:
-    """Raise ValueError if the PeftModel's adapter layers are disabled (``disable_adapter()`` / ``disable_adapter_layers``):
-    hf-accel merges the active adapters into the weights, and peft's forward unmerges them again while disabled."""
+    """Raise ValueError if the PeftModel's adapter layers are disabled (``disable_adapter()`` /
+    ``disable_adapter_layers``): hf-accel merges the active adapters into the weights, and peft's forward unmerges them again while disabled."""
     from peft.tuners.lora import LoraLayer
 
     if any(isinstance(m, LoraLayer) and m.disable_adapters for m in peft_model.modules()):
@@ -254,13 +254,15 @@ def accelerate_model(
         paged_cache: ``generate`` uses a :class:`~hf_accel.cache.PagedCache` sized for each call (freed
             when it returns, or returned with ``return_dict_in_generate=True`` for the next turn) unless the
             caller passes a cache or ``cache_implementation``; beam search, and assisted generation the fast
-            path cannot serve, keep transformers' cache (logged). A PagedCache passed back (a previous turn's) is continued.
+            path cannot serve, keep transformers' cache (logged). A PagedCache passed back (a previous turn's) is
+            continued.
         fast_decode: ``generate`` runs its decode loop on hf-accel's own step (model modules + paged
             kernels) for the configurations it supports (greedy/sampling with temperature, top-k,
             top-p, min/max lengths, EOS, streamers, left-padded batches, repetition penalty,
             ``num_return_sequences`` with sampling, multi-turn); calls with other logits processors, stopping
             criteria or per-step scores run that step inside transformers' ``generate`` (as its
-            ``custom_generate``); the rest log why and use transformers' loop. Needs ``paged_cache`` (with ``paged_cache=False`` it is off, logged).
+            ``custom_generate``); the rest log why and use transformers' loop. Needs ``paged_cache`` (with
+            ``paged_cache=False`` it is off, logged).
         cuda_graphs: on CUDA, capture that step in CUDA graphs (one per batch-size bucket).
         block_size: tokens per KV block of that cache (1 to ``hf_accel.cache.paged_cache.MAX_BLOCK_SIZE``, 1024).
         merge_lora: for a ``PeftModel``: merge its LoRA adapters into the base weights in place
@@ -300,8 +302,8 @@ def accelerate_model(
     attention, ``generate`` and LoRA merge are restored and a draft model it accelerated is reverted.
 
     Attention falls back to SDPA (eager for ``output_attentions``) per call (logged once with the reason) where
-    the kernel does not apply: training, autograd, ``output_attentions``, sliding-window/softcap/sink kwargs, dtypes other
-    than fp16/bf16/fp32, head_dim > 256, or masks other than causal + padding.
+    the kernel does not apply: training, autograd, ``output_attentions``, sliding-window/softcap/sink kwargs, dtypes
+    other than fp16/bf16/fp32, head_dim > 256, or masks other than causal + padding.
     """
     hf_model, peft_model = _unwrap_peft(model)
     if not isinstance(hf_model, PreTrainedModel):

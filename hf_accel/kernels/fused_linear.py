@@ -515,8 +515,8 @@ def whole_k_fits(k: int, dtype: torch.dtype, device: torch.device | str, weight_
     on ``device`` for programs holding ``weight_rows`` weight rows (``block_n``; twice that with SwiGLU's
     gate/up or fused_linear_rope's pairs).
 
-    Always 16 <= ``k`` <= :data:`WHOLE_K_MAX` (16: ``tl.dot``'s smallest K, the narrowest chunk). Under Triton's interpreter (CPU tensors) nothing else. On a GPU, fp16/bf16
-    needs :data:`WHOLE_K_MIN_SHARED_MEMORY` bytes of shared memory per block (where it was tested); float32
+    Always 16 <= ``k`` <= :data:`WHOLE_K_MAX` (16: ``tl.dot``'s smallest K, the narrowest chunk). Under Triton's
+    interpreter (CPU tensors) nothing else. On a GPU, fp16/bf16 needs :data:`WHOLE_K_MIN_SHARED_MEMORY` bytes of shared memory per block (where it was tested); float32
     needs its weight and :data:`WHOLE_K_BLOCK_M` input rows over the padded K (:func:`whole_k_chunks`) in
     shared memory: on the H200 a float32 K of 1536 with 32 weight rows asked for (32 + 16) x 1536 x 4 = 294,912
     bytes of its 232,448 (Triton's OutOfResources at launch), while K 576 with 64 rows (184,320) ran."""
