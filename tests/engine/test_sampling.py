@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from hf_accel import accelerate_model
-from hf_accel.engine.decode_step import DecodeStep
 from stat_tests import homogeneity_p
 
 ROWS = 4000  # draws per prompt and per side
@@ -38,20 +37,6 @@ def models(tiny):
     fast = accelerate_model(copy.deepcopy(stock))
     ids, mask = tiny.batch(seed=4, lengths=LENGTHS)
     return stock, fast, ids, mask, tiny.PAD
-
-
-@pytest.fixture
-def decode_steps(monkeypatch):
-    """Counts decode steps of the fast path (DecodeStep forwards)."""
-    calls = []
-    original = DecodeStep._forward
-
-    def counting(self):
-        calls.append(self.batch)
-        return original(self)
-
-    monkeypatch.setattr(DecodeStep, "_forward", counting)
-    return calls
 
 
 def _draw(model, ids, mask, pad, seed, max_new_tokens, **sampling):
