@@ -147,6 +147,11 @@ class SpeculativeEngine:
         if len(eos_ids(gc.eos_token_id)) > 8:
             return "more than 8 EOS ids"
         if self.draft_fast is not None:
+            from hf_accel.integrations.patch import is_accelerated
+
+            if not is_accelerated(self.config.draft_model):
+                return ("the draft model was reverted (revert_model) after accelerate_model; accelerate it again, "
+                        "or the target again with speculative=..., to draft with it")
             # the draft changed since it was checked (moved, cast, put in training mode): its engine releases
             # what it built for the old weights, and a draft it cannot run declines here
             reason = self.draft_fast._model_reason()

@@ -1276,3 +1276,25 @@ def test_a_draft_model_changed_after_accelerating_declines_speculation(tiny, hf_
     assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
     assert speculative_stats(ours) is None
     assert _messages(hf_log, "the draft model cannot run hf-accel's decode step now: the model is in training mode")
+    draft.eval()
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
+    assert speculative_stats(ours) is not None
+
+
+def test_a_draft_model_reverted_by_the_caller_declines_speculation(tiny, hf_log):
+    """A draft the caller reverted (``revert_model``) after accelerating the target is no longer used for drafting:
+    the call decodes plainly, logged, with the target's greedy tokens; the draft stays reverted."""
+    from hf_accel import is_accelerated, revert_model
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    draft = truncated(model, 2)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft))
+    ids, mask = repetitive_batch(tiny, lengths=(10,))
+    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
+    assert speculative_stats(ours) is not None
+    revert_model(draft)
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
+    assert speculative_stats(ours) is None
+    assert not is_accelerated(draft)
+    assert _messages(hf_log, "the draft model was reverted (revert_model) after accelerate_model")
