@@ -13,7 +13,8 @@ a reason and the caller falls back to transformers' loop (still on hf-accel's ke
 Host syncs: without a streamer, decoding in CUDA graphs copies each step's unfinished flags to page-locked
 memory without blocking and reads those of the step :data:`EOS_LAG` back, so the call stops at most that
 many steps after the last row's EOS while the GPU always has steps queued; without CUDA graphs EOS is
-checked every ``sync_every`` steps. Surplus steps only add padding that is trimmed. A streamer needs
+checked every ``sync_every`` steps on a GPU (16 by default) and after every step on a CPU, where the check
+costs no wait. Surplus steps only add padding that is trimmed. A streamer needs
 each token on the host: one sync per token.
 """
 
@@ -46,6 +47,11 @@ from hf_accel.kernels.reshape_and_cache import slot_mapping_ref
 #: bs1, greedy (``ab_eos_lag-20261202-57ad11a.json``): 8 code answers of ~50 tokens 252.5 vs 269.9 ms; 8
 #: passage / open-ended answers of mostly 128 tokens 0.2% / 0.8% slower (the per-step copy).
 EOS_LAG = 2
+
+#: Decode steps without CUDA graphs on a GPU (eager steps, or ``EOS_LAG = 0``): the host checks the unfinished
+#: flags every this many steps (each check waits for the queued steps), so up to this many - 1 surplus steps
+#: run after the last EOS. On a CPU the check waits for nothing and runs after every step.
+GPU_SYNC_EVERY = 16
 
 
 def _next_logits(step, batch: int, tokens: torch.Tensor, i: int) -> torch.Tensor:
@@ -183,12 +189,12 @@ class FastEngine(CallChecks):
     captured decode steps, keyed by (batch bucket, block-table width bucket). ``call_lock`` (a
     :class:`CallLock`) is held by whoever runs a call on this state."""
 
-    def __init__(self, model, block_size: int = 16, use_cuda_graphs: bool = True, sync_every: int = 16,
+    def __init__(self, model, block_size: int = 16, use_cuda_graphs: bool = True, sync_every: int | None = None,
                  fused: bool | None = None):
         self.model = model
         self.block_size = block_size
         self.use_cuda_graphs = use_cuda_graphs
-        self.sync_every = sync_every
+        self.sync_every = sync_every  # None: GPU_SYNC_EVERY on a GPU, every step elsewhere (see sync_interval)
         self._fused = fused  # None: fused Triton step on CUDA; True forces it (CPU tests under TRITON_INTERPRET)
         self.cache: PagedCache | None = None
         self.steps: dict[tuple, DecodeStep] = {}
@@ -249,10 +255,18 @@ class FastEngine(CallChecks):
             unmerge_projections(self.model)
         self.merged = None
 
+    def sync_interval(self, device) -> int:
+        """Steps between two host checks of the unfinished flags without CUDA graphs: ``sync_every`` if set, else
+        :data:`GPU_SYNC_EVERY` on a GPU (each check waits for the queued steps) and 1 on other devices (a check
+        costs nothing there, and each surplus step costs a whole forward)."""
+        if self.sync_every is not None:
+            return self.sync_every
+        return GPU_SYNC_EVERY if torch.device(device).type == "cuda" else 1
+
     # -- generation -------------------------------------------------------------------------------
     def _greedy_in_graph(self, step, logits, input_ids, batch, prompt_len, max_new, pad, eos_list):
         """Greedy without processors or streamer: pick + bookkeeping captured with the step, so the host
-        only replays (and reads ``unfinished`` every ``sync_every`` steps)."""
+        only replays (and reads ``unfinished`` every :meth:`sync_interval` steps)."""
         g = step.init_greedy(eos_list)
         g["tokens"].fill_(pad)
         g["tokens"][:batch, :prompt_len] = input_ids
@@ -269,6 +283,7 @@ class FastEngine(CallChecks):
         step.input_ids[:batch, 0].copy_(first)
         g["cur"].fill_(prompt_len + 1)
         watch = _EosWatch(step, EOS_LAG) if eos_list and step.use_graph and EOS_LAG > 0 else None
+        every = self.sync_interval(g["unfinished"].device)
         for i in range(1, max_new):
             step.run_greedy()
             if not eos_list:
@@ -276,7 +291,7 @@ class FastEngine(CallChecks):
             if watch is not None:
                 if watch.all_finished(g["unfinished"]):
                     break
-            elif i % self.sync_every == 0 and not bool(g["unfinished"].any()):
+            elif i % every == 0 and not bool(g["unfinished"].any()):
                 break
         n = int(g["steps_run"])
         return n, g["tokens"][:batch].clone()
@@ -442,7 +457,8 @@ class FastEngine(CallChecks):
             # Sampling: the random-number state before each recent step's draw. Steps past the last EOS (the host
             # learns of it a few steps late) draw too; the state after the draws transformers' loop makes is put
             # back at the end, so that later draws (the next call's) are the ones they would be.
-            rng = _RngStates(device, max(EOS_LAG, self.sync_every) + 2) if gc.do_sample and eos_list else None
+            every = self.sync_interval(device)
+            rng = _RngStates(device, max(EOS_LAG, every) + 2) if gc.do_sample and eos_list else None
             for i in range(max_new):
                 if rng is not None:
                     rng.save(i)
@@ -465,7 +481,7 @@ class FastEngine(CallChecks):
                 if watch is not None:
                     if watch.all_finished(unfinished):
                         break
-                elif (streamer is not None or (i + 1) % self.sync_every == 0) and eos_list and not bool(unfinished.any()):
+                elif (streamer is not None or (i + 1) % every == 0) and eos_list and not bool(unfinished.any()):
                     break
                 logits = _next_logits(step, batch, next_tokens, i)
             if streamer is not None:

@@ -910,13 +910,16 @@ def test_pad_id_outside_the_vocabulary(route, pad, tiny, hf_log):
     assert _messages(hf_log, f"pad_token_id {pad} is outside the vocabulary of 128 tokens")
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["module-step", "fused-step"])
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.interpreter)],
+                         ids=["module-step", "fused-step"])
 def test_seeded_sampling_leaves_the_random_state_as_stock(fused, tiny):
-    """Steps past the last EOS (the fast path learns of it some steps late) draw random numbers too: the state
-    after stock's draws is put back, so the next call and later draws are stock's as well."""
+    """Steps past the last EOS (the fast path learns of it some steps late; here every 16 steps, as on a GPU without
+    CUDA graphs) draw random numbers too: the state after stock's draws is put back, so the next call and later
+    draws are stock's as well."""
     model = tiny.model("llama", seed=8)
     ids, mask = tiny.batch(seed=9)
     ours = _accelerated(model, fused=fused)
+    ours._hf_accel_engine.sync_every = 16
     results = []
     for m in (model, ours):
         torch.manual_seed(0)
@@ -954,3 +957,22 @@ def test_fused_step_with_a_matmul_input_narrower_than_16_gives_stock_tokens(tiny
     assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
     assert decode_steps and all(decode_steps)
     assert all(step.small_linear for step in ours._hf_accel_engine.steps.values())
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_cpu_decoding_stops_right_after_the_last_eos(sampled, tiny, decode_steps):
+    """On a CPU the host checks the unfinished flags after every step (the check waits for nothing): no decode
+    step runs after the one that emits the last row's EOS; the tokens are stock's."""
+    model = tiny.model("llama", seed=8)
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(11))
+    kw = {"do_sample": True, "top_k": 1} if sampled else {"do_sample": False}
+    free = _generate(model, ids, torch.ones_like(ids), tiny.PAD, max_new_tokens=30, eos_token_id=None, **kw)
+    new = free[0, ids.shape[1]:].tolist()
+    at = next(i for i in range(3, 30) if new[i] not in new[:i])  # a token first emitted at new index `at`
+    want = _generate(model, ids, torch.ones_like(ids), tiny.PAD, max_new_tokens=30, eos_token_id=new[at], **kw)
+    ours = _accelerated(model)
+    assert ours._hf_accel_engine.sync_interval("cpu") == 1
+    decode_steps.clear()
+    assert torch.equal(_generate(ours, ids, torch.ones_like(ids), tiny.PAD, max_new_tokens=30,
+                                 eos_token_id=new[at], **kw), want)
+    assert len(decode_steps) == at  # the prefill gives new token 0, step s new token s

@@ -99,7 +99,7 @@ def test_fast_path_matches_stock_fp32_on_fused_linear_row_blocks(batch, prompt_l
 @pytest.mark.parametrize("lag", [2, 0])
 def test_decoding_stops_within_the_eos_lag(lag, sampled, monkeypatch):
     """Decoding in CUDA graphs stops at most ``EOS_LAG`` steps after every row has emitted EOS (the blocking
-    check every ``sync_every`` steps that it replaced ran up to 15 surplus steps); the output is stock's.
+    check every ``GPU_SYNC_EVERY`` steps that it replaced ran up to 15 surplus steps); the output is stock's.
     ``sampled``: top-k 1 sampling, which takes the host loop with logits processors instead of the greedy graph."""
     import hf_accel.engine.fast_generate as fg
 
@@ -130,9 +130,11 @@ def test_decoding_stops_within_the_eos_lag(lag, sampled, monkeypatch):
     if lag:
         assert at <= len(calls) <= at + lag
     elif sampled:  # checked after new tokens 15, 31, ...
-        assert len(calls) == engine.sync_every * -(-(at + 1) // engine.sync_every) - 1
+        every = engine.sync_interval("cuda")
+        assert every == fg.GPU_SYNC_EVERY and len(calls) == every * -(-(at + 1) // every) - 1
     else:  # checked after steps 16, 32, ...
-        assert len(calls) == engine.sync_every * -(-at // engine.sync_every)
+        every = engine.sync_interval("cuda")
+        assert len(calls) == every * -(-at // every)
 
 
 @pytest.mark.parametrize("new_turn", [5, 100])

@@ -156,6 +156,7 @@ def test_scores_and_logits_equal_stock(do_sample, tiny, hf_log, decode_steps):
     assert isinstance(output_cache(out), PagedCache) and _messages(hf_log, PREPARED_MSG) and decode_steps
 
 
+@pytest.mark.interpreter
 def test_fused_triton_step_with_a_processor_equals_stock(tiny, hf_log, decode_steps):
     """The fused decode step (Triton kernels under the interpreter) in the prepared loop."""
     model = _model(tiny, "llama")
