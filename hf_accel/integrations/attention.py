@@ -148,8 +148,9 @@ def hf_accel_attention_forward(
 
     Returns:
         (attn_output [batch, q_len, num_heads, head_dim], None). On CUDA tensors the Triton kernel
-        :func:`hf_accel.kernels.attention.attention` runs; on other devices the same op in PyTorch
-        (:func:`~hf_accel.kernels.attention.attention_sdpa`).
+        :func:`hf_accel.kernels.attention.attention` runs; on other devices, and while ``torch.compile`` traces
+        the forward (its compiler takes PyTorch ops; the kernels' launch code is not traceable), the same op in
+        PyTorch (:func:`~hf_accel.kernels.attention.attention_sdpa`).
     """
     if query.is_cuda and not torch.compiler.is_compiling() and query.device.index != torch.cuda.current_device():
         with torch.cuda.device(query.device):  # Triton launches on the current device, not the tensors'
@@ -179,15 +180,16 @@ def hf_accel_attention_forward(
         if bool(empty.any()):
             out = out * (~empty).squeeze(-1).transpose(1, 2)[..., None].to(out.dtype)  # out: [batch, q, heads, d]
         return out, weights
+    kernels = query.is_cuda and not torch.compiler.is_compiling()
     if step is not None:
-        fn = paged_attention if query.is_cuda else paged_attention_sdpa
+        fn = paged_attention if kernels else paged_attention_sdpa
         out = fn(query, step.key_cache, step.value_cache, step.block_table, step.seq_lens, step.max_seq_len,
                  attention_mask, causal=causal, sm_scale=scaling)
         return out, None
-    if query.is_cuda and query.shape[2] > 1 and _prefill_flops(query, key, causal) >= PREFILL_KERNEL_MIN_FLOPS:
+    if kernels and query.shape[2] > 1 and _prefill_flops(query, key, causal) >= PREFILL_KERNEL_MIN_FLOPS:
         log_once("path:prefill", "hf-accel: prefill attention runs the Triton FlashAttention-2 kernel")
         out = prefill_attention(query, key, value, attention_mask, causal=causal, sm_scale=scaling)
-    elif query.is_cuda:
+    elif kernels:
         log_once("path:triton", "hf-accel: attention runs the Triton kernel")
         out = attention(query, key, value, attention_mask, causal=causal, sm_scale=scaling)
     else:
