@@ -40,6 +40,7 @@ import weakref
 
 import torch
 
+from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.engine.call_options import call_inputs, eos_ids, passed_cache, repetition_penalty, sampling_warpers
 from hf_accel.engine.graphs import capture as capture_graph
@@ -373,6 +374,10 @@ class SpeculativeEngine:
         if catch_up:
             lookahead = max(lookahead, width - prompt_len - max_new)
         prefix = passed_cache(model_kwargs)  # batch 1 (check): the previous turn's cache, continued
+        if gc.do_sample:
+            log_once("spec:sampling", "hf-accel: speculative sampling by rejection sampling (Leviathan et al. 2023, "
+                     "Chen et al. 2023): each token has the target's distribution, but a seed gives other draws "
+                     "than transformers' sampling loop")
         step, logits = fast.start(input_ids, attention_mask, max_new, lookahead=lookahead, prefix=prefix)
         cache = fast.cache
         draft_cache = None

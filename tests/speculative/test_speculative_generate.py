@@ -1153,8 +1153,9 @@ def test_exit_layer_is_refused_with_other_methods():
     assert SpeculativeConfig("early_exit", exit_layer=5).exit_layer == 5
 
 
-def test_sampling_with_a_fixed_k_repeats_under_a_seed(tiny):
-    """adaptive=False: the same k every round, so a seed draws the same samples on every call."""
+def test_sampling_with_a_fixed_k_repeats_under_a_seed(tiny, hf_log):
+    """adaptive=False: the same k every round, so a seed draws the same samples on every call; the log says that
+    speculative sampling's draws are not transformers' for the same seed."""
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny)
     ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=3,
@@ -1167,6 +1168,7 @@ def test_sampling_with_a_fixed_k_repeats_under_a_seed(tiny):
                                       pad_token_id=tiny.PAD))
     assert torch.equal(outs[0], outs[1])
     assert speculative_stats(ours)["verify_steps"] > 0
+    assert _messages(hf_log, "a seed gives other draws than transformers' sampling loop")
 
 
 @pytest.mark.parametrize("bad", [0, -3])
