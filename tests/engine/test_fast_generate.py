@@ -910,16 +910,17 @@ def test_pad_id_outside_the_vocabulary(route, pad, tiny, hf_log):
     assert _messages(hf_log, f"pad_token_id {pad} is outside the vocabulary of 128 tokens")
 
 
+@pytest.mark.parametrize("sync_every", [16, None], ids=["check-every-16", "device-default"])
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.interpreter)],
                          ids=["module-step", "fused-step"])
-def test_seeded_sampling_leaves_the_random_state_as_stock(fused, tiny):
-    """Steps past the last EOS (the fast path learns of it some steps late; here every 16 steps, as on a GPU without
-    CUDA graphs) draw random numbers too: the state after stock's draws is put back, so the next call and later
-    draws are stock's as well."""
+def test_seeded_sampling_leaves_the_random_state_as_stock(fused, sync_every, tiny):
+    """Steps past the last EOS (the fast path learns of it some steps late: every 16 steps, as on a GPU without CUDA
+    graphs; the device default checks every step on a CPU) draw random numbers too: the state after stock's draws
+    is put back, so the next call and later draws are stock's as well."""
     model = tiny.model("llama", seed=8)
     ids, mask = tiny.batch(seed=9)
     ours = _accelerated(model, fused=fused)
-    ours._hf_accel_engine.sync_every = 16
+    ours._hf_accel_engine.sync_every = sync_every
     results = []
     for m in (model, ours):
         torch.manual_seed(0)
