@@ -444,13 +444,22 @@ def test_continuous_batching_runs_with_the_models_own_attention(tiny, hf_log, mo
 
 
 def test_continuous_batching_gives_stock_greedy_tokens(tiny):
-    """The real continuous-batching engine on the accelerated model (about 30 s on a 2-core CPU)."""
+    """The real continuous-batching engine on the accelerated model (about 30 s on a 2-core CPU).
+
+    The pool is sized explicitly: left to size itself, transformers' engine takes a share of the free
+    *GPU* memory when CUDA is present, also for a model on the CPU, and allocates that much host memory.
+    """
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
     model = _tiny_llama(tiny, 12)
     ours = accelerate_model(copy.deepcopy(model))
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    cb_config = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=32)
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=3, do_sample=False)
-        got = ours.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="paged")
+        got = ours.generate(
+            ids, max_new_tokens=3, do_sample=False, cache_implementation="paged", continuous_batching_config=cb_config
+        )
     assert got.reshape(-1).tolist() == want[0].tolist()
     assert ours.config._attn_implementation == "hf_accel"
 
