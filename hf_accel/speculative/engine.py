@@ -120,6 +120,11 @@ class SpeculativeEngine:
         engine.fused = self.fast.fused
         return engine
 
+    def draft_changed(self) -> bool:
+        """Whether the draft model no longer runs this engine's draft decode engine: the caller reverted it
+        (``revert_model``), perhaps accelerating it again since (a new engine)."""
+        return getattr(self.config.draft_model, "_hf_accel_engine", None) is not self.draft_fast
+
     def match_gated(self, batch: int) -> bool:
         """Whether a call of ``batch`` rows chooses its rounds from the next round's prompt-lookup matches
         (:class:`_GatedChooser`); ``SpeculativeConfig.match_gated=None``: for one row only."""
@@ -148,9 +153,7 @@ class SpeculativeEngine:
         if len(eos_ids(gc.eos_token_id)) > 8:
             return "more than 8 EOS ids"
         if self.draft_fast is not None:
-            from hf_accel.integrations.patch import is_accelerated
-
-            if not is_accelerated(self.config.draft_model):
+            if self.draft_changed():
                 return ("the draft model was reverted (revert_model) after accelerate_model; accelerate it again, "
                         "or the target again with speculative=..., to draft with it")
             # the draft changed since it was checked (moved, cast, put in training mode): its engine releases

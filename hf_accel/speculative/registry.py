@@ -59,11 +59,26 @@ def _is_accelerated(model) -> bool:
     return is_accelerated(model)
 
 
-def engine_for(model, fast, config: SpeculativeConfig) -> SpeculativeEngine:
-    """The model's cached :class:`SpeculativeEngine` for this method (and draft model), or a new one."""
+def engine_for(model, fast, config: SpeculativeConfig, assisted: bool = False) -> SpeculativeEngine:
+    """The model's cached :class:`SpeculativeEngine` for this method (and draft model), or a new one.
+
+    A cached draft-model engine whose draft the caller reverted (``revert_model``) since is rebuilt where the
+    call names the draft itself (``assisted``: ``generate(assistant_model=...)``, which accelerates it again) or
+    where the caller accelerated it again (its new decode engine is used, and it stays the caller's to revert).
+    Otherwise (a draft from ``accelerate_model(speculative=...)`` left reverted) the engine is kept and its
+    :meth:`~SpeculativeEngine.check` declines the call, logged.
+
+    Raises:
+        ValueError: a draft model hf-accel cannot run (for instance one accelerated with ``fast_decode=False``).
+    """
     engines = model.__dict__.setdefault("_hf_accel_spec_engines", EngineCache())
     key = (config.method, id(config.draft_model) if config.draft_model is not None else None, config.exit_layer)
     engine = engines.get(key)
+    if engine is not None and engine.draft_fast is not None and engine.draft_changed():
+        engine.draft_accelerated_here = False  # the caller reverted it: no longer ours to revert
+        if assisted or _is_accelerated(config.draft_model):
+            engines.pop(key).close()
+            engine = None
     if engine is None:
         if config.method == "draft_model":  # keep one draft model referenced (and accelerated) at a time
             for old in [k for k in engines if k[0] == "draft_model"]:

@@ -215,13 +215,12 @@ def test_save_pretrained_roundtrip_with_stock_transformers(tmp_path, model_type)
 
 @pytest.mark.parametrize("new_kv", [2, 1], ids=["same-count", "pooled"])
 def test_gguf_model_saves_after_conversion(tmp_path, hf_log, new_kv):
-    """A model read from a GGUF file keeps transformers' GGUF quantizer object, which save_pretrained
-    refuses; every conversion, also one to the model's own KV head count (nothing to pool), drops it, so the
-    converted model saves and stock transformers loads the same function back."""
-    from hf_accel.models.loading import load_model
-
-    model, _ = load_model(write_gguf(tmp_path / "tiny.gguf", num_heads=4, num_kv_heads=2), tokenizer=False)
-    assert model.hf_quantizer is not None  # the case under test: transformers' gguf_file= loader
+    """A model read with transformers' plain ``gguf_file=`` loader keeps its GGUF quantizer object, which
+    save_pretrained refuses; every conversion, also one to the model's own KV head count (nothing to pool),
+    drops it, so the converted model saves and stock transformers loads the same function back."""
+    path = write_gguf(tmp_path / "tiny.gguf", num_heads=4, num_kv_heads=2)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    assert getattr(model, "hf_quantizer", None) is not None  # the case under test
     ids = tokens()
     before = logits(model, ids)
     assert convert_to_gqa(model, new_kv) is model
@@ -232,6 +231,21 @@ def test_gguf_model_saves_after_conversion(tmp_path, hf_log, new_kv):
     model.save_pretrained(tmp_path / "out")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert loaded.config.num_key_value_heads == new_kv
+    assert getattr(loaded.config, "quantization_config", None) is None
+    torch.testing.assert_close(logits(loaded, ids), ref, rtol=0, atol=0)
+
+
+def test_gguf_model_from_our_loader_saves_without_conversion(tmp_path):
+    """``load_model`` reads a GGUF file dequantized (``GgufConfig(dequantize=True)``): plain weights, no
+    quantizer object left, so the model saves as it is and stock transformers loads the same function."""
+    from hf_accel.models.loading import load_model
+
+    model, _ = load_model(write_gguf(tmp_path / "tiny.gguf", num_heads=4, num_kv_heads=2), tokenizer=False)
+    assert getattr(model, "hf_quantizer", None) is None
+    ids = tokens()
+    ref = logits(model, ids)
+    model.save_pretrained(tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert getattr(loaded.config, "quantization_config", None) is None
     torch.testing.assert_close(logits(loaded, ids), ref, rtol=0, atol=0)
 

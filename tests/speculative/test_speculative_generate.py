@@ -696,6 +696,57 @@ def test_per_call_assisted_arguments_follow_each_call(tiny, hf_log):
     assert speculative_stats(ours)["method"] == "prompt_lookup"
 
 
+def test_an_assistant_model_reverted_by_the_caller_is_accelerated_again_when_passed_again(tiny):
+    """``generate(assistant_model=draft)`` names the draft in the call: after ``revert_model(draft)`` the same draft
+    passed again drafts again (accelerated anew, and reverted with the target), like a draft passed the first time."""
+    from hf_accel import is_accelerated
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    draft = truncated(model, 2)
+    ours = accelerate_model(copy.deepcopy(model))
+    ids, mask = repetitive_batch(tiny, lengths=(10,))
+    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    for _ in range(2):
+        assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, assistant_model=draft), want)
+        assert speculative_stats(ours) is not None
+        assert is_accelerated(draft)
+        revert_model(draft)
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, assistant_model=draft), want)
+    assert speculative_stats(ours) is not None
+    revert_model(ours)
+    assert not is_accelerated(draft)
+
+
+def test_a_draft_the_caller_reverted_and_accelerated_again_drafts_with_its_new_engine(tiny):
+    """A draft from ``accelerate_model(speculative=...)`` that the caller reverted and accelerated again drafts through
+    its new decode engine (never the released one) and stays accelerated when the target is reverted: the caller
+    owns it now. Accelerated again without fast decode, it cannot draft: a clear error."""
+    from hf_accel import is_accelerated
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    draft = truncated(model, 2)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft))
+    ids, mask = repetitive_batch(tiny, lengths=(10,))
+    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
+    old_engine = draft._hf_accel_engine
+    revert_model(draft)
+    accelerate_model(draft)
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
+    assert speculative_stats(ours) is not None
+    (spec,) = ours._hf_accel_spec_engines.values()
+    assert spec.draft_fast is draft._hf_accel_engine and spec.draft_fast is not old_engine
+    revert_model(draft)
+    accelerate_model(draft, fast_decode=False)
+    with pytest.raises(ValueError, match="without fast_decode"):
+        greedy(ours, ids, mask, tiny.PAD, eos_token_id=None)
+    revert_model(draft)
+    accelerate_model(draft)
+    revert_model(ours)
+    assert is_accelerated(draft)
+    revert_model(draft)
+
+
 def test_assistant_models_are_not_kept_and_are_reverted(tiny):
     import gc
     import weakref
