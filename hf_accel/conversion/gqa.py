@@ -177,7 +177,8 @@ def convert_to_gqa(
     Returns:
         The same model, converted. ``num_kv_heads`` equal to the current count pools nothing (logged) and
         leaves the weights as they are; like any conversion it drops the GGUF quantizer marker of a model
-        loaded with ``gguf_file=``, so ``save_pretrained`` works on the result.
+        loaded with transformers' ``from_pretrained(..., gguf_file=)`` (``hf_accel.models.load_model`` leaves
+        none), so ``save_pretrained`` works on the result.
 
     Raises:
         TypeError: not a transformers model, or calibration_text of the wrong type.
