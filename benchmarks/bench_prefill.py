@@ -609,7 +609,7 @@ def main():
     args = ap.parse_args()
     _raise_recompile_limit()
     run = Run(args)
-    from hf_accel.kernels.prefill import _candidate_configs
+    from hf_accel.kernels.prefill_tuning import candidate_configs as _candidate_configs
 
     # ---- compile everything in parallel ---------------------------------------------------------------
     ctx = mp.get_context("spawn")

@@ -1,4 +1,6 @@
-"""Prefill (prompt) attention: a FlashAttention-2 forward kernel tuned for Hopper, launcher, reference.
+"""Prefill (prompt) attention: a FlashAttention-2 forward kernel tuned for Hopper and its launchers (launch
+configurations and the tuner: :mod:`~hf_accel.kernels.prefill_tuning`; the PyTorch reference:
+:mod:`~hf_accel.kernels.prefill_reference`, both re-exported here).
 
 Algorithm (Dao 2023, "FlashAttention-2", Algorithm 1 and sections 3.1-3.2): one program owns a tile of
 ``BLOCK_M`` query rows of one (sequence, query head) and streams the keys/values in ``BLOCK_N`` blocks.
@@ -37,14 +39,27 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.prefill_reference import (
+    prefill_attention_ref,
+    prefill_attention_varlen_ref,
+)
+from hf_accel.kernels.prefill_tuning import (
+    TUNED,
+    PrefillConfig,
+    bucket,
+    cdiv,
+    default_interpret_config,
+    interpreting,
+    next_pow2,
+    tune,
+    tuned_configs,
+)
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -387,87 +402,6 @@ def _prefill_fwd_kernel(
 
 
 # ------------------------------------------------------------------------------------------------
-# Configurations and tuning
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    """One launch configuration of the prefill kernel (see :func:`prefill_attention` for the choices)."""
-
-    block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-    use_tma: bool = True  # K/V tiles through TMA descriptors (sm_90+)
-    tma_qo: bool = False  # also Q/O through descriptors (more host work per launch)
-    persistent: bool = False
-    reverse_m: bool = True
-    warp_specialize: bool = False
-    programs_per_sm: int = 0  # persistent grid: programs per SM (0: 2 for <= 4 warps, else 1)
-    ablate: int = 0  # benchmark-only stage removal (wrong results); 0 in production
-
-    def short(self) -> str:
-        s = f"M{self.block_m}N{self.block_n}w{self.num_warps}s{self.num_stages}"
-        s += ("-tma4" if self.tma_qo else "-tma") if self.use_tma else "-ptr"
-        if self.persistent:
-            s += "-pers"
-        if not self.reverse_m:
-            s += "-fwd"
-        if self.warp_specialize:
-            s += "-ws"
-        if self.ablate:
-            s += f"-ablate{self.ablate}"
-        return s
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _candidate_configs(head_dim: int, q_bucket: int, dtype: torch.dtype) -> list[PrefillConfig]:
-    """The tuner's search space, by head_dim and query-length bucket (powers of two, 16..16384)."""
-    C = PrefillConfig
-    if dtype == torch.float32:  # tests only: fp32 tiles are twice the bytes
-        return [C(64, 32, 4, 2), C(32, 32, 4, 2)]
-    if q_bucket <= 64:
-        return [C(64, 64, 4, 3), C(32, 64, 4, 3), C(64, 32, 4, 3)]
-    if head_dim <= 64:
-        return [C(64, 64, 4, 3), C(64, 64, 4, 3, use_tma=False), C(64, 128, 4, 3), C(128, 64, 4, 3)]
-    if head_dim <= 128:
-        return [C(64, 64, 4, 3), C(64, 64, 4, 3, use_tma=False), C(128, 128, 8, 3),
-                C(128, 128, 8, 3, use_tma=False)]
-    return [C(64, 64, 4, 2), C(128, 64, 8, 2), C(64, 32, 4, 2), C(128, 32, 8, 2)]
-
-
-def _default_interpret_config(head_dim: int, q_len: int) -> PrefillConfig:
-    # Interpreter: small tiles keep numpy fast and still exercise several blocks per loop.
-    bm = 16 if q_len <= 16 else 32
-    return PrefillConfig(bm, 32, 4, 1, use_tma=False, reverse_m=True)
-
-
-_TUNED: dict[tuple, PrefillConfig] = {}
-
-
-def _next_pow2(n: int) -> int:
-    # plain Python: triton.next_power_of_2 / triton.cdiv cost ~25 us each on a slow host
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _bucket(n: int) -> int:
-    return min(max(16, _next_pow2(n)), 16384)
-
-
-def tuned_configs() -> dict[tuple, PrefillConfig]:
-    """What the tuner chose so far: {(head_dim, dtype, causal, varlen, masks, q_bucket, kv_bucket): config}."""
-    return dict(_TUNED)
-
-
-# ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
 
@@ -485,7 +419,7 @@ def _tma_layout_ok(t: torch.Tensor, head_stride: int, batch_stride: int, n_heads
 
 def _descriptor(t: torch.Tensor, row_stride: int, block_rows: int, block_d: int):
     span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    rows = _cdiv(span, row_stride)
+    rows = cdiv(span, row_stride)
     return TensorDescriptor(t, [rows, row_stride], [row_stride, 1], [block_rows, block_d])
 
 
@@ -505,9 +439,9 @@ def _device_info(device) -> tuple[int, int]:
 def _launch(q4, k4, v4, o4, lse, key_mask, kv_start, cu_q, cu_k, *, batch, num_heads, num_kv_heads,
             q_len, kv_len, max_q, head_dim, causal, varlen, sm_scale, cfg: PrefillConfig):
     """q4/k4/v4/o4: [B', H, L', D] views (varlen: B' = 1, L' = total tokens)."""
-    block_d = max(16, _next_pow2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     use_tma = (cfg.use_tma and TensorDescriptor is not None and block_d == head_dim
-               and q4.is_cuda and not _interpreting() and _device_info(q4.device)[0] >= 9
+               and q4.is_cuda and not interpreting() and _device_info(q4.device)[0] >= 9
                and all(_tma_layout_ok(t, t.stride(1), t.stride(0) if not varlen else 0, t.shape[1], head_dim)
                        for t in (q4, k4, v4, o4)))
     desc_q = desc_k = desc_v = desc_o = None
@@ -517,8 +451,8 @@ def _launch(q4, k4, v4, o4, lse, key_mask, kv_start, cu_q, cu_k, *, batch, num_h
         if cfg.tma_qo:
             desc_q = _descriptor(q4, q4.stride(2), cfg.block_m, block_d)
             desc_o = _descriptor(o4, o4.stride(2), cfg.block_m, block_d)
-    num_m = _cdiv(max_q, cfg.block_m)
-    if cfg.persistent and q4.is_cuda and not _interpreting():
+    num_m = cdiv(max_q, cfg.block_m)
+    if cfg.persistent and q4.is_cuda and not interpreting():
         per_sm = cfg.programs_per_sm or (2 if cfg.num_warps <= 4 else 1)
         grid = (min(num_m * batch * num_heads, per_sm * _device_info(q4.device)[1]),)
     elif cfg.persistent:
@@ -558,49 +492,13 @@ def _run(args: dict, key: tuple, head_dim: int, max_q: int, config: PrefillConfi
     if config is not None:
         _launch(**args, cfg=config)
         return
-    if _interpreting() or not args["q4"].is_cuda:
-        _launch(**args, cfg=_default_interpret_config(head_dim, max_q))
+    if interpreting() or not args["q4"].is_cuda:
+        _launch(**args, cfg=default_interpret_config(head_dim, max_q))
         return
-    cfg = _TUNED.get(key)
+    cfg = TUNED.get(key)
     if cfg is None:
-        cfg = _tune(args, key, head_dim, max_q)
+        cfg = tune(_launch, args, key, head_dim, max_q)
     _launch(**args, cfg=cfg)
-
-
-def _tune(args: dict, key: tuple, head_dim: int, max_q: int) -> PrefillConfig:
-    """Time each candidate on the call's own inputs and keep the fastest for the key.
-
-    The score is the wall time per call of back-to-back launches (median of 3 bursts): it is the GPU
-    time when the GPU is the bottleneck and the host time per launch when the host is (small prompts
-    on a slow host CPU), so a config with a cheaper launch wins where that is what limits.
-    """
-    import time
-
-    best, best_ms = None, float("inf")
-    for cfg in _candidate_configs(head_dim, key[5], args["q4"].dtype):
-        try:
-            _launch(**args, cfg=cfg)  # compile
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            _launch(**args, cfg=cfg)
-            torch.cuda.synchronize()
-            n = min(50, max(3, int(0.01 / max(time.perf_counter() - t, 1e-6))))
-            bursts = []
-            for _ in range(3):
-                t = time.perf_counter()
-                for _ in range(n):
-                    _launch(**args, cfg=cfg)
-                torch.cuda.synchronize()
-                bursts.append((time.perf_counter() - t) / n * 1e3)
-            ms = sorted(bursts)[1]
-        except Exception:  # noqa: BLE001 - e.g. out of shared memory for this tile shape
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    if best is None:
-        raise RuntimeError(f"no prefill configuration compiled for key {key}")
-    _TUNED[key] = best
-    return best
 
 
 def _check_common(dtype, head_dim, num_heads, num_kv_heads):
@@ -724,7 +622,7 @@ def prefill_attention(
                 kv_start=kv_start, cu_q=None, cu_k=None, batch=batch, num_heads=num_heads,
                 num_kv_heads=num_kv_heads, q_len=q_len, kv_len=kv_len, max_q=q_len, head_dim=head_dim,
                 causal=causal, varlen=False, sm_scale=float(sm_scale))
-    tkey = (head_dim, query.dtype, bool(causal), False, key_mask is not None, _bucket(q_len), _bucket(kv_len))
+    tkey = (head_dim, query.dtype, bool(causal), False, key_mask is not None, bucket(q_len), bucket(kv_len))
     _run(args, tkey, head_dim, q_len, config)
     return (out, lse) if return_lse else out
 
@@ -806,66 +704,9 @@ def prefill_attention_varlen(
                 kv_start=None, cu_q=cu_q, cu_k=cu_k, batch=batch, num_heads=num_heads,
                 num_kv_heads=num_kv_heads, q_len=0, kv_len=0, max_q=int(max_seqlen_q), head_dim=head_dim,
                 causal=causal, varlen=True, sm_scale=float(sm_scale))
-    tkey = (head_dim, query.dtype, bool(causal), True, False, _bucket(max_seqlen_q), _bucket(max_seqlen_k))
+    tkey = (head_dim, query.dtype, bool(causal), True, False, bucket(max_seqlen_q), bucket(max_seqlen_k))
     _run(args, tkey, head_dim, int(max_seqlen_q), config)
     return (out, lse) if return_lse else out
-
-
-# ------------------------------------------------------------------------------------------------
-# Reference
-# ------------------------------------------------------------------------------------------------
-
-
-def prefill_attention_ref(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
-    *,
-    causal: bool = True,
-    sm_scale: float | None = None,
-    kv_start: torch.Tensor | None = None,
-    return_lse: bool = False,
-    compute_dtype: torch.dtype | None = None,
-):
-    """Pure-PyTorch reference of :func:`prefill_attention` (same arguments, layouts and zero rows).
-
-    Computes in ``compute_dtype`` (default: fp32 for fp16/bf16 inputs, else the input dtype; the tests
-    use float64 as the oracle and the input dtype as "PyTorch's own error"). K/V heads are shared
-    through a view (no copy). Builds the [q_len, kv_len] mask: for tests and CPU fallbacks only.
-    """
-    batch, num_heads, q_len, head_dim = query.shape
-    num_kv_heads, kv_len = key.shape[1], key.shape[2]
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(head_dim)
-    if compute_dtype is None:
-        compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    group = num_heads // num_kv_heads
-    dev = query.device
-    q = query.to(compute_dtype).reshape(batch, num_kv_heads, group, q_len, head_dim)
-    k = key.to(compute_dtype).unsqueeze(2)
-    v = value.to(compute_dtype).unsqueeze(2)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * sm_scale  # [b, kvh, g, q, k]
-    j = torch.arange(kv_len, device=dev)
-    allowed = torch.ones(batch, q_len, kv_len, dtype=torch.bool, device=dev)
-    if causal:
-        i = torch.arange(q_len, device=dev)[:, None]
-        allowed = allowed & (j[None, :] <= i + (kv_len - q_len))[None]
-    if key_mask is not None:
-        allowed = allowed & (key_mask != 0)[:, None, :]
-    if kv_start is not None:
-        allowed = allowed & (j[None, :] >= kv_start.to(dev).long()[:, None])[:, None, :]
-    allowed = allowed[:, None, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    any_visible = allowed.any(-1, keepdim=True)
-    safe = scores.masked_fill(~any_visible, 0.0)
-    probs = torch.softmax(safe, dim=-1).masked_fill(~allowed, 0.0)
-    out = torch.matmul(probs, v).reshape(batch, num_heads, q_len, head_dim).transpose(1, 2)
-    out = out.to(query.dtype).contiguous()
-    if not return_lse:
-        return out
-    lse = torch.logsumexp(scores, dim=-1).reshape(batch, num_heads, q_len).to(torch.float32)
-    return out, lse
 
 
 def _check_cu_seqlens(cu: torch.Tensor, total: int, which: str, max_seqlen: int | None) -> None:
@@ -881,22 +722,6 @@ def _check_cu_seqlens(cu: torch.Tensor, total: int, which: str, max_seqlen: int 
         raise ValueError(f"max_seqlen_{which}={max_seqlen} is shorter than a sequence of cu_seqlens_{which} "
                          f"({max(lengths)} tokens)")
 
-
-def prefill_attention_varlen_ref(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=True,
-                                 sm_scale=None, return_lse=False, compute_dtype=None):
-    """Reference of :func:`prefill_attention_varlen`: :func:`prefill_attention_ref` per sequence."""
-    outs, lses = [], []
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(cq) - 1):
-        q = query[cq[b]:cq[b + 1]].transpose(0, 1).unsqueeze(0)
-        k = key[ck[b]:ck[b + 1]].transpose(0, 1).unsqueeze(0)
-        v = value[ck[b]:ck[b + 1]].transpose(0, 1).unsqueeze(0)
-        o, lse = prefill_attention_ref(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=True,
-                                       compute_dtype=compute_dtype)
-        outs.append(o[0])
-        lses.append(lse[0])
-    out = torch.cat(outs, 0)
-    return (out, torch.cat(lses, 1)) if return_lse else out
 
 
 __all__ = [
