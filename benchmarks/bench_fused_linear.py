@@ -190,7 +190,7 @@ def main():
 
 
 def split_main(args):
-    from hf_accel.kernels.fused_linear import split_k_for
+    from hf_accel.kernels.fused_linear_tiles import split_k_for
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     counters = torch.zeros(1 << 14, dtype=torch.int32, device="cuda")

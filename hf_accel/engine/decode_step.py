@@ -35,7 +35,8 @@ from hf_accel.engine import step_switches as switches
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import greedy_tail, scratch_for
-from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope, max_rows, split_k_for, whole_k_fits
+from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope
+from hf_accel.kernels.fused_linear_tiles import max_rows, split_k_for, whole_k_fits
 from hf_accel.kernels.gemv import gemv, gemv_rope
 from hf_accel.kernels.paged_attention import paged_attention, paged_attention_sdpa
 from hf_accel.kernels.prefill import prefill_attention

@@ -14,8 +14,8 @@ graph) keeps the choices it was built with.
 #: output tile was far slower still: SmolLM2-shaped verify forwards of 17 / 32 tokens took 2.82 / 7.28 ms with 32
 #: here against 0.99 / 0.99 on cuBLAS, 16 tokens 0.611 either way (H200,
 #: ``profile_step_splits-max-rows-20261203-4924036.json``). It now runs 17-32 rows as two 16-row programs
-#: (:data:`~hf_accel.kernels.fused_linear.WHOLE_K_BLOCK_M`), up to
-#: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX_ROWS`. Real SmolLM2 bf16 decode, H200, one run each with both
+#: (:data:`~hf_accel.kernels.fused_linear_tiles.WHOLE_K_BLOCK_M`), up to
+#: :data:`~hf_accel.kernels.fused_linear_tiles.WHOLE_K_MAX_ROWS`. Real SmolLM2 bf16 decode, H200, one run each with both
 #: settings in turns: bs24 34133 tok/s with 32 against 22871 with 16 (step 0.68 vs 1.03 ms), bs32 45608 against
 #: 30558 (``bench_generate-smollm2-max-rows-ab-20261203-3da9682.json``); bs48 50865 with 128 against 42416 with 32
 #: (0.91 vs 1.09 ms), bs64 67296 against 55659 (0.92 vs 1.11 ms;
@@ -29,7 +29,7 @@ graph) keeps the choices it was built with.
 #: batch 1 (``num_draft_tokens``).
 FUSED_LINEAR_MAX_ROWS = 72
 #: The same limit for models whose layers do not all fit the whole-K path (a matmul input wider than
-#: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX`, e.g. an intermediate size of 4864 or 8192): their K-loop
+#: :data:`~hf_accel.kernels.fused_linear_tiles.WHOLE_K_MAX`, e.g. an intermediate size of 4864 or 8192): their K-loop
 #: tiles lost to cuBLAS at 32 rows in the measurement above (24.2 vs 22.4 us per SmolLM2-shaped layer).
 FUSED_LINEAR_K_LOOP_MAX_ROWS = 16
 FUSED_LINEAR_MAX_HIDDEN = 2048
@@ -159,7 +159,7 @@ FUSED_LINEAR_ROPE = True
 #: The step's fused_linear calls take the small-layer tiles (``small_tiles`` of
 #: :func:`~hf_accel.kernels.fused_linear.fused_linear`: one-warp programs of 16 outputs for o / down, 128-wide K
 #: steps for gate/up). Off: faster in a chain of matmuls alone, slower inside the step (numbers in
-#: :func:`hf_accel.kernels.fused_linear._tiles`).
+#: :func:`hf_accel.kernels.fused_linear_tiles._tiles`).
 FUSED_LINEAR_SMALL_TILES = False
 
 #: The step's fused_linear / fused_linear_rope calls (2-16 rows, no split-K) load each program's first weight
@@ -180,8 +180,8 @@ MULTI_ROW_ATTENTION_OVERLAP = True
 #: :func:`~hf_accel.kernels.fused_linear.fused_linear`): each program loads its weight rows over all input
 #: columns before its PDL wait, then the input rows once, as the one-row GEMV does, instead of a K loop whose
 #: every tile is a memory round trip after the wait. Inputs the path does not take
-#: (:func:`~hf_accel.kernels.fused_linear.whole_k_fits`: wider than
-#: :data:`~hf_accel.kernels.fused_linear.WHOLE_K_MAX`, float32 on a GPU, a GPU with less shared memory than the
+#: (:func:`~hf_accel.kernels.fused_linear_tiles.whole_k_fits`: wider than
+#: :data:`~hf_accel.kernels.fused_linear_tiles.WHOLE_K_MAX`, float32 on a GPU, a GPU with less shared memory than the
 #: H200) keep the loop (and :data:`FUSED_LINEAR_PRELOAD`,
 #: :data:`FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM`, :data:`FUSED_LINEAR_NORM_K` apply only to the loop). H200,
 #: SmolLM2-shaped random bf16 weights, 305-token prompt, CUDA graphs, medians of 4 timings in one run

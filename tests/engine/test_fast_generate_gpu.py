@@ -43,7 +43,7 @@ def test_fast_path_float32_with_inputs_too_wide_for_whole_k():
     shared memory (H200: 294,912 bytes asked of 232,448, an OutOfResources at the first generate before
     whole_k_fits): the step takes the K loop for them, and the tokens are stock's."""
     from hf_accel.engine import decode_step
-    from hf_accel.kernels.fused_linear import whole_k_fits
+    from hf_accel.kernels.fused_linear_tiles import whole_k_fits
 
     model = _tiny("llama", intermediate_size=1536)
     assert not whole_k_fits(1536, torch.float32, "cuda")

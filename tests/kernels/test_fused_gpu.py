@@ -135,7 +135,8 @@ def test_fused_linear_bf16(rows, hidden, out, mode, split_k):
 def test_fused_linear_whole_k_float32_beyond_shared_memory_raises():
     """float32 over all of K 1536 does not fit the H200's shared memory (whole_k_fits): a clear ValueError
     instead of Triton's OutOfResources; K 576 runs and matches the reference."""
-    from hf_accel.kernels.fused_linear import fused_linear, fused_linear_ref, whole_k_fits
+    from hf_accel.kernels.fused_linear import fused_linear, fused_linear_ref
+    from hf_accel.kernels.fused_linear_tiles import whole_k_fits
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x, w = torch.randn(4, 1536, device="cuda", generator=g), torch.randn(64, 1536, device="cuda", generator=g)

@@ -5,7 +5,8 @@ import torch
 
 from linear_cases import MODES, linear_inputs, linear_kwargs
 
-from hf_accel.kernels.fused_linear import MAX_ROWS, fused_linear, fused_linear_ref
+from hf_accel.kernels.fused_linear import fused_linear, fused_linear_ref
+from hf_accel.kernels.fused_linear_tiles import MAX_ROWS
 
 # CPU tensors through Triton's interpreter; tests/kernels/test_fused_gpu.py runs the kernels on a GPU.
 pytestmark = pytest.mark.interpreter
@@ -121,7 +122,7 @@ def test_split_k_bad_arguments_raise():
 def test_small_layer_tiles():
     # SmolLM2's layer (hidden 576, intermediate 1536) at 16 rows: the small-layer tiles of the PDL sweep (off by
     # default); wide inputs and LM-head-sized outputs keep the others. (block_m, block_n, block_k, warps, stages)
-    from hf_accel.kernels.fused_linear import _tiles
+    from hf_accel.kernels.fused_linear_tiles import _tiles
 
     small = dict(small_tiles=True)
     assert _tiles(16, 960, 576, True, False, None, None, None, None, **small) == (16, 32, 256, 4, 3)  # q/k/v + norm
@@ -190,7 +191,7 @@ def test_whole_k_matches_reference_fp32(rows, hidden, out, mode):
 
 
 def test_whole_k_chunks_and_bad_arguments():
-    from hf_accel.kernels.fused_linear import WHOLE_K_MAX, whole_k_chunks
+    from hf_accel.kernels.fused_linear_tiles import WHOLE_K_MAX, whole_k_chunks
 
     assert [whole_k_chunks(k) for k in (576, 1536, 4096, 333, 40, 16)] == \
         [(512, 64), (1024, 512), (4096, 0), (256, 128), (32, 16), (16, 0)]
@@ -203,7 +204,7 @@ def test_whole_k_chunks_and_bad_arguments():
     xw, _, ww, _, _ = linear_inputs(1, WHOLE_K_MAX + 16, 16, torch.float32)
     with pytest.raises(ValueError, match=f"whole_k takes 16 to {WHOLE_K_MAX} input features"):
         fused_linear(xw, ww, whole_k=True)
-    from hf_accel.kernels.fused_linear import WHOLE_K_MAX_ROWS, max_rows
+    from hf_accel.kernels.fused_linear_tiles import WHOLE_K_MAX_ROWS, max_rows
 
     assert max_rows(True) == WHOLE_K_MAX_ROWS > max_rows(False) == MAX_ROWS
     with pytest.raises(ValueError, match=f"at most {WHOLE_K_MAX_ROWS} rows with whole_k"):
@@ -217,7 +218,7 @@ def test_inputs_narrower_than_16_take_the_k_loop_and_whole_k_refuses_them(k):
     """The whole-K path's first column chunk is a full tl.dot K of 16, loaded without a column mask: narrower
     inputs read past each row (wrong outputs) and wrote past the residual output (heap corruption on CPU). It
     refuses them; whole_k_fits says so (the decode step then keeps the K loop, which masks its columns)."""
-    from hf_accel.kernels.fused_linear import whole_k_chunks, whole_k_fits
+    from hf_accel.kernels.fused_linear_tiles import whole_k_chunks, whole_k_fits
 
     x, r, w, nw, _ = linear_inputs(3, k, 48, torch.float32)
     assert not whole_k_fits(k, torch.float32, "cpu")

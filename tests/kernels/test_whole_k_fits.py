@@ -4,7 +4,7 @@ per block faked, so it runs anywhere; the launches themselves are in test_fused_
 import pytest
 import torch
 
-from hf_accel.kernels import fused_linear as fl
+from hf_accel.kernels import fused_linear_tiles as fl
 
 H200 = 232448  # bytes of shared memory per block (opt-in)
 CUDA = torch.device("cuda", 0)
