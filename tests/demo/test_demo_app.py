@@ -30,6 +30,9 @@ def _load_app():
 
 
 app = _load_app()
+# demo/app.py re-exports the names used here as app.<name>; a name a test patches is patched in the module
+# that uses it: demo/features.py, which app.py imports by its own name (it puts demo/ on sys.path).
+demo_features = importlib.import_module("features")
 
 
 # ---------------------------------------------------------------------------------------------- tiny model
@@ -275,9 +278,9 @@ def test_summary_gqa_and_sampling():
 def test_features_shown_only_when_available(monkeypatch):
     keys = [f.key for f in app.available_features()]
     assert "attention" in keys
-    monkeypatch.setattr(app, "_import_convert_to_gqa", lambda: None)
+    monkeypatch.setattr(demo_features, "_import_convert_to_gqa", lambda: None)
     assert "gqa" not in [f.key for f in app.available_features()]
-    monkeypatch.setattr(app, "_accelerate_accepts", lambda option: False)
+    monkeypatch.setattr(demo_features, "_accelerate_accepts", lambda option: False)
     assert "paged" not in [f.key for f in app.available_features()]
     assert "attention" in [f.key for f in app.available_features()]
 
@@ -306,7 +309,7 @@ def test_build_accelerated_requires_and_bad_settings():
     feats = app.available_features()
     with pytest.raises(ValueError, match="Paged KV cache needs hf-accel attention"):
         app.build_accelerated(_tiny_llama(), {"paged": 16}, feats)
-    for bad in (0, app.MAX_BLOCK_SIZE + 1, 5000):  # the paged feature's own message, not the attention's
+    for bad in (0, demo_features.MAX_BLOCK_SIZE + 1, 5000):  # the paged feature's own message, not the attention's
         message = rf"^Paged KV cache: KV block size must be between 1 and 1024 \(got {bad}\)"
         with pytest.raises(ValueError, match=message):
             app.build_accelerated(_tiny_llama(), {"attention": None, "paged": bad}, feats)
@@ -320,7 +323,8 @@ def test_build_accelerated_order_and_options(monkeypatch):
         app.Feature("w", "W", "", transform=lambda m, s: seen.append(("transform", s)) or m),
         app.Feature("attention", "Attention", ""),
     ]
-    monkeypatch.setattr(app.hf_accel, "accelerate_model", lambda m, **kw: seen.append(("accelerate", kw)) or m)
+    monkeypatch.setattr(demo_features.hf_accel, "accelerate_model",
+                        lambda m, **kw: seen.append(("accelerate", kw)) or m)
     app.build_accelerated("model", {"w": 3, "attention": None}, feats)
     assert seen == [("transform", 3), ("accelerate", {"flag": False, "size": 7})]
 
@@ -337,7 +341,7 @@ def test_feature_errors_become_messages():
 
 def test_gqa_feature_calls_convert(monkeypatch):
     calls = []
-    monkeypatch.setattr(app, "_import_convert_to_gqa", lambda: lambda m, n: calls.append(n) or None)
+    monkeypatch.setattr(demo_features, "_import_convert_to_gqa", lambda: lambda m, n: calls.append(n) or None)
     gqa = next(f for f in app.FEATURES if f.key == "gqa")
     assert gqa.available()
     assert app.build_accelerated("model", {"gqa": 1.0}, [gqa]) == "model"
@@ -422,7 +426,7 @@ def test_pane_run_on_accelerated_model_samples_every_token():
     p = inputs["input_ids"].shape[1]
     assert [u.tokens for u in run.kv_points] == list(range(p, p + 7))  # hf-accel's own decode loop included
     assert all(u.bytes_used > 0 for u in run.kv_points)
-    if app._accelerate_accepts("paged_cache"):
+    if demo_features._accelerate_accepts("paged_cache"):
         assert {u.cache_type for u in run.kv_points} == {"PagedCache"}
         assert all(u.bytes_reserved >= u.bytes_used for u in run.kv_points)
 
@@ -458,7 +462,8 @@ def test_run_comparison_end_to_end_with_tiny_model(tiny):
     assert s_text == a_text and s_text.count("t") == 4
     assert "greedy tokens identical: yes" in summary and "hf-accel / stock speed" in summary
     assert "hf-accel attention" in a_title
-    accel_cache = "PagedCache" if app._accelerate_accepts("paged_cache") else "DynamicCache"  # paged by default
+    paged = demo_features._accelerate_accepts("paged_cache")
+    accel_cache = "PagedCache" if paged else "DynamicCache"  # paged by default
     assert set(plot["run"]) == {"stock HF generate", "hf-accel"} and plot["KV cache (MiB)"].notna().all()
     assert "(DynamicCache)" in s_stats and f"({accel_cache}" in a_stats
 
