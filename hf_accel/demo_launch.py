@@ -2,7 +2,7 @@
 
 The demo is not part of the installed package: it sits in the repository's ``demo/`` folder, next to
 ``hf_accel/`` (an editable install from a clone finds it there). ``HF_ACCEL_DEMO_APP`` may point at the
-file instead. Importing this module is cheap (no gradio, no torch): the CLI imports it to build its parser.
+file instead, in a copy of the whole ``demo/`` folder (``app.py`` imports the modules next to it). Importing this module is cheap (no gradio, no torch): the CLI imports it to build its parser.
 """
 
 from __future__ import annotations
