@@ -237,7 +237,7 @@ def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | 
     if speculative is not None:
         from hf_accel.speculative.registry import engine_for
 
-        spec = engine_for(model, engine, speculative, assisted=assisted)
+        spec = engine_for(model, engine, speculative)
         spec_reason = spec.check(gc, model_kwargs)
         if spec_reason is None:
             out = spec.generate(gc, model_kwargs, assisted=assisted)

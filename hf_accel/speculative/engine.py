@@ -125,6 +125,12 @@ class SpeculativeEngine:
         (``revert_model``), perhaps accelerating it again since (a new engine)."""
         return getattr(self.config.draft_model, "_hf_accel_engine", None) is not self.draft_fast
 
+    def owns_draft(self) -> bool:
+        """Whether the draft model is this engine's to revert: it accelerated the draft, and the draft still runs
+        that acceleration (the caller neither reverted it nor reverted and accelerated it again since)."""
+        return (self.draft_accelerated_here and self.config.draft_model is not None and self.draft_fast is not None
+                and not self.draft_changed())
+
     def match_gated(self, batch: int) -> bool:
         """Whether a call of ``batch`` rows chooses its rounds from the next round's prompt-lookup matches
         (:class:`_GatedChooser`); ``SpeculativeConfig.match_gated=None``: for one row only."""
@@ -153,9 +159,6 @@ class SpeculativeEngine:
         if len(eos_ids(gc.eos_token_id)) > 8:
             return "more than 8 EOS ids"
         if self.draft_fast is not None:
-            if self.draft_changed():
-                return ("the draft model was reverted (revert_model) after accelerate_model; accelerate it again, "
-                        "or the target again with speculative=..., to draft with it")
             # the draft changed since it was checked (moved, cast, put in training mode): its engine releases
             # what it built for the old weights, and a draft it cannot run declines here
             reason = self.draft_fast._model_reason()
@@ -587,14 +590,13 @@ class SpeculativeEngine:
         chooser.update(k, hists.tolist(), seconds)
 
     def close(self) -> None:
-        """Drop captured graphs and states; revert the draft model if this engine accelerated it."""
+        """Drop captured graphs and states; revert the draft model if this engine owns it (:meth:`owns_draft`)."""
         self.graphs.clear()
         self.states.clear()
-        if self.draft_accelerated_here and self.config.draft_model is not None:
-            from hf_accel.integrations.patch import is_accelerated, revert_model
+        if self.owns_draft():
+            from hf_accel.integrations.patch import revert_model
 
-            if is_accelerated(self.config.draft_model):
-                revert_model(self.config.draft_model)
+            revert_model(self.config.draft_model)
         self.draft_accelerated_here = False
 
     def _draft_cost(self) -> float:

@@ -29,7 +29,7 @@ class EngineCache(dict):
         drafts = list(self.owned_drafts)
         for engine in self.values():
             draft = engine.config.draft_model
-            if engine.draft_accelerated_here and draft is not None and all(d is not draft for d in drafts):
+            if engine.owns_draft() and all(d is not draft for d in drafts):
                 drafts.append(draft)
         return drafts
 
@@ -59,14 +59,12 @@ def _is_accelerated(model) -> bool:
     return is_accelerated(model)
 
 
-def engine_for(model, fast, config: SpeculativeConfig, assisted: bool = False) -> SpeculativeEngine:
+def engine_for(model, fast, config: SpeculativeConfig) -> SpeculativeEngine:
     """The model's cached :class:`SpeculativeEngine` for this method (and draft model), or a new one.
 
-    A cached draft-model engine whose draft the caller reverted (``revert_model``) since is rebuilt where the
-    call names the draft itself (``assisted``: ``generate(assistant_model=...)``, which accelerates it again) or
-    where the caller accelerated it again (its new decode engine is used, and it stays the caller's to revert).
-    Otherwise (a draft from ``accelerate_model(speculative=...)`` left reverted) the engine is kept and its
-    :meth:`~SpeculativeEngine.check` declines the call, logged.
+    A cached draft-model engine whose draft the caller reverted (``revert_model``) since is replaced (logged): the
+    new engine accelerates the draft again (and owns it, as on its first use), or, where the caller accelerated it
+    again, drafts through the caller's acceleration and leaves it the caller's to revert.
 
     Raises:
         ValueError: a draft model hf-accel cannot run (for instance one accelerated with ``fast_decode=False``).
@@ -75,10 +73,11 @@ def engine_for(model, fast, config: SpeculativeConfig, assisted: bool = False) -
     key = (config.method, id(config.draft_model) if config.draft_model is not None else None, config.exit_layer)
     engine = engines.get(key)
     if engine is not None and engine.draft_fast is not None and engine.draft_changed():
-        engine.draft_accelerated_here = False  # the caller reverted it: no longer ours to revert
-        if assisted or _is_accelerated(config.draft_model):
-            engines.pop(key).close()
-            engine = None
+        log_once("spec:draft-reverted", "hf-accel: the draft model was reverted (revert_model) since it last drafted; "
+                 "it is accelerated again for drafting (where the caller accelerated it again, that acceleration "
+                 "is used and stays the caller's)")
+        engines.pop(key).close()  # reverts nothing: the engine no longer owns the draft
+        engine = None
     if engine is None:
         if config.method == "draft_model":  # keep one draft model referenced (and accelerated) at a time
             for old in [k for k in engines if k[0] == "draft_model"]:

@@ -1334,9 +1334,10 @@ def test_a_draft_model_changed_after_accelerating_declines_speculation(tiny, hf_
     assert speculative_stats(ours) is not None
 
 
-def test_a_draft_model_reverted_by_the_caller_declines_speculation(tiny, hf_log):
-    """A draft the caller reverted (``revert_model``) after accelerating the target is no longer used for drafting:
-    the call decodes plainly, logged, with the target's greedy tokens; the draft stays reverted."""
+def test_a_draft_model_reverted_by_the_caller_is_accelerated_again_at_the_next_call(tiny, hf_log):
+    """A draft of ``accelerate_model(speculative=...)`` that the caller reverted (``revert_model``) is accelerated again
+    by the target's next call, logged, and drafts through its new acceleration (never the released one), with the
+    target's greedy tokens; it is the target's again, so reverting the target reverts it."""
     from hf_accel import is_accelerated, revert_model
 
     model = tiny.model("llama", num_hidden_layers=LAYERS)
@@ -1345,9 +1346,46 @@ def test_a_draft_model_reverted_by_the_caller_declines_speculation(tiny, hf_log)
     ids, mask = repetitive_batch(tiny, lengths=(10,))
     want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
     assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
-    assert speculative_stats(ours) is not None
+    old_engine = draft._hf_accel_engine
     revert_model(draft)
-    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
-    assert speculative_stats(ours) is None
     assert not is_accelerated(draft)
-    assert _messages(hf_log, "the draft model was reverted (revert_model) after accelerate_model")
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
+    assert speculative_stats(ours) is not None
+    assert is_accelerated(draft) and draft._hf_accel_engine is not old_engine
+    assert _messages(hf_log, "the draft model was reverted (revert_model) since it last drafted")
+    revert_model(ours)
+    assert not is_accelerated(draft)
+
+
+def test_a_draft_the_caller_accelerated_again_is_not_reverted_with_the_target(tiny):
+    """Ownership follows the draft's current acceleration, also without a call in between: a draft the caller reverted
+    and accelerated again stays accelerated when the target is reverted; a draft shared by two targets, reverted by
+    the caller and then accelerated by the second target, is not reverted by the first target's revert, and the
+    second target keeps drafting with it."""
+    from hf_accel import is_accelerated, revert_model
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny, lengths=(10,))
+    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    for call_first in (False, True):
+        draft = truncated(model, 2)
+        ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft))
+        if call_first:
+            greedy(ours, ids, mask, tiny.PAD, eos_token_id=None)
+        revert_model(draft)
+        accelerate_model(draft)
+        revert_model(ours)
+        assert is_accelerated(draft), call_first
+        revert_model(draft)
+
+    draft = truncated(model, 2)
+    first = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft))
+    greedy(first, ids, mask, tiny.PAD, eos_token_id=None)
+    revert_model(draft)
+    second = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft))
+    revert_model(first)
+    assert is_accelerated(draft)
+    assert torch.equal(greedy(second, ids, mask, tiny.PAD, eos_token_id=None), want)
+    assert speculative_stats(second) is not None
+    revert_model(second)
+    assert not is_accelerated(draft)
