@@ -75,15 +75,17 @@ def measure(fns: dict, reps: int = 2) -> dict:
 
 
 class tile_override:  # noqa: N801 (context manager)
-    """fused_linear's ``_tiles`` with per-role overrides (``{role: {param: value}}``)."""
+    """fused_linear's ``_tiles`` with per-role overrides (``{role: {param: value}}``), in both modules that call it
+    (the launchers in ``fused_linear`` and ``split_k_for`` in ``fused_linear_tiles``)."""
 
     def __init__(self, overrides: dict):
         import hf_accel.kernels.fused_linear as fl
+        import hf_accel.kernels.fused_linear_tiles as fl_tiles
 
-        self.fl, self.overrides, self.saved = fl, overrides, None
+        self.modules, self.overrides, self.saved = (fl, fl_tiles), overrides, None
 
     def __enter__(self):
-        fl, saved = self.fl, self.fl._tiles
+        saved = self.modules[1]._tiles
         self.saved = saved
 
         def tiles(rows, n, k, norm, swiglu, block_n, block_k, num_warps, num_stages, small_tiles=False):
@@ -96,11 +98,13 @@ class tile_override:  # noqa: N801 (context manager)
                     num_stages = o.get("num_stages", num_stages)
             return saved(rows, n, k, norm, swiglu, block_n, block_k, num_warps, num_stages, small_tiles)
 
-        fl._tiles = tiles
+        for module in self.modules:
+            module._tiles = tiles
         return self
 
     def __exit__(self, *exc):
-        self.fl._tiles = self.saved
+        for module in self.modules:
+            module._tiles = self.saved
         return False
 
 

@@ -42,6 +42,13 @@ import hf_accel  # noqa: E402
 from hf_accel.demo_launch import add_arguments  # noqa: E402  (one definition of the options)
 
 # The demo's own modules (demo/*.py).
+try:
+    import features  # noqa: F401, E402  (the first of them: a copy of app.py alone fails here, in one line)
+except ModuleNotFoundError as e:
+    if e.name != "features":
+        raise
+    raise SystemExit(f"hf-accel demo: error: {__file__} needs the other modules of the demo/ folder next to it "
+                     f"(features.py, measurements.py, model_runs.py, page.py, request.py); copy the whole folder")
 from features import FEATURES, Feature, available_features, build_accelerated, enabled_features  # noqa: E402
 from measurements import (  # noqa: E402
     KVUsage, cache_of, kv_cache_bytes, kv_plot_rows, kv_usage, stats_html, summary_text,

@@ -511,6 +511,21 @@ def test_launcher_missing_app_is_one_line(monkeypatch, capsys, tmp_path):
     assert err.count("\n") == 1 and "demo/app.py not found" in err
 
 
+def test_a_lone_copy_of_app_py_says_in_one_line_that_it_needs_the_demo_folder(tmp_path):
+    """``HF_ACCEL_DEMO_APP`` may name a copy of app.py: one without the demo's other modules next to it stops with
+    one line naming them, not a traceback."""
+    import shutil
+    import subprocess
+
+    lone = tmp_path / "app.py"
+    shutil.copy(APP_PATH, lone)
+    run = subprocess.run([sys.executable, str(lone), "--help"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=300)
+    assert run.returncode == 1
+    assert run.stderr.strip().count("\n") == 0 and "needs the other modules of the demo/ folder" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_app_main_rejects_bad_options(capsys):
     assert app.main(["--device", "cuda:7"] if not torch.cuda.is_available() else ["--max-new-tokens", "0"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
