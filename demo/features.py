@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import hf_accel
-from hf_accel.cache.paged_cache import MAX_BLOCK_SIZE
+from hf_accel.cache import MAX_BLOCK_SIZE
 
 from request import first_line, parse_int
 
