@@ -29,7 +29,7 @@ def test_speculative_example_refuses_a_non_positive_length_before_loading():
 
 
 def test_examples_name_a_missing_model_in_one_line():
-    for script in ("one_line_patch.py", "speculative_decoding.py"):
+    for script in ("one_line_patch.py", "speculative_decoding.py", "pipeline_streamer_peft.py"):
         run = _run(script, "--model", "/nonexistent/model")
         assert run.returncode == 2, run.stderr
         assert "Traceback" not in run.stderr and "/nonexistent/model" in run.stderr.strip().splitlines()[-1]
@@ -49,9 +49,23 @@ def test_speculative_example_takes_a_draft_folder_without_tokenizer_files(tmp_pa
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_pipeline_streamer_peft_example_gives_stock_answers():
+    """The example's three parts (pipeline, threaded streamer, peft LoRA) each print that the accelerated answer is
+    transformers' own; the LoRA adapter it makes changes the answer (it is not a no-op)."""
+    run = _run("pipeline_streamer_peft.py", "--max-new-tokens", "12")
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    verdicts = [line for line in lines if line.startswith(("pipeline:", "streamer:", "peft LoRA:"))]
+    assert verdicts == ["pipeline: same answer", "streamer: same answer", "peft LoRA: same answer"], run.stdout
+    answers = [lines[lines.index(v) + 1] for v in verdicts]
+    assert answers[0] == answers[1] != answers[2], answers
+    assert _run("pipeline_streamer_peft.py", "--max-new-tokens", "0").returncode == 2
+
+
 def test_examples_name_an_empty_model_path():
     for script, flag in (("one_line_patch.py", "--model"), ("speculative_decoding.py", "--model"),
-                         ("speculative_decoding.py", "--draft-model")):
+                         ("speculative_decoding.py", "--draft-model"), ("pipeline_streamer_peft.py", "--model")):
         run = _run(script, flag, "")
         assert run.returncode == 2, run.stderr
         assert run.stderr.strip().splitlines()[-1].endswith("the model path is empty; give a model directory or "

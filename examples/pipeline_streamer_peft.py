@@ -1,0 +1,82 @@
+"""The one-line patch under transformers' other entry points: a text-generation pipeline, a streamer fed from a
+thread, and a peft LoRA model. Each part runs once as transformers alone and once after `accelerate_model`, and
+prints whether the greedy answers are the same.
+
+    python examples/pipeline_streamer_peft.py                  # embedded SmolLM2-135M-Instruct
+    python examples/pipeline_streamer_peft.py --model DIR      # any local llama/mistral/qwen2/qwen3 directory
+
+The LoRA adapter is made here with random weights (peft's own initialisation leaves it a no-op): nothing is
+downloaded. On a CPU the accelerated side runs the same ops in PyTorch, so expect the same answers, not speed.
+"""
+
+import argparse
+import threading
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import TextIteratorStreamer, pipeline
+
+from hf_accel import accelerate_model, revert_model
+from hf_accel.models import ModelNotFoundError, load_model
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default=None, help="local HF model directory or .gguf (default: embedded SmolLM2)")
+parser.add_argument("--prompt", default="Name three rivers in Europe.")
+parser.add_argument("--max-new-tokens", type=int, default=32)
+args = parser.parse_args()
+if args.max_new_tokens < 1:
+    parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+try:
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+except ModelNotFoundError as e:
+    parser.error(str(e))
+except Exception as e:  # files that do not load (no weights, not a GGUF, a corrupt safetensors file, ...)
+    parser.error(f"could not load model {args.model}: {type(e).__name__}: {e}")
+messages = [{"role": "user", "content": args.prompt}]
+greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+
+
+def report(part, stock, ours):
+    print(f"{part}: {'same answer' if stock == ours else 'DIFFERENT answers'}\n  {ours!r}")
+
+
+# 1. A text-generation pipeline over the model.
+def ask_pipeline(m):
+    chat = pipeline("text-generation", model=m, tokenizer=tokenizer, device=m.device)
+    return chat(messages, **greedy)[0]["generated_text"][-1]["content"]
+
+
+stock = ask_pipeline(model)
+model = accelerate_model(model)  # <- the one line
+report("pipeline", stock, ask_pipeline(model))
+
+
+# 2. A streamer read while generate runs in another thread (how chat UIs stream).
+def ask_streaming(m):
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True).to(device)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    worker = threading.Thread(target=m.generate, kwargs=dict(**inputs, **greedy, streamer=streamer))
+    worker.start()
+    text = "".join(piece for piece in streamer)
+    worker.join()
+    return text
+
+
+ours = ask_streaming(model)
+revert_model(model)
+report("streamer", ask_streaming(model), ours)
+
+# 3. A peft LoRA model (the adapter merged into the weights while accelerated; revert_model unmerges it).
+lora = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+with torch.no_grad():
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            p.normal_(std=0.2, generator=torch.Generator(device=p.device).manual_seed(0))
+lora.eval()
+stock = ask_streaming(lora)
+lora = accelerate_model(lora)  # <- the same line on the PeftModel
+report("peft LoRA", stock, ask_streaming(lora))
