@@ -723,11 +723,7 @@ def test_a_draft_the_caller_reverted_and_accelerated_again_drafts_with_its_new_e
     owns it now. Accelerated again without fast decode, it cannot draft: a clear error."""
     from hf_accel import is_accelerated
 
-    model = tiny.model("llama", num_hidden_layers=LAYERS)
-    draft = truncated(model, 2)
-    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft))
-    ids, mask = repetitive_batch(tiny, lengths=(10,))
-    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    ours, draft, ids, mask, want = _target_with_config_draft(tiny)
     assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
     old_engine = draft._hf_accel_engine
     revert_model(draft)
@@ -1315,14 +1311,20 @@ def test_old_pools_are_freed_before_a_larger_pool_is_made(tiny, monkeypatch):
     assert alive_at_new_pool == [False]
 
 
-def test_a_draft_model_changed_after_accelerating_declines_speculation(tiny, hf_log):
-    """The draft is checked on every call, not only when its engine is made: a draft put in training mode (or cast
-    to a dtype the kernels do not take) makes the call decode plainly, logged, with the target's greedy tokens."""
+def _target_with_config_draft(tiny):
+    """A tiny target accelerated with ``speculative=SpeculativeConfig("draft_model", ...)`` over its own first 2 layers
+    as the draft, one 10-token row, and the stock model's greedy tokens for it: (target, draft, ids, mask, want)."""
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     draft = truncated(model, 2)
     ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft))
     ids, mask = repetitive_batch(tiny, lengths=(10,))
-    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    return ours, draft, ids, mask, greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+
+
+def test_a_draft_model_changed_after_accelerating_declines_speculation(tiny, hf_log):
+    """The draft is checked on every call, not only when its engine is made: a draft put in training mode (or cast
+    to a dtype the kernels do not take) makes the call decode plainly, logged, with the target's greedy tokens."""
+    ours, draft, ids, mask, want = _target_with_config_draft(tiny)
     assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
     assert speculative_stats(ours) is not None
     draft.train()
@@ -1340,11 +1342,7 @@ def test_a_draft_model_reverted_by_the_caller_is_accelerated_again_at_the_next_c
     target's greedy tokens; it is the target's again, so reverting the target reverts it."""
     from hf_accel import is_accelerated, revert_model
 
-    model = tiny.model("llama", num_hidden_layers=LAYERS)
-    draft = truncated(model, 2)
-    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft))
-    ids, mask = repetitive_batch(tiny, lengths=(10,))
-    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    ours, draft, ids, mask, want = _target_with_config_draft(tiny)
     assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
     old_engine = draft._hf_accel_engine
     revert_model(draft)
