@@ -200,7 +200,7 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None, shapes=SHAPES)
             table.append((B, S, "ours (best of sweep)", best[1], best[0]))
             rows.append({"bench": "decode", "provider": "ours-best", "shape": {**shape, "config": best[1]},
                          "metric": "kv_bandwidth", "unit": "TB/s", "value": best[0]})
-        del k_cache, v_cache, k, v
+        k_cache = v_cache = k = v = None  # frees the memory; not `del`: the lambdas above close over these names
         torch.cuda.empty_cache()
     return table
 

@@ -122,7 +122,7 @@ def per_shape(rows, dt, copies, configs, kinds=None):
             us = graph_replay_us(lambda: [gemv(x, layers[i][key], pdl=pdl, block_n=bn, block_k=bk, num_warps=nw,
                                                **kw(layers[i], r)) for i in range(n)], n, rep_ms=40)
             add("ours", us, cfg)
-    del layers, lm
+    layers = lm = None  # frees the memory; not `del`: the lambdas above close over these names
     torch.cuda.empty_cache()
     return table
 
