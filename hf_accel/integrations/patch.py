@@ -7,6 +7,7 @@ in place); no module-level class is patched, so later models are unaffected.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from transformers import PreTrainedModel
@@ -19,6 +20,42 @@ from hf_accel.integrations.attention import register
 #: and grouped-query attention as transformers implements them); other types raise ValueError.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATE_ATTR = "_hf_accel_state"
+
+#: Config objects switched to hf-accel's attention, by id: [the attention before the first switch, how many
+#: accelerated models share the config, a weak reference to it]. transformers keeps the attention choice in the
+#: config, and models built from one config object share it: the last of them to be reverted restores it.
+_SWITCHED_CONFIGS: dict[int, list] = {}
+
+
+def _switch_attention(hf_model, name: str) -> str:
+    """Set ``hf_model``'s attention to ``name``; returns the attention its config had before hf-accel switched it
+    (for a config shared with a model accelerated earlier: what it had before that one)."""
+    config = hf_model.config
+    key = id(config)
+    entry = _SWITCHED_CONFIGS.get(key)
+    if entry is None or entry[2]() is not config:
+        entry = [config._attn_implementation, 0, weakref.ref(config, lambda _, k=key: _SWITCHED_CONFIGS.pop(k, None))]
+        _SWITCHED_CONFIGS[key] = entry
+    hf_model.set_attn_implementation(name)
+    entry[1] += 1
+    return entry[0]
+
+
+def _restore_attention(hf_model, original: str) -> None:
+    """Undo :func:`_switch_attention`: the config gets ``original`` back once no other accelerated model shares it
+    (until then those models keep hf-accel's attention, and so does this one: logged)."""
+    config = hf_model.config
+    entry = _SWITCHED_CONFIGS.get(id(config))
+    if entry is not None and entry[2]() is config:
+        entry[1] -= 1
+        if entry[1] > 0:
+            logger.info("hf-accel: %s shares its config object with %d other accelerated model(s); the config keeps "
+                        "attention %r until the last of them is reverted", type(hf_model).__name__, entry[1],
+                        config._attn_implementation)
+            return
+        del _SWITCHED_CONFIGS[id(config)]
+        original = entry[0]
+    hf_model.set_attn_implementation(original)
 
 
 def _unwrap_peft(model):
@@ -356,7 +393,8 @@ def accelerate_model(
             peft_model.merge_adapter()
             state["lora_merged"] = True
             _guard_peft(peft_model, state)
-        hf_model.set_attn_implementation(name)
+        state["attn_implementation"] = _switch_attention(hf_model, name)
+        state["attn_switched"] = True
         if paged_cache:
             paged_generate.install(hf_model, block_size, fast_decode=fast_decode, cuda_graphs=cuda_graphs,
                                    speculative=spec)
@@ -414,7 +452,8 @@ def _restore(hf_model, peft_model, state: dict) -> None:
     """Undo accelerate_model's changes recorded in ``state``, also those of a call that failed part-way:
     attention implementation, generate (and a draft model its speculative engine accelerated), LoRA merge
     (base weights copied back bit for bit from the copies taken before merging)."""
-    hf_model.set_attn_implementation(state["attn_implementation"])
+    if state.pop("attn_switched", False):
+        _restore_attention(hf_model, state["attn_implementation"])
     paged_generate.uninstall(hf_model)
     guards = state.pop("peft_guards", None)
     if guards is not None:

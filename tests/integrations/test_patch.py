@@ -18,6 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 import hf_accel
 import hf_accel.integrations.attention as hf_attn
 from hf_accel import SUPPORTED_MODEL_TYPES, accelerate_model, is_accelerated, revert_model
+from hf_accel.integrations.patch import original_attention
 
 MODEL_TYPES = ["llama", "qwen2", "mistral", "qwen3"]
 MAX_NEW = 10
@@ -258,6 +259,42 @@ def test_patch_does_not_leak_through_a_shared_config(tiny):
     second = tiny.model("llama", config=config)
     accelerate_model(first)
     assert second.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("last", ["first", "second"])
+def test_models_sharing_a_config_get_its_attention_back_when_the_last_is_reverted(tiny, last):
+    """Two accelerated models on one config object: reverting one leaves the other accelerated (the config keeps
+    hf-accel's attention), reverting both restores what the config had before, in either order (before, the
+    second accelerate_model recorded hf-accel's own attention as the original and restored that)."""
+    config = tiny.config("llama")
+    first = tiny.model("llama", config=config)
+    second = tiny.model("llama", config=config)
+    accelerate_model(first)
+    accelerate_model(second)
+    assert original_attention(second) == "sdpa"
+    models = [first, second] if last == "second" else [second, first]
+    revert_model(models[0])
+    assert config._attn_implementation == hf_attn.ATTN_NAME and is_accelerated(models[1])
+    revert_model(models[1])
+    assert config._attn_implementation == "sdpa"
+    assert not is_accelerated(first) and not is_accelerated(second)
+    accelerate_model(first)  # and the next acceleration records the original again
+    revert_model(first)
+    assert config._attn_implementation == "sdpa"
+
+
+def test_draft_built_on_the_target_config_is_reverted_to_the_original_attention(tiny):
+    """A draft model made from the target's own config object, accelerated by the target's speculative engine:
+    reverting the target (which reverts the draft it accelerated) leaves the config as it was."""
+    from hf_accel import SpeculativeConfig
+
+    config = tiny.config("llama")
+    target = tiny.model("llama", config=config)
+    draft = tiny.model("llama", config=config)
+    accelerate_model(target, speculative=SpeculativeConfig("draft_model", draft_model=draft))
+    revert_model(target)
+    assert not is_accelerated(target) and not is_accelerated(draft)
+    assert config._attn_implementation == "sdpa"
 
 
 # --- bad input ------------------------------------------------------------------------------------
