@@ -122,7 +122,9 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
 
     Returns ``(config, kwargs without those arguments, reason)``: config None and kwargs unchanged when
     the call asks for none; ``reason`` set when it asks for a kind hf-accel does not run (then the call
-    is left to transformers).
+    is left to transformers), also for an ``assistant_model`` that
+    :func:`~hf_accel.speculative.config.check_draft` refuses (another architecture, vocabulary or device,
+    training mode, ...: transformers' own assisted loop runs it, or raises its own error).
 
     Raises:
         ValueError: an ``assistant_early_exit`` int below 1 (0 is not "no early exit": transformers' loop would run a
@@ -165,6 +167,13 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
                          f"its first 1 .. {layers - 1} layers")
     if early and layers is not None and int(early) >= layers:
         return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"
+    if assistant is not None and assistant is not model:
+        from hf_accel.speculative.config import check_draft
+
+        try:
+            check_draft(model, assistant)
+        except ValueError as e:  # transformers' assisted loop takes what hf-accel's drafting does not (a GPT-2
+            return None, kwargs, f"the assistant model cannot draft on hf-accel's path ({e})"  # draft, ...)
     try:
         if assistant is not None:
             config = SpeculativeConfig(method="draft_model", draft_model=assistant)

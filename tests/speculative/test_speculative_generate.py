@@ -1387,3 +1387,25 @@ def test_a_draft_the_caller_accelerated_again_is_not_reverted_with_the_target(ti
     assert speculative_stats(second) is not None
     revert_model(second)
     assert not is_accelerated(draft)
+
+
+def test_an_assistant_model_hf_accel_cannot_draft_with_runs_transformers_assisted_loop(tiny, hf_log):
+    """A per-call ``assistant_model`` of an architecture hf-accel's drafting does not take (GPT-2, same vocabulary)
+    works as in stock transformers: its assisted loop runs (logged), giving stock's tokens. The explicit
+    ``accelerate_model(speculative=...)`` still refuses that draft."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    torch.manual_seed(0)
+    assistant = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=model.config.vocab_size)).eval()
+    ids, mask = repetitive_batch(tiny)
+    ids, mask = ids[:1], mask[:1]
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=12, assistant_model=assistant)
+    ours = accelerate_model(copy.deepcopy(model))
+    got = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=12, assistant_model=assistant)
+    assert torch.equal(got, stock)
+    assert speculative_stats(ours) is None  # not hf-accel's speculative path
+    assert any("transformers' assisted generation runs: the assistant model cannot draft on hf-accel's path "
+               "(draft model_type 'gpt2' is not supported" in r.getMessage() for r in hf_log.records)
+    with pytest.raises(ValueError, match="draft model_type 'gpt2' is not supported"):
+        accelerate_model(copy.deepcopy(model), speculative=assistant)
