@@ -237,7 +237,8 @@ class PagedCache(Cache):
     Raises:
         ValueError: neither or both of ``num_blocks`` and ``memory_fraction``; bad values (``num_blocks`` not
             an int >= 1, ``memory_fraction`` not in (0, 1], ``block_size`` not an int in [1, 1024]); from
-            ``update``, a layer index the config does not have; from ``crop``, ``reorder_cache``,
+            ``update``, a layer index the config does not have, or pools of ``num_blocks`` blocks larger than
+            the device's free memory (checked before they are made); from ``crop``, ``reorder_cache``,
             ``batch_select_indices`` and ``batch_repeat_interleave``, non-integer or out-of-range arguments
             (the cache is unchanged).
         TypeError: ``config`` is not a transformers config.
@@ -292,7 +293,26 @@ class PagedCache(Cache):
             num_blocks = int(free * self._memory_fraction) // (per_block * len(self.layers))
             if num_blocks < 1:
                 raise OutOfBlocksError(1, 0, 0, self.block_size)
+        else:
+            self.check_pools_fit(key_states.shape[1], key_states.shape[3], key_states.dtype, key_states.device)
         self.manager = BlockManager(num_blocks, self.block_size)
+
+    def check_pools_fit(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """Raise ValueError where the pools of a cache made with ``num_blocks`` (K and V of every layer, blocks of
+        ``block_size`` x ``num_kv_heads`` x ``head_dim`` elements of ``dtype``) are larger than ``device``'s free
+        memory (:func:`free_kv_bytes`, all of it). Checked before the pools or the block list are made; a cache
+        sized by ``memory_fraction``, or one whose pools exist, passes."""
+        if self._num_blocks is None or self.manager is not None:
+            return
+        free = free_kv_bytes(device, 1.0)
+        per_block = 2 * self.block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        pools = self._num_blocks * per_block * len(self.layers)
+        if free is not None and pools > free:
+            raise ValueError(
+                f"PagedCache(num_blocks={self._num_blocks}, block_size={self.block_size}): its pools take "
+                f"{pools / 2**30:.1f} GiB ({len(self.layers)} layers of K and V, {dtype}) and {torch.device(device)} "
+                f"has {free / 2**30:.1f} GiB free; give a smaller num_blocks (growable=True lets the pools grow when "
+                "needed)")
 
     def _recovery(self) -> str:
         lengths = [layer.length for layer in self.layers]

@@ -237,6 +237,8 @@ class CallChecks:
                                          or layer.keys.device != self.device):
                 return (f"the passed PagedCache's pools ({tuple(layer.keys.shape[2:])}, {layer.keys.dtype}, "
                         f"{layer.keys.device}) do not match the model's K/V ({want}, {dtype}, {self.device})")
+        if m is None:  # its pools are made at the end, for the answer's K/V: a size they cannot have raises now
+            prefix.check_pools_fit(*want, dtype, self.device)
         if not prefix.growable:  # the answer's K/V are written into it at the end: check the room now
             keep = prompt_len + self._max_new(gc, prompt_len) - 1
             if not prefix.seq_ids:

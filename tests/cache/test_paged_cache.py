@@ -414,6 +414,32 @@ def test_out_of_blocks_on_first_forward_leaves_cache_reusable(tiny):
     assert cache.memory_stats()["blocks_allocated"] == 3 and s.logits.shape[0] == 1
 
 
+@pytest.mark.parametrize("path", ["stock", "accelerated"])
+def test_num_blocks_larger_than_memory_raises_before_anything_runs(path, tiny, monkeypatch):
+    """PagedCache(num_blocks=10**12): pools of thousands of TiB. A clear ValueError comes before any pool or block
+    list is made (before, the block manager's list of 10**12 free ids ran out of host memory), and on the fast
+    path before decoding (it fills the caller's cache at the end, after the whole answer)."""
+    model = tiny.model("llama")
+    if path == "accelerated":
+        model = accelerate_model(model)
+        steps = []
+        monkeypatch.setattr(gen_mod, "_run_fast", lambda *a, **k: steps.append(1))
+    ids, mask = tiny.batch(seed=1)
+    cache = PagedCache(model.config, num_blocks=10**12)
+    with pytest.raises(ValueError, match=r"PagedCache\(num_blocks=1000000000000, block_size=16\): its pools take "
+                                         r"[0-9.]+ GiB .* has [0-9.]+ GiB free"), torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=tiny.PAD,
+                       **{CACHE_KWARG: cache})
+    assert cache.manager is None and not any(layer.is_initialized for layer in cache.layers)
+    if path == "accelerated":
+        assert steps == []
+    small = PagedCache(model.config, num_blocks=64)  # a size that fits is unaffected
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=tiny.PAD,
+                       **{CACHE_KWARG: small})
+    assert small.get_seq_length() > 0
+
+
 # --- 1,000 generate calls leave zero blocks allocated -----------------------------------------------
 
 
