@@ -190,6 +190,11 @@ class CallChecks:
             return reason
         sw = getattr(self.model.config, "sliding_window", None)
         if sw is not None and ids.shape[1] + self._max_new(gc, ids.shape[1]) > sw:
+            if self.model.config.model_type == "llama":
+                return (f"the sequence would exceed the config's sliding_window ({sw}), which llama's attention "
+                        "ignores; transformers' loop runs with a cache that keeps every token's K/V, so the tokens "
+                        "equal stock's use_cache=False output, not stock's cached output (its cache drops K/V "
+                        "older than the window under a full causal mask; README, Known limitations)")
             return f"the sequence would exceed the sliding window ({sw})"
         need = self.blocks_needed(gc, ids)
         if need > self._pool_blocks():

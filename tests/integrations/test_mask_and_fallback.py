@@ -484,3 +484,19 @@ def test_llama_with_a_stray_sliding_window_gives_stock_cached_tokens(tiny):
         ours = accelerate_model(copy.deepcopy(model)).generate(ids, **kwargs)
     assert torch.equal(ours, no_cache)  # what the model computes without a cache
     assert torch.equal(ours, stock)
+
+
+def test_llama_with_a_stray_sliding_window_logs_that_tokens_follow_use_cache_false(tiny, hf_log):
+    """The known limitation above is said in the log line of the call, not only in the README."""
+    import copy
+
+    from hf_accel import accelerate_model
+
+    model = tiny.model("llama", seed=69, sliding_window=4)
+    ids, mask = tiny.batch(seed=70)
+    with torch.no_grad():
+        accelerate_model(copy.deepcopy(model)).generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                                        pad_token_id=tiny.PAD)
+    assert any("sliding_window (4), which llama's attention ignores" in r.getMessage()
+               and "equal stock's use_cache=False output, not stock's cached output" in r.getMessage()
+               for r in hf_log.records)
