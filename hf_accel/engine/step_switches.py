@@ -88,7 +88,8 @@ ATTENTION_TRIGGER = True
 #: about this many programs per SM (capped at one K tile per program; each program then loads its weight
 #: share before its PDL wait, as the one-row GEMV does); 0 = no split. Off: SmolLM2's 16-token verify
 #: pass took 0.988 ms with 1 program per SM (``profile_speculative_round-20261201-2f27f97.json``) vs 0.942 ms
-#: without (a profile run of the same day whose file was not kept); one layer's four matmuls alone, 16 rows, 20.96 vs 22.75 us (``bench_fused_linear-split-20261201-2f27f97.json``).
+#: without (a profile run of the same day whose file was not kept); one layer's four matmuls alone, 16 rows,
+#: 20.96 vs 22.75 us (``bench_fused_linear-split-20261201-2f27f97.json``).
 FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM = 0
 
 #: With PDL, the paged attention of one-row steps loads its first tile's cached K/V (all but this step's
