@@ -1,0 +1,87 @@
+"""The ``speculative=`` options: bad options raise clear errors and leave the model untouched.
+
+SpeculativeConfig validates its fields (also when edited after construction; accelerate_model keeps its own copy),
+exit_layer is for early exit only, and accelerating again with other speculative options raises.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from speculative_helpers import LAYERS, greedy, repetitive_batch, truncated
+
+import hf_accel
+from hf_accel import SpeculativeConfig, accelerate_model, revert_model, speculative_stats
+
+
+def test_accelerating_again_with_other_speculative_options_raises(tiny):
+    """Another draft model or other draft settings on an accelerated model raise (revert first); the same
+    options again are a no-op."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    draft = truncated(model, LAYERS)
+    spec = SpeculativeConfig("draft_model", draft_model=draft, num_draft_tokens=4)
+    ours = accelerate_model(copy.deepcopy(model), speculative=spec)
+    assert accelerate_model(ours, speculative=SpeculativeConfig("draft_model", draft_model=draft,
+                                                                num_draft_tokens=4)) is ours
+    for other in (SpeculativeConfig("draft_model", draft_model=truncated(model, LAYERS), num_draft_tokens=4),
+                  SpeculativeConfig("draft_model", draft_model=draft, num_draft_tokens=2),
+                  SpeculativeConfig("draft_model", draft_model=draft, num_draft_tokens=4, adaptive=False)):
+        with pytest.raises(ValueError, match="already accelerated"):
+            accelerate_model(ours, speculative=other)
+    revert_model(ours)
+
+
+def test_bad_options_raise_and_leave_the_model_untouched(tiny):
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    with pytest.raises(ValueError, match="speculative method must be one of"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeConfig(method="prompt_lookup", num_draft_tokens=0)
+    with pytest.raises(ValueError, match="draft_model is required"):
+        SpeculativeConfig(method="draft_model")
+    for bad in (dict(max_ngram=True), dict(max_ngram=17), dict(min_ngram=0), dict(min_ngram=3, max_ngram=2),
+                dict(max_ngram=2.0)):
+        with pytest.raises(ValueError, match="min_ngram <= max_ngram <= 16"):
+            SpeculativeConfig(method="prompt_lookup", **bad)
+    with pytest.raises(ValueError, match="match_gated must be True, False or None"):
+        SpeculativeConfig(method="prompt_lookup", match_gated="yes")
+    with pytest.raises(TypeError, match="speculative must be"):
+        accelerate_model(model, speculative=3)
+    other_vocab = tiny.model("llama", vocab_size=96)
+    with pytest.raises(ValueError, match="vocab_size"):
+        accelerate_model(model, speculative=other_vocab)
+    with pytest.raises(ValueError, match="exit_layer must be <"):
+        accelerate_model(model, speculative=SpeculativeConfig("early_exit", exit_layer=LAYERS))
+    with pytest.raises(ValueError, match="fast_decode"):
+        accelerate_model(model, speculative="prompt_lookup", fast_decode=False)
+    with pytest.raises(ValueError, match="target itself"):
+        accelerate_model(model, speculative=model)
+    assert not hf_accel.is_accelerated(model)
+
+
+def test_a_config_edited_after_construction_is_checked_and_copied(tiny):
+    """accelerate_model validates a SpeculativeConfig again (fields set after construction) and keeps its
+    own copy: edits after accelerating do not reach the model."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    cfg = SpeculativeConfig("prompt_lookup", num_draft_tokens=3)
+    cfg.match_gated = "yes"
+    with pytest.raises(ValueError, match="match_gated must be True, False or None"):
+        accelerate_model(copy.deepcopy(model), speculative=cfg)
+    cfg.match_gated, cfg.num_draft_tokens = None, 0
+    with pytest.raises(ValueError, match="num_draft_tokens must be an int"):
+        accelerate_model(copy.deepcopy(model), speculative=cfg)
+    cfg.num_draft_tokens = 3
+    ours = accelerate_model(copy.deepcopy(model), speculative=cfg)
+    cfg.num_draft_tokens, cfg.method = 0, "bogus"
+    ids, mask = repetitive_batch(tiny)
+    out = greedy(ours, ids[:1], mask[:1], tiny.PAD, max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(out, greedy(model, ids[:1], mask[:1], tiny.PAD, max_new_tokens=6, eos_token_id=None))
+    assert speculative_stats(ours)["num_draft_tokens"] == 3
+
+
+def test_exit_layer_is_refused_with_other_methods():
+    with pytest.raises(ValueError, match="exit_layer applies to method 'early_exit' only, not 'prompt_lookup'"):
+        SpeculativeConfig("prompt_lookup", exit_layer=5)
+    assert SpeculativeConfig("early_exit", exit_layer=5).exit_layer == 5
