@@ -1,0 +1,150 @@
+"""PagedCache bad arguments and recovery from a failed forward (tiny random models, float32, CPU).
+
+Constructor and method arguments that are wrong raise ValueError / TypeError and leave the cache unchanged (also
+on an empty cache); a forward that failed part-way (or a first forward that was interrupted) is refused by the next
+forward with a message that names the ``crop`` (or ``release``) that recovers, after which the cache continues
+exactly as one that never saw the failed step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_cache_helpers import Stepper, _assert_same_state, _state, _tokens, accelerate
+
+from hf_accel import accelerate_model
+from hf_accel.cache import PagedCache
+
+
+# --- bad arguments -----------------------------------------------------------------------------------
+
+
+def test_constructor_errors(tiny):
+    config = tiny.config("llama")
+    for kw in ({}, {"num_blocks": 4, "memory_fraction": 0.5}, {"num_blocks": 0}, {"memory_fraction": 0.0},
+               {"memory_fraction": 1.5}, {"num_blocks": 4, "block_size": 0}):
+        with pytest.raises(ValueError):
+            PagedCache(config, **kw)
+    from hf_accel.cache.paged_cache import MAX_BLOCK_SIZE
+
+    for bad in (MAX_BLOCK_SIZE + 1, 10**9, 2.5, True):  # 10**9: the pool reservation would fail much later
+        with pytest.raises(ValueError, match=f"block_size must be an int in \\[1, {MAX_BLOCK_SIZE}\\]"):
+            PagedCache(config, num_blocks=1, block_size=bad)
+        with pytest.raises(ValueError, match=f"block_size must be an int in \\[1, {MAX_BLOCK_SIZE}\\]"):
+            accelerate_model(tiny.model("llama"), block_size=bad)
+    assert PagedCache(config, num_blocks=1, block_size=MAX_BLOCK_SIZE).block_size == MAX_BLOCK_SIZE
+    empty = tiny.config("llama")
+    empty.num_hidden_layers = 0  # e.g. left by an interrupted early-exit draft of another library
+    with pytest.raises(ValueError, match="0 layers"):
+        PagedCache(empty, num_blocks=4)
+    if not torch.cuda.is_available():
+        model = accelerate(tiny.model("llama"))
+        ids, mask = tiny.batch(seed=1)
+        with pytest.raises(ValueError, match="num_blocks"):
+            Stepper(model, PagedCache(model.config, memory_fraction=0.5), ids, mask)
+
+
+def test_bad_arguments_raise_and_leave_the_cache_unchanged(tiny):
+    config = tiny.config("llama")
+    for kw in ({"num_blocks": 2.5}, {"num_blocks": "4"}, {"num_blocks": True}, {"memory_fraction": "0.5"},
+               {"memory_fraction": True}):
+        with pytest.raises(ValueError, match="num_blocks must be an int|memory_fraction must be a number"):
+            PagedCache(config, **kw)
+
+    model = accelerate(tiny.model("llama", seed=4))
+    ids, mask = tiny.batch(seed=4)
+    s = Stepper(model, PagedCache(model.config, num_blocks=60, block_size=4), ids, mask)
+    s.step(_tokens(5, 3, 2))
+    cache = s.cache
+    before = _state(cache)
+    bad_calls = [
+        ("reorder_cache", torch.tensor([0, 3, 1]), "out of range"),
+        ("reorder_cache", torch.tensor([0, -1, 1]), "out of range"),
+        ("reorder_cache", torch.tensor([True, False, True]), "integer tensor"),
+        ("reorder_cache", torch.tensor([0.0, 1.0, 2.0]), "integer tensor"),
+        ("batch_select_indices", torch.tensor([[0, 1]]), "1-D integer tensor"),
+        ("batch_select_indices", torch.tensor([5]), "out of range"),
+        ("batch_select_indices", torch.tensor([], dtype=torch.long), "need at least one row index"),
+        ("reorder_cache", [], "need at least one row index"),
+        ("batch_repeat_interleave", 0, "repeats must be an int >= 1"),
+        ("batch_repeat_interleave", -1, "repeats must be an int >= 1"),
+        ("batch_repeat_interleave", 2.0, "repeats must be an int >= 1"),
+        ("crop", 2.7, "must be an int"),
+        ("crop", -0.5, "must be an int"),
+        ("crop", torch.tensor(1.0), "one-element integer tensor"),
+        ("crop", torch.tensor([1, 2]), "one-element integer tensor"),
+        ("crop", True, "must be an int"),
+    ]
+    for name, arg, match in bad_calls:
+        with pytest.raises(ValueError, match=match):
+            getattr(cache, name)(arg)
+        cache.manager.check()
+        _assert_same_state(_state(cache), dict(before, pools=[(k.clone(), v.clone()) for k, v in before["pools"]]))
+    cache.release()
+    assert cache.memory_stats()["blocks_allocated"] == 0
+
+
+@pytest.mark.parametrize("config", [None, {"num_hidden_layers": 2}], ids=["none", "dict"])
+def test_a_config_that_is_not_a_transformers_config_raises(config):
+    with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig"):
+        PagedCache(config, num_blocks=4)
+
+
+def test_row_selections_are_checked_on_an_empty_cache_too(tiny):
+    cache = PagedCache(tiny.config("llama"), num_blocks=4)
+    for name, arg in (("batch_select_indices", torch.tensor([0.5])), ("reorder_cache", torch.tensor([True]))):
+        with pytest.raises(ValueError, match="integer tensor"):
+            getattr(cache, name)(arg)
+    with pytest.raises(ValueError, match="growable must be True or False"):
+        PagedCache(tiny.config("llama"), num_blocks=4, growable="no")
+
+
+# --- a forward that failed part-way ------------------------------------------------------------------
+
+
+def test_a_forward_that_fails_part_way_is_named_and_recoverable(tiny, monkeypatch, one_thread):
+    """An error inside a forward after layer 0 wrote its K/V leaves the layers one step apart; the next
+    forward refuses before changing anything (also when the pool is full: not an OutOfBlocksError), naming
+    the crop that drops the partial step, and after that crop the cache continues exactly as a cache that
+    never saw the failed step."""
+    model = accelerate(tiny.model("llama", seed=60))
+    ids, mask = tiny.batch(seed=61)
+    # 12 blocks: the 3 rows' 11 + 2 tokens fill them; the retry's 4 more tokens would need 3 more
+    s = Stepper(model, PagedCache(model.config, num_blocks=12, block_size=4), ids, mask)
+    ref = Stepper(model, PagedCache(model.config, num_blocks=60, block_size=4), ids, mask)
+    length = s.cache.get_seq_length()
+    mlp = model.model.layers[0].mlp  # after layer 0 wrote its K/V, before layer 1 did
+    monkeypatch.setattr(mlp, "forward", lambda x: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        s.step(_tokens(62, 3, 2))
+    monkeypatch.undo()
+    lengths = [layer.length for layer in s.cache.layers]
+    assert lengths[0] == length + 2 and min(lengths) == length
+    before = _state(s.cache)
+    with pytest.raises(RuntimeError, match=rf"partial step. .* a forward failed part-way .* cache.crop\({length}\)"):
+        s.step(_tokens(63, 3, 4))
+    _assert_same_state(_state(s.cache), dict(before, pools=[(k.clone(), v.clone()) for k, v in before["pools"]]))
+    s.cache.crop(length)
+    s.crop_mask(length)  # the interrupt left the Stepper's own mask two columns ahead too
+    s.cache.manager.check()
+    x = _tokens(64, 3, 2)
+    torch.testing.assert_close(s.step(x), ref.step(x), rtol=0, atol=1e-6)
+
+
+def test_an_interrupted_first_forward_names_release(tiny, monkeypatch, one_thread):
+    """No step completed (the prefill was interrupted in layer 0's MLP): crop cannot express "back to 0"
+    (crop(0) changes nothing), so the message names release(), which recovers."""
+    model = accelerate(tiny.model("llama", seed=65))
+    ids, mask = tiny.batch(seed=66)
+    cache = PagedCache(model.config, num_blocks=60, block_size=4)
+    monkeypatch.setattr(model.model.layers[0].mlp, "forward", lambda x: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        Stepper(model, cache, ids, mask)
+    monkeypatch.undo()
+    for _ in range(2):  # a retry changes nothing
+        with pytest.raises(RuntimeError, match=r"no step completed: cache.release\(\) empties the cache"):
+            Stepper(model, cache, ids, mask)
+        assert [layer.length for layer in cache.layers][1:] == [0] * (len(cache.layers) - 1)
+    cache.release()
+    ref = Stepper(model, PagedCache(model.config, num_blocks=60, block_size=4), ids, mask)
+    torch.testing.assert_close(Stepper(model, cache, ids, mask).logits, ref.logits, rtol=0, atol=1e-6)

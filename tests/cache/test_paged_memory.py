@@ -1,0 +1,272 @@
+"""PagedCache memory: block accounting, out-of-blocks, pool lifetime and growth (tiny random models, float32, CPU).
+
+A dropped cache frees its pools; 1,000 generate calls (and a generate that raises) leave zero blocks allocated;
+running out of blocks in the prefill or a decode step raises OutOfBlocksError and leaves the cache unchanged and
+usable; a ``num_blocks`` larger than memory raises before anything runs; ``memory_stats`` fields (also with shared
+blocks) and the CPU memory sizing; a growable cache grows and keeps its contents.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import weakref
+
+import pytest
+import torch
+from paged_cache_helpers import Stepper, _assert_same_state, _state, _tokens, accelerate
+
+import hf_accel.cache.paged_cache as paged_cache_mod
+import hf_accel.integrations.generate as gen_mod
+from hf_accel import accelerate_model
+from hf_accel.cache import OutOfBlocksError, PagedCache
+from hf_accel.integrations.generate import CACHE_KWARG, last_cache_stats
+
+
+# --- cache lifetime --------------------------------------------------------------------------------------
+
+
+def test_dropping_cache_frees_its_pools(tiny):
+    model = accelerate(tiny.model("llama"))
+    ids, mask = tiny.batch(seed=1)
+    s = Stepper(model, PagedCache(model.config, num_blocks=30, block_size=4), ids, mask)
+    s.step(_tokens(1, 3, 1))
+    pools = [weakref.ref(t) for layer in s.cache.layers for t in (layer.keys, layer.values)]
+    cache = weakref.ref(s.cache)
+    del s
+    gc.collect()
+    assert cache() is None
+    assert all(p() is None for p in pools), "K/V pools still referenced after the cache was dropped"
+
+
+def test_out_of_blocks_on_first_forward_leaves_cache_reusable(tiny):
+    model = accelerate(tiny.model("llama"))
+    ids, mask = tiny.batch(seed=1)  # 3 rows of 11 tokens: 9 blocks of 4
+    cache = PagedCache(model.config, num_blocks=4, block_size=4)
+    with pytest.raises(OutOfBlocksError):
+        Stepper(model, cache, ids, mask)
+    assert cache.seq_ids == []
+    s = Stepper(model, cache, ids[:1], mask[:1])  # 3 blocks: fits
+    assert cache.memory_stats()["blocks_allocated"] == 3 and s.logits.shape[0] == 1
+
+
+@pytest.mark.parametrize("path", ["stock", "accelerated"])
+def test_num_blocks_larger_than_memory_raises_before_anything_runs(path, tiny, monkeypatch):
+    """PagedCache(num_blocks=10**12): pools of thousands of TiB. A clear ValueError comes before any pool or block
+    list is made (before, the block manager's list of 10**12 free ids ran out of host memory), and on the fast
+    path before decoding (it fills the caller's cache at the end, after the whole answer)."""
+    model = tiny.model("llama")
+    if path == "accelerated":
+        model = accelerate_model(model)
+        steps = []
+        monkeypatch.setattr(gen_mod, "_run_fast", lambda *a, **k: steps.append(1))
+    ids, mask = tiny.batch(seed=1)
+    cache = PagedCache(model.config, num_blocks=10**12)
+    with pytest.raises(ValueError, match=r"PagedCache\(num_blocks=1000000000000, block_size=16\): its pools take "
+                                         r"[0-9.]+ GiB .* has [0-9.]+ GiB free"), torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=tiny.PAD,
+                       **{CACHE_KWARG: cache})
+    assert cache.manager is None and not any(layer.is_initialized for layer in cache.layers)
+    if path == "accelerated":
+        assert steps == []
+    small = PagedCache(model.config, num_blocks=64)  # a size that fits is unaffected
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=tiny.PAD,
+                       **{CACHE_KWARG: small})
+    assert small.get_seq_length() > 0
+
+
+# --- 1,000 generate calls leave zero blocks allocated -----------------------------------------------
+
+
+def _assert_all_empty(caches, call):
+    for cache in caches:
+        stats = cache.memory_stats()
+        assert stats["blocks_allocated"] == 0 and stats["tokens_stored"] == 0, f"call {call}: {stats}"
+        assert cache.manager is None or cache.manager.num_free_blocks == cache.manager.num_blocks
+        assert cache.seq_ids == [] and all(layer.length == 0 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("loop", ["transformers", "default"])
+def test_thousand_generate_calls_leave_zero_blocks(loop, tiny, monkeypatch, one_thread):
+    model = accelerate(tiny.model("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=32), loop)
+    alive = weakref.WeakSet()  # every PagedCache made, by whichever path generate takes
+    init = PagedCache.__init__
+
+    def recording_init(self, *a, **kw):
+        init(self, *a, **kw)
+        alive.add(self)
+
+    monkeypatch.setattr(PagedCache, "__init__", recording_init)
+    rng = random.Random(0)
+    for i in range(1000):
+        lengths = tuple(rng.randint(1, 8) for _ in range(rng.randint(1, 3)))
+        ids, mask = tiny.batch(seed=i, lengths=lengths)
+        new = rng.randint(2, 3)
+        out = tiny.greedy(model, ids, mask, new)
+        assert out.shape == (len(lengths), max(lengths) + new)
+        assert len(alive) >= 1
+        _assert_all_empty(alive, i)
+        used = last_cache_stats(model)
+        assert used["blocks_allocated"] > 0
+        if loop == "transformers":
+            assert used["tokens_stored"] == len(lengths) * (max(lengths) + new - 1)
+        assert paged_cache_mod._active.step is None
+    if loop == "transformers":
+        gc.collect()
+        assert len(alive) == 0, f"{len(alive)} PagedCache objects still referenced after generate returned"
+
+
+def test_blocks_freed_when_generate_raises(tiny, monkeypatch):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Boom(LogitsProcessor):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("boom")
+            return scores
+
+    model = accelerate(tiny.model("llama", num_hidden_layers=1))
+    created = []
+
+    class Recording(PagedCache):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            created.append(self)
+
+    monkeypatch.setattr(gen_mod, "PagedCache", Recording)
+    ids, mask = tiny.batch(seed=1)
+    with pytest.raises(RuntimeError, match="boom"):
+        tiny.greedy(model, ids, mask, 6, logits_processor=LogitsProcessorList([Boom()]))
+    (cache,) = created
+    assert cache.memory_stats()["blocks_allocated"] == 0
+    assert last_cache_stats(model)["tokens_stored"] == 3 * (ids.shape[1] + 2)
+    assert paged_cache_mod._active.step is None
+
+
+# --- out of blocks ------------------------------------------------------------------------------------
+
+
+def test_out_of_blocks_in_decode_leaves_cache_unchanged(tiny):
+    model = accelerate(tiny.model("llama", seed=9))
+    ids, mask = tiny.batch(seed=9, lengths=(8, 5, 2))  # width 8 = 2 blocks of 4 per row
+    s = Stepper(model, PagedCache(model.config, num_blocks=6, block_size=4), ids, mask)
+    before = _state(s.cache)
+    with pytest.raises(OutOfBlocksError) as e:
+        s.step(_tokens(10, 3, 1))
+    assert (e.value.needed, e.value.available) == (3, 0)
+    assert "needed 3 more block(s) of 4 tokens" in str(e.value) and "0 free of 6" in str(e.value)
+    _assert_same_state(_state(s.cache), before)
+
+    # still usable: roll back one token and decode into the free slot of the last block
+    s.cache.crop(-1)
+    s.crop_mask(7)
+    x = _tokens(11, 3, 1)
+    got = s.step(x)
+    ref = Stepper(model, PagedCache(model.config, num_blocks=6, block_size=4), ids[:, :7], mask[:, :7])
+    torch.testing.assert_close(got, ref.step(x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["prefill", "decode"])
+def test_out_of_blocks_in_generate(case, tiny):
+    model = accelerate(tiny.model("qwen2", seed=9))
+    ids, mask = tiny.batch(seed=9, lengths=(11, 6, 3) if case == "prefill" else (8, 5, 2))
+    cache = PagedCache(model.config, num_blocks=4 if case == "prefill" else 6, block_size=4)
+    with pytest.raises(OutOfBlocksError) as e:
+        tiny.greedy(model, ids, mask, 4, **{CACHE_KWARG: cache})
+    needed, available = (9, 4) if case == "prefill" else (3, 0)
+    assert (e.value.needed, e.value.available) == (needed, available)
+    msg = str(e.value)
+    assert f"needed {needed} more block(s)" in msg and f"{available} free of {cache.manager.num_blocks}" in msg
+    stats = cache.memory_stats()
+    if case == "prefill":
+        assert cache.get_seq_length() == 0 and stats["blocks_allocated"] == 0
+    else:
+        assert cache.get_seq_length() == 8 and stats["blocks_allocated"] == 6 and stats["tokens_stored"] == 24
+    cache.manager.check()
+    cache.release()
+    assert cache.memory_stats()["blocks_allocated"] == 0
+
+
+# --- memory_stats --------------------------------------------------------------------------------------
+
+
+def test_memory_stats_fields(tiny):
+    model = accelerate(tiny.model("llama"))  # 2 layers, 2 KV heads, head_dim 16
+    cache = PagedCache(model.config, num_blocks=30, block_size=4)
+    assert cache.memory_stats() == {"blocks_allocated": 0, "num_blocks": 30, "tokens_stored": 0,
+                                    "slots_allocated": 0, "waste_pct": 0.0, "bytes_allocated": 0,
+                                    "bytes_reserved": 0}
+    ids, mask = tiny.batch(seed=1)  # width 11
+    s = Stepper(model, cache, ids, mask)
+    per_block = 2 * 2 * (4 * 2 * 16) * 4  # layers * (K+V) * slots * heads * d * fp32 bytes
+    stats = cache.memory_stats()
+    assert stats == {"blocks_allocated": 9, "num_blocks": 30, "tokens_stored": 33, "slots_allocated": 36,
+                     "waste_pct": pytest.approx(100 * 3 / 36), "bytes_allocated": 9 * per_block,
+                     "bytes_reserved": 30 * per_block}
+    s.step(_tokens(1, 3, 1))
+    stats = cache.memory_stats()
+    assert (stats["blocks_allocated"], stats["tokens_stored"], stats["waste_pct"]) == (9, 36, 0.0)
+    s.step(_tokens(2, 3, 1))
+    assert cache.memory_stats()["blocks_allocated"] == 12
+    cache.release()
+    stats = cache.memory_stats()
+    assert (stats["blocks_allocated"], stats["tokens_stored"], stats["bytes_allocated"]) == (0, 0, 0)
+    assert stats["bytes_reserved"] == 30 * per_block  # the pools stay allocated
+    assert cache.get_seq_length() == 0
+    # the sizing helper counts the same bytes
+    from hf_accel.cache.paged_cache import kv_block_bytes
+
+    assert kv_block_bytes(model.config, 4, torch.float32) == per_block
+    assert kv_block_bytes(model.config, 4, torch.bfloat16, num_layers=1) == per_block // 4
+
+
+def test_blocks_that_fit_in_cpu_memory(monkeypatch):
+    """On a CPU free memory is the system's available memory (90% of it); where it cannot be read, and on
+    devices other than CPU and CUDA, nothing is checked (None)."""
+    import hf_accel.cache.paged_cache as pc
+
+    assert pc.blocks_that_fit("cpu", 2048) > 0 and pc.free_kv_bytes("cpu") > 0  # this machine's (it changes)
+    monkeypatch.setattr(pc, "_available_system_memory", lambda: 10 * 2**20)
+    assert pc.free_kv_bytes("cpu") == 9 * 2**20 and pc.blocks_that_fit("cpu", 2**20) == 9
+    monkeypatch.setattr(pc, "_available_system_memory", lambda: None)
+    assert pc.free_kv_bytes("cpu") is None and pc.blocks_that_fit("cpu", 2048) is None
+    assert pc.free_kv_bytes("meta") is None
+
+
+def test_memory_stats_with_shared_blocks(tiny):
+    model = accelerate(tiny.model("llama"))
+    cache = PagedCache(model.config, num_blocks=30, block_size=4)
+    ids, mask = tiny.batch(seed=1)  # width 11: 3 blocks per row, the last one 3/4 full
+    Stepper(model, cache, ids, mask)
+    cache.reorder_cache(torch.tensor([0, 0, 0]))  # three beams share row 0's blocks
+    stats = cache.memory_stats()
+    assert (stats["blocks_allocated"], stats["slots_allocated"]) == (3, 12)
+    assert stats["waste_pct"] == pytest.approx(100 / 12)  # 11 tokens in 12 shared slots
+
+
+# --- a growable cache ------------------------------------------------------------------------------------
+
+
+def test_growable_cache_grows_and_keeps_its_contents(tiny, one_thread):
+    """A growable PagedCache of 2 blocks takes a prefill and steps far past them: the pools grow (the cached
+    K/V copied over), the logits equal those of a cache large enough from the start; a non-growable one
+    raises OutOfBlocksError, unchanged."""
+    model = accelerate(tiny.model("llama", seed=53))
+    ids, mask = tiny.batch(seed=54)
+    small = Stepper(model, PagedCache(model.config, num_blocks=2, block_size=4, growable=True), ids, mask)
+    big = Stepper(model, PagedCache(model.config, num_blocks=80, block_size=4), ids, mask)
+    for i in range(6):
+        x = _tokens(55 + i, 3, 1 + i % 3)
+        torch.testing.assert_close(small.step(x), big.step(x), rtol=0, atol=1e-5)
+        small.cache.manager.check()
+    assert small.cache.manager.num_blocks > 2
+    assert small.cache.memory_stats()["num_blocks"] == small.cache.manager.num_blocks
+    fixed = PagedCache(model.config, num_blocks=2, block_size=4)
+    with pytest.raises(OutOfBlocksError, match="needed"):
+        Stepper(model, fixed, ids, mask)
+    assert fixed.memory_stats()["blocks_allocated"] == 0
