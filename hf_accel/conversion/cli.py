@@ -47,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which heads share a group: adjacent (paper) or similarity (calibrated)")
     parser.add_argument("--out", required=True, help="output directory for the converted checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty --out directory")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16; auto: bf16 on CUDA, else fp32")
+    parser.add_argument("--dtype", default="auto",
+                        help="float32, bfloat16 or float16: the conversion runs in it and the checkpoint is written "
+                             "in it; auto: runs in bf16 on CUDA, else fp32, and writes the checkpoint in the source "
+                             "checkpoint's dtype (its config's dtype; for a GGUF, the dtype it ran in)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto: cuda when present (default)")
     parser.add_argument("--calibration-file", default=None,
                         help="UTF-8 text for the calibrated methods and the recovery fine-tune "
@@ -126,9 +129,12 @@ def _write_checkpoint(model, tokenizer, out: Path) -> None:
     """``save_pretrained`` of the model and the tokenizer into ``out``. If that fails in any way, what this
     call created is removed before the error propagates: the directories it made (``out`` and its missing
     parents), or else the entries it added to an existing ``out`` (files replaced under ``--overwrite`` stay
-    replaced); no empty or half-written output is left behind."""
+    replaced); no empty or half-written output is left behind. An earlier sharded checkpoint's index that the
+    new single-file checkpoint did not replace is removed (its shards are gone)."""
     created = [p for p in (out, *out.parents) if not p.exists()]  # out first, then its missing parents
     existing = set() if created else set(out.iterdir())
+    index = out / "model.safetensors.index.json"  # an earlier sharded checkpoint's, under --overwrite
+    index_before = index.stat() if index.is_file() else None
     out.mkdir(parents=True, exist_ok=True)
     try:
         model.save_pretrained(out)
@@ -143,6 +149,22 @@ def _write_checkpoint(model, tokenizer, out: Path) -> None:
                 else:
                     entry.unlink(missing_ok=True)
         raise
+    if index_before is not None and (out / "model.safetensors").is_file():
+        now = index.stat() if index.is_file() else None
+        if now is not None and (now.st_ino, now.st_mtime_ns) == (index_before.st_ino, index_before.st_mtime_ns):
+            index.unlink()  # not rewritten: it names the old shards (transformers removed them), not this file
+
+
+def _config_dtype(config):
+    """The torch dtype a checkpoint's config names (``dtype``, or ``torch_dtype`` in older configs) if it is
+    float32, bfloat16 or float16; else None (a GGUF's config names none)."""
+    for name in ("dtype", "torch_dtype"):
+        value = getattr(config, name, None)
+        if isinstance(value, str):
+            value = getattr(torch, value, None)
+        if value in (torch.float32, torch.bfloat16, torch.float16):
+            return value
+    return None
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -165,7 +187,9 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 
 def _run(args) -> int:
-    from hf_accel.conversion.gqa import _check_model, check_num_kv_heads, convert_to_gqa, kv_head_choices
+    from hf_accel.conversion.gqa import (PCA_UNSUPPORTED, _check_model, check_num_kv_heads, convert_to_gqa,
+                                         kv_head_choices)
+    from hf_accel.conversion.pooling import CALIBRATED_METHODS
     from hf_accel.conversion.recovery import recover_with_lora
     from hf_accel.evaluation import calibration_text, evaluation_ids
     from hf_accel.models.loading import load_config, load_model
@@ -214,6 +238,14 @@ def _run(args) -> int:
     elif max_pos and args.context_length > max_pos:  # windows past the trained positions: meaningless perplexity
         raise CliError(f"--context-length {args.context_length} is more than the model's {max_pos} positions "
                        "(max_position_embeddings)")
+    if args.method == "pca" and getattr(config, "model_type", None) in PCA_UNSUPPORTED:  # before the model loads
+        raise CliError(f"--method pca does not support model_type {config.model_type!r} (its per-head q/k norms "
+                       "undo the query-side compensation); use --method mean, norm or activation")
+    calibrated = args.method in CALIBRATED_METHODS or args.grouping == "similarity"
+    if calibrated and args.calibration_tokens < args.context_length:
+        raise CliError(f"--calibration-tokens {args.calibration_tokens} is less than --context-length "
+                       f"{args.context_length}: the calibration reads whole windows of --context-length tokens")
+    source_dtype = _config_dtype(config) if args.dtype == "auto" else None
     t0 = time.perf_counter()
     model, tokenizer = load_model(model_arg, dtype=dtype, device=device)
     _check_model(model)  # a model type the conversion does not take: its one-line error before anything else
@@ -248,7 +280,16 @@ def _run(args) -> int:
               f"{stats.last_loss:.3f}", file=sys.stderr)
     after = _measure(model, tokenizer, eval_ids, args, device)
 
-    _write_checkpoint(model, tokenizer, out)
+    if source_dtype is not None and source_dtype != model.dtype:
+        model.to(source_dtype)
+        print(f"writing the checkpoint in {str(source_dtype).replace('torch.', '')} (the source checkpoint's dtype; "
+              f"the conversion ran in {dtype})", file=sys.stderr)
+    try:
+        _write_checkpoint(model, tokenizer, out)
+    except (CliError, OSError):
+        raise
+    except Exception as e:  # noqa: BLE001 (safetensors' SafetensorError on a full disk is not an OSError)
+        raise CliError(f"could not write the checkpoint to {str(out)!r}: {type(e).__name__}: {e}") from None
     label = (f"perplexity (pydoc, {eval_ids.shape[1]} tok)" if eval_ids is not None else "perplexity (skipped)")
     print(format_table(before, after, label, not device.startswith("cuda")))
     print(f"wrote {out} (method={args.method}, grouping={args.grouping}"

@@ -262,3 +262,88 @@ def test_a_bad_device_is_named_before_loading(device, message, tmp_path, capsys,
     assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--out", str(tmp_path / "o"),
                  "--device", device]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"hf-accel convert-gqa: error: {message}"
+
+
+def _tiny_dir(path, model_type="llama", dtype=torch.float32, **extra):
+    model = build(model_type, num_heads=4, num_kv_heads=4, head_dim=8, layers=2, dtype=dtype, **extra)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+def test_pca_on_qwen3_and_too_few_calibration_tokens_are_refused_before_the_weights_load(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Both follow from the config and the flags alone; before, the model loaded and its perplexity ran first, and
+    too few calibration tokens were reported as a calibration text that was too short."""
+    import hf_accel.models.loading as loading
+
+    qwen3 = _tiny_dir(tmp_path / "qwen3", "qwen3")
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    rc = main(["--model", str(qwen3), "--num-kv-heads", "2", "--method", "pca", "--out", str(tmp_path / "o"), *ARGS])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and err == ("hf-accel convert-gqa: error: --method pca does not support model_type 'qwen3' (its "
+                               "per-head q/k norms undo the query-side compensation); use --method mean, norm or "
+                               "activation")
+    llama = _tiny_dir(tmp_path / "llama")
+    for method in ("activation", "pca"):
+        rc = main(["--model", str(llama), "--num-kv-heads", "2", "--method", method, "--out", str(tmp_path / "o"),
+                   "--context-length", "64", "--calibration-tokens", "63", "--device", "cpu"])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert rc == 2 and err == ("hf-accel convert-gqa: error: --calibration-tokens 63 is less than "
+                                   "--context-length 64: the calibration reads whole windows of --context-length "
+                                   "tokens")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_auto_dtype_writes_the_source_checkpoints_dtype(dtype, tmp_path, capsys):
+    """--dtype auto runs in float32 on a CPU and writes the checkpoint in its source's dtype (before: a float16 or
+    bfloat16 checkpoint came back as float32, twice the size); an explicit --dtype writes that dtype."""
+    src = _tiny_dir(tmp_path / "src", dtype=dtype)
+    out = tmp_path / "out"
+    rc = main(["--model", str(src), "--num-kv-heads", "2", "--out", str(out), "--eval-tokens", "0", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    name = str(dtype).replace("torch.", "")
+    assert f"writing the checkpoint in {name} (the source checkpoint's dtype; the conversion ran in float32)" in err
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.dtype == dtype and loaded.model.layers[0].self_attn.k_proj.weight.dtype == dtype
+    out32 = tmp_path / "out32"
+    assert main(["--model", str(src), "--num-kv-heads", "2", "--out", str(out32), "--eval-tokens", "0",
+                 "--device", "cpu", "--dtype", "float32"]) == 0
+    assert AutoModelForCausalLM.from_pretrained(out32).model.layers[0].self_attn.k_proj.weight.dtype == torch.float32
+
+
+def test_overwrite_removes_an_earlier_sharded_checkpoints_index(model_dir, tmp_path, capsys):
+    """--overwrite into a folder with a sharded checkpoint: transformers removes the old shards; their index, which
+    the single-file checkpoint does not replace, goes too (it named files that are gone)."""
+    out = tmp_path / "out"
+    AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(out, max_shard_size="20KB")
+    assert (out / "model.safetensors.index.json").is_file()
+    rc = main(["--model", str(model_dir), "--num-kv-heads", "2", "--out", str(out), "--overwrite",
+               "--eval-tokens", "0", "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
+    assert not list(out.glob("model-*-of-*.safetensors"))
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_key_value_heads == 2
+
+
+def test_a_write_error_that_is_not_an_oserror_is_one_line_and_exit_2(model_dir, tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as its own SafetensorError, not an OSError: one line, exit 2, no traceback,
+    and no half-written output."""
+    from transformers import PreTrainedModel
+
+    class SafetensorError(Exception):  # stands in for safetensors' (a Rust exception type)
+        pass
+
+    def fail(self, *args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", fail)
+    out = tmp_path / "new" / "out"
+    rc = main(["--model", str(model_dir), "--num-kv-heads", "2", "--out", str(out), "--eval-tokens", "0",
+               "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == (f"hf-accel convert-gqa: error: could not write the checkpoint to {str(out)!r}: "
+                                   "SafetensorError: Error while serializing: I/O error: No space left on device "
+                                   "(os error 28)")
+    assert not (tmp_path / "new").exists()
