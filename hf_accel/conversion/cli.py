@@ -284,11 +284,11 @@ def _run(args) -> int:
         model.to(source_dtype)
         print(f"writing the checkpoint in {str(source_dtype).replace('torch.', '')} (the source checkpoint's dtype; "
               f"the conversion ran in {dtype})", file=sys.stderr)
+    from safetensors import SafetensorError
+
     try:
         _write_checkpoint(model, tokenizer, out)
-    except (CliError, OSError):
-        raise
-    except Exception as e:  # noqa: BLE001 (safetensors' SafetensorError on a full disk is not an OSError)
+    except SafetensorError as e:  # safetensors' I/O errors (a full disk, ...) are not OSErrors
         raise CliError(f"could not write the checkpoint to {str(out)!r}: {type(e).__name__}: {e}") from None
     label = (f"perplexity (pydoc, {eval_ids.shape[1]} tok)" if eval_ids is not None else "perplexity (skipped)")
     print(format_table(before, after, label, not device.startswith("cuda")))
