@@ -7,6 +7,7 @@ at the end, the comparison summary. Every error ends as a one-line message next 
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import itertools
 import logging
@@ -17,7 +18,8 @@ import torch
 from features import Feature, available_features, enabled_features
 from measurements import kv_plot_rows, stats_html, summary_text
 from model_runs import DEFAULT_MODEL_LABEL, DeviceInfo, ModelStore, PaneRun
-from request import DECODING, MAX_NEW_TOKENS, RUN_MODES, first_line, generate_kwargs, validate_request
+from request import (DECODING, MAX_NEW_TOKENS, RUN_MODES, cap_to_context, first_line, generate_kwargs,
+                     validate_request)
 
 log = logging.getLogger("hf_accel.demo")
 
@@ -207,6 +209,14 @@ def run_comparison(store: ModelStore, feats, model_path, prompt_text, n_new, dec
     else:
         text = prompt
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(store.device.device)
+    config = stock_model.config.get_text_config()
+    try:
+        n_new, cap_note = cap_to_context(settings.max_new_tokens, int(inputs["input_ids"].shape[-1]),
+                                         getattr(config, "max_position_embeddings", None))
+    except ValueError as e:
+        yield out(st(str(e), "error"))
+        return
+    settings = dataclasses.replace(settings, max_new_tokens=n_new)
     kw = generate_kwargs(settings, tokenizer.pad_token_id)
     if not all(r.done.is_set() for r in store.last_runs):
         yield out(st("Waiting for the previous generation to finish…"))
@@ -230,7 +240,7 @@ def run_comparison(store: ModelStore, feats, model_path, prompt_text, n_new, dec
             runs[k].start()
     else:
         runs[STOCK].start()
-    running_msg = f"Generating ({how}, {settings.max_new_tokens} new tokens max)…"
+    running_msg = f"Generating ({how}, {settings.max_new_tokens} new tokens max{'; ' + cap_note if cap_note else ''})…"
     while not all(r.done.is_set() for r in runs.values()):
         if not runs[ACCEL].started and runs[STOCK].done.is_set():
             runs[ACCEL].start()

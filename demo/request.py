@@ -55,6 +55,22 @@ def validate_request(prompt, max_new_tokens, decoding, temperature, top_p, run_m
     return text, GenSettings(n, do_sample, temperature, top_p, run_mode)
 
 
+def cap_to_context(max_new_tokens: int, prompt_len: int, max_positions) -> tuple[int, str | None]:
+    """``max_new_tokens`` capped where prompt + answer would run past the model's ``max_positions``
+    (``max_position_embeddings``; None: not capped), and a note saying so (None when not capped). Both panes
+    would otherwise generate past the positions the model was trained for, as the CLI's cap avoids too.
+
+    Raises:
+        ValueError: the prompt alone fills the context (the page message)."""
+    if not max_positions or prompt_len + max_new_tokens <= max_positions:
+        return max_new_tokens, None
+    if prompt_len >= max_positions:
+        raise ValueError(f"The prompt ({prompt_len} tokens) fills the model's context ({max_positions} positions)")
+    n = max_positions - prompt_len
+    return n, (f"capped to {n} new tokens: the {prompt_len}-token prompt and {max_new_tokens} new tokens would run "
+               f"past the model's context of {max_positions} positions")
+
+
 def generate_kwargs(settings: GenSettings, pad_token_id) -> dict:
     kw = dict(max_new_tokens=settings.max_new_tokens, do_sample=settings.do_sample, pad_token_id=pad_token_id)
     if settings.do_sample:
