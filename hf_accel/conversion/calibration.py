@@ -31,10 +31,14 @@ def calibration_windows(input_ids: torch.Tensor, context_length: int, max_tokens
         [windows, context_length] int64.
 
     Raises:
-        ValueError: fewer than ``context_length`` tokens, or a non-positive length.
+        ValueError: fewer than ``context_length`` tokens, a non-positive length, or ids of another shape than
+            [n] / [1, n] (several rows would be read as one text, windows running across their boundaries).
     """
     if context_length < 1 or max_tokens < 1:
         raise ValueError(f"context_length and max_tokens must be >= 1; got {context_length}, {max_tokens}")
+    if not (input_ids.dim() == 1 or (input_ids.dim() == 2 and input_ids.shape[0] == 1)):
+        raise ValueError(f"calibration token ids must be one text, [n] or [1, n]; got shape {tuple(input_ids.shape)} "
+                         "(join the texts into one, or pass one)")
     ids = input_ids.reshape(-1)
     windows = min(ids.numel(), max_tokens) // context_length
     if windows == 0:

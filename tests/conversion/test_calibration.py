@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -98,6 +99,10 @@ def test_calibration_windows():
     ids = torch.arange(100)
     assert calibration_windows(ids, 30, 1000).shape == (3, 30)
     assert calibration_windows(ids[None], 30, 70).shape == (2, 30)
+    for shape in ((2, 50), (1, 1, 100)):  # several rows are not read as one text across their boundary
+        with pytest.raises(ValueError, match=re.escape(f"calibration token ids must be one text, [n] or [1, n]; "
+                                                       f"got shape {shape}")):
+            calibration_windows(ids.reshape(shape), 30, 1000)
     with pytest.raises(ValueError, match="at least context_length"):
         calibration_windows(ids, 200, 1000)
 
