@@ -1,0 +1,173 @@
+"""The public API's exports, and what accelerate_model / revert_model refuse.
+
+Objects that are not transformers models, unsupported model types (the error lists the supported ones), unknown
+or positional options, reverting a model never accelerated; and a failed accelerate_model changes nothing: a
+refused draft model leaves both models as they were, and an error raised after patching began is undone (LoRA
+unmerged bit for bit, attention and generate restored, the draft reverted).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft_lora_models import _lora_layers, _lora_model
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import hf_accel
+from hf_accel import SUPPORTED_MODEL_TYPES, accelerate_model, is_accelerated, revert_model
+
+
+def test_public_api_exports():
+    for name in ("accelerate_model", "revert_model", "is_accelerated", "SUPPORTED_MODEL_TYPES"):
+        assert hasattr(hf_accel, name)
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "obj", [object(), torch.nn.Linear(4, 4), "llama", None, {"model_type": "llama"}],
+    ids=["object", "nn.Module", "str", "None", "dict"],
+)
+def test_non_hf_object_raises_type_error(obj):
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        accelerate_model(obj)
+    with pytest.raises(TypeError):
+        revert_model(obj)
+    assert not is_accelerated(obj)
+
+
+def _assert_lists_supported(message: str):
+    assert set(SUPPORTED_MODEL_TYPES) >= {"llama", "mistral", "qwen2", "qwen3"}
+    for name in SUPPORTED_MODEL_TYPES:
+        assert name in message, f"{name!r} missing from: {message}"
+
+
+def test_unsupported_model_type_gpt2():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)).eval()
+    impl = model.config._attn_implementation
+    with pytest.raises(ValueError, match="gpt2") as err:
+        accelerate_model(model)
+    _assert_lists_supported(str(err.value))
+    assert model.config._attn_implementation == impl
+    assert not is_accelerated(model)
+
+
+def test_unsupported_model_type_name_on_a_llama_class(tiny):
+    model = tiny.model("llama")
+    model.config.model_type = "phi"
+    with pytest.raises(ValueError, match="phi") as err:
+        accelerate_model(model)
+    _assert_lists_supported(str(err.value))
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unknown_or_positional_option_raises_type_error(tiny):
+    model = tiny.model("llama")
+    with pytest.raises(TypeError):
+        accelerate_model(model, not_an_option=True)
+    with pytest.raises(TypeError):
+        accelerate_model(model, True)  # options are keyword-only
+    assert not is_accelerated(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_revert_of_a_model_never_accelerated(tiny):
+    with pytest.raises(ValueError, match="not accelerated"):
+        revert_model(tiny.model("llama"))
+
+
+# --- a failed accelerate_model changes nothing ------------------------------------------------------
+
+
+def _state(tiny, model, ids, mask) -> dict:
+    """What a failed accelerate_model must leave as it was: acceleration, attention implementation, the
+    instance's attributes (generate, hf-accel state), every parameter bit for bit, LoRA merge flags, logits."""
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {
+        "accelerated": is_accelerated(model),
+        "attn": hf_model.config._attn_implementation,
+        "attributes": set(vars(hf_model)),
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "merged": [layer.merged for layer in _lora_layers(model)] if hf_model is not model else None,
+        "logits": tiny.logits(model, ids, mask),
+    }
+
+
+def _assert_unchanged(before: dict, after: dict) -> None:
+    for key in ("accelerated", "attn", "merged"):
+        assert after[key] == before[key], key
+    assert after["attributes"] == before["attributes"], after["attributes"] ^ before["attributes"]
+    assert after["params"].keys() == before["params"].keys()
+    for name, p in after["params"].items():
+        assert torch.equal(p, before["params"][name]), name
+    assert torch.equal(after["logits"], before["logits"])
+
+
+DRAFT_FAULTS = {  # how the draft is broken, what the error names
+    "float64": (lambda draft: draft.to(torch.float64), "draft model.*dtype torch.float64"),
+    "training": (lambda draft: draft.train(), "draft model.*training mode"),
+    "accelerated-without-fast-decode": (lambda draft: accelerate_model(draft, paged_cache=False),
+                                        "draft model.*without fast_decode"),
+}
+
+
+@pytest.mark.parametrize("target_kind", ["plain", "lora"])
+@pytest.mark.parametrize("fault", list(DRAFT_FAULTS))
+def test_refused_draft_changes_neither_model(tiny, fault, target_kind):
+    """A draft model accelerate_model refuses (a dtype the kernels do not take, training mode, accelerated by
+    the caller without the fast decode step) raises an error naming the fault and leaves both models as they
+    were: the target (a LoRA one too) not accelerated, unmerged, same attention, attributes, weights, logits
+    and greedy tokens; the draft not accelerated by the call (one the caller had accelerated stays so)."""
+    target = tiny.model("llama", seed=20) if target_kind == "plain" else _lora_model(tiny, seed=20)
+    draft = tiny.model("llama", seed=21, num_hidden_layers=1)
+    break_draft, message = DRAFT_FAULTS[fault]
+    break_draft(draft)
+    ids, mask = tiny.batch(seed=22)
+    target_before, draft_before = _state(tiny, target, ids, mask), _state(tiny, draft, ids, mask)
+    stock = tiny.greedy(target, ids, mask)
+    with pytest.raises(ValueError, match=message):
+        accelerate_model(target, speculative=draft)
+    assert not is_accelerated(target)
+    assert is_accelerated(draft) == (fault == "accelerated-without-fast-decode")
+    _assert_unchanged(target_before, _state(tiny, target, ids, mask))
+    _assert_unchanged(draft_before, _state(tiny, draft, ids, mask))
+    assert torch.equal(tiny.greedy(target, ids, mask), stock)
+
+
+@pytest.mark.parametrize("fault", ["target-engine", "draft-step"])
+def test_failure_after_patching_began_is_undone(tiny, monkeypatch, fault):
+    """An error raised after accelerate_model began to change the models (injected here: building the
+    target's decode engine fails after the LoRA merge and the attention switch; or the draft's decode step
+    is refused after the draft was accelerated) propagates after everything is undone: LoRA unmerged with
+    the base weights bit for bit, attention and generate restored, the draft reverted."""
+    from hf_accel.engine.fast_generate import FastEngine
+
+    target = _lora_model(tiny, seed=23)
+    draft = tiny.model("llama", seed=24, num_hidden_layers=1)
+    if fault == "target-engine":
+        original_init = FastEngine.__init__
+
+        def init(self, model, *args, **kwargs):
+            if model is target.get_base_model():
+                raise RuntimeError("injected: out of memory")
+            original_init(self, model, *args, **kwargs)
+
+        monkeypatch.setattr(FastEngine, "__init__", init)
+        error, message = RuntimeError, "injected"
+    else:
+        original_reason = FastEngine._model_reason
+
+        def reason(self):
+            return "injected" if self.model is draft and is_accelerated(draft) else original_reason(self)
+
+        monkeypatch.setattr(FastEngine, "_model_reason", reason)
+        error, message = ValueError, "draft model.*injected"
+    ids, mask = tiny.batch(seed=25)
+    target_before, draft_before = _state(tiny, target, ids, mask), _state(tiny, draft, ids, mask)
+    with pytest.raises(error, match=message):
+        accelerate_model(target, speculative=draft)
+    assert not is_accelerated(target) and not is_accelerated(draft)
+    _assert_unchanged(target_before, _state(tiny, target, ids, mask))
+    _assert_unchanged(draft_before, _state(tiny, draft, ids, mask))

@@ -1,0 +1,316 @@
+"""accelerate_model on a peft PeftModel with LoRA adapters (tiny random llama, float32, CPU).
+
+The adapters are merged and give stock peft's tokens, and revert restores the base weights exactly; peft's calls
+after accelerating (unload, training, adapter calls, state dicts, weight changes while merged) revert hf-accel
+first where needed and give what stock peft gives; a wrapped input embedding runs on the fast path; adapters the
+caller merged stay merged; unmerged (merge_lora=False) and disabled adapters are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft_lora_models import _lora_layers, _lora_model
+
+import hf_accel.integrations.attention as hf_attn
+from hf_accel import accelerate_model, is_accelerated, revert_model
+
+
+# --- peft -----------------------------------------------------------------------------------------
+
+
+def test_peft_lora_is_merged_and_matches(tiny, attention_spy):
+    peft_model = _lora_model(tiny, seed=12)
+    ids, mask = tiny.batch(seed=13)
+    with peft_model.disable_adapter():
+        no_adapter = tiny.logits(peft_model, ids, mask)
+    before = tiny.logits(peft_model, ids, mask)
+    valid = mask.bool()
+    assert (before[valid] - no_adapter[valid]).abs().max() > 1e-2  # the adapter changes the output
+    stock = tiny.greedy(peft_model, ids, mask)
+
+    spy = attention_spy()
+    assert accelerate_model(peft_model) is peft_model
+    assert is_accelerated(peft_model)
+    assert all(layer.merged for layer in _lora_layers(peft_model))
+    assert peft_model.get_base_model().config._attn_implementation == hf_attn.ATTN_NAME
+    assert torch.equal(tiny.greedy(peft_model, ids, mask), stock)
+    assert spy.kernel_calls > 0 and spy.fallbacks == []
+    torch.testing.assert_close(tiny.logits(peft_model, ids, mask)[valid], before[valid], atol=1e-4, rtol=1e-4)
+
+    revert_model(peft_model)
+    assert not is_accelerated(peft_model)
+    assert not any(layer.merged for layer in _lora_layers(peft_model))
+    assert peft_model.get_base_model().config._attn_implementation == "sdpa"
+    torch.testing.assert_close(tiny.logits(peft_model, ids, mask), before, atol=1e-5, rtol=1e-5)
+
+
+def test_peft_revert_restores_base_weights_exactly(tiny):
+    peft_model = _lora_model(tiny, seed=14)
+    base_weights = {n: p.detach().clone() for n, p in peft_model.named_parameters() if "base_layer" in n}
+    assert base_weights
+    accelerate_model(peft_model)
+    revert_model(peft_model)
+    for name, p in peft_model.named_parameters():
+        if name in base_weights:
+            assert torch.equal(p, base_weights[name]), name
+
+
+@pytest.mark.parametrize("leave", ["unload", "merge_and_unload", "tuner_unload"])
+def test_peft_unload_after_accelerating_gives_what_peft_gives(leave, tiny, hf_log):
+    """peft's unload() keeps the base weights as they are: hf-accel's merge is undone first (logged), so the
+    base model comes back exactly (merge_and_unload: LoRA merged by peft itself), not accelerated."""
+    stock = _lora_model(tiny, seed=16)
+    ours = copy.deepcopy(stock)
+    ids, mask = tiny.batch(seed=17)
+    want = getattr(stock.base_model if leave == "tuner_unload" else stock, leave.replace("tuner_", ""))()
+    accelerate_model(ours)
+    got = getattr(ours.base_model if leave == "tuner_unload" else ours, leave.replace("tuner_", ""))()
+    assert not is_accelerated(got)
+    for (name, a), b in zip(got.state_dict().items(), want.state_dict().values()):
+        if leave.endswith("unload") and leave != "merge_and_unload":
+            assert torch.equal(a, b), name  # the base weights bit for bit
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+    assert torch.equal(tiny.greedy(got, ids, mask), tiny.greedy(want, ids, mask))
+    assert [r for r in hf_log.records if "on a PeftModel whose LoRA adapters hf-accel merged" in r.getMessage()]
+
+
+@pytest.mark.parametrize("how", ["train", "eval_with_autograd"])
+def test_peft_training_after_accelerating_trains_the_adapters(how, tiny, hf_log):
+    """Merged adapters get no gradient: train() (or a forward with autograd while LoRA parameters require grad)
+    reverts hf-accel first, logged, and the LoRA gradients equal stock peft's."""
+    stock = _lora_model(tiny, seed=18)
+    ours = copy.deepcopy(stock)
+    ids, mask = tiny.batch(seed=19)
+    accelerate_model(ours)
+    grads = []
+    for m in (stock, ours):
+        if how == "train":
+            m.train()
+        m(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if "lora_" in n})
+    assert grads[0] and all(g is not None for g in grads[1].values())
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+    assert not is_accelerated(ours)
+    assert [r for r in hf_log.records if "on a PeftModel whose LoRA adapters hf-accel merged" in r.getMessage()]
+    ours.eval()
+    accelerate_model(ours)  # and back to inference
+    assert is_accelerated(ours) and torch.equal(tiny.greedy(ours, ids, mask), tiny.greedy(stock.eval(), ids, mask))
+
+
+def test_peft_without_merge_is_refused(tiny):
+    peft_model = _lora_model(tiny, seed=15)
+    with pytest.raises(ValueError, match="merge_lora"):
+        accelerate_model(peft_model, merge_lora=False)
+    assert not is_accelerated(peft_model)
+    assert not any(layer.merged for layer in _lora_layers(peft_model))
+
+
+# --- peft calls while the adapters are merged ----------------------------------------------------------
+
+
+def _peft_pair(tiny, seed):
+    stock = _lora_model(tiny, seed=seed)
+    return stock, accelerate_model(copy.deepcopy(stock))
+
+
+def _reverted_logged(hf_log, what):
+    return [r for r in hf_log.records if what in r.getMessage() and "reverted hf-accel first" in r.getMessage()]
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "set_peft_model_state_dict", "lora_in_place", "lora_data",
+                                    "scale_layer", "base_in_place", "base_data", "set_adapter"])
+def test_peft_weights_changed_while_merged_give_what_stock_gives(change, tiny, hf_log):
+    """The merged weights go stale when the adapters or the merged base weights change: hf-accel reverts first
+    (load_state_dict: before anything loads) or at the next call (logged), and a base-weight edit survives."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft.tuners.lora import LoraLayer
+
+    stock, ours = _peft_pair(tiny, seed=20)
+    other = _lora_model(tiny, seed=21)
+    ids, mask = tiny.batch(seed=22)
+    for m in (stock, ours):
+        with torch.no_grad():
+            if change == "load_state_dict":
+                m.load_state_dict(other.state_dict())
+            elif change == "set_peft_model_state_dict":
+                set_peft_model_state_dict(m, get_peft_model_state_dict(other))
+            elif change == "lora_in_place":
+                for n, p in m.named_parameters():
+                    if "lora_B" in n:
+                        p.mul_(3)
+            elif change == "lora_data":  # through .data: no in-place version bump
+                for n, p in m.named_parameters():
+                    if "lora_B" in n:
+                        p.data.mul_(3)
+            elif change == "scale_layer":
+                for layer in m.modules():
+                    if isinstance(layer, LoraLayer):
+                        layer.scale_layer(0.0)
+            elif change == "set_adapter":  # peft unmerges the merged adapter (through .data), then switches
+                from peft import LoraConfig
+
+                torch.manual_seed(5)  # the new adapter's A is drawn at random
+                m.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+                for n, p in m.named_parameters():
+                    if "lora_B.b" in n:
+                        p.copy_(torch.linspace(-0.3, 0.3, p.numel()).view_as(p))
+                m.set_adapter("b")
+            elif change == "base_data":
+                m.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.data.add_(0.05)
+            else:
+                m.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.add_(0.05)
+    want = tiny.greedy(stock, ids, mask)
+    assert not torch.equal(want, tiny.greedy(_lora_model(tiny, seed=20), ids, mask))  # the change matters
+    assert torch.equal(tiny.greedy(ours, ids, mask), want)
+    assert not is_accelerated(ours) and _reverted_logged(hf_log, "")
+    for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_peft_state_dict_while_merged_holds_the_unmerged_weights(tiny, hf_log):
+    """state_dict() of an accelerated PeftModel (what save / torch.save write) holds the weights as without
+    hf-accel (a reload applied LoRA twice). A merged base weight given other storage with the same values (as the
+    fused step's merged projections do to plain projections) is no change: calls do not revert, and
+    revert_model stays exact."""
+    stock, ours = _peft_pair(tiny, seed=23)
+    ids, mask = tiny.batch(seed=24)
+    want = tiny.greedy(stock, ids, mask, max_new_tokens=4)
+    assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=4), want)
+    q_weight = ours.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    q_weight.data = q_weight.data.clone()  # same values, other storage
+    assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=4), want)
+    assert is_accelerated(ours) and not _reverted_logged(hf_log, "")
+    got = ours.state_dict()
+    for name, value in stock.state_dict().items():
+        assert torch.equal(got[name], value), name
+    reloaded = _lora_model(tiny, seed=99)
+    reloaded.load_state_dict(got)
+    assert torch.equal(tiny.greedy(reloaded, ids, mask, max_new_tokens=4), want)
+    revert_model(ours)
+    for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("call", ["set_adapter", "disable_adapter", "add_adapter", "delete_adapter", "load_adapter",
+                                  "unmerge_adapter", "disable_adapter_layers"])
+def test_peft_adapter_calls_revert_first_and_keep_the_base_weights_exact(call, tiny, hf_log, tmp_path):
+    """peft's adapter calls unmerge a merged adapter by subtracting its delta, which leaves float rounding in the
+    base weights: on an accelerated PeftModel they revert hf-accel first (logged), which copies the base weights
+    back bit for bit, so the model's tokens and state dict equal stock peft's exactly."""
+    from peft import LoraConfig
+
+    def add(m, name, seed):
+        torch.manual_seed(seed)  # the new adapter's A is drawn at random
+        m.add_adapter(name, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if f"lora_B.{name}" in n:
+                    p.copy_(torch.linspace(-0.3, 0.3, p.numel()).view_as(p))
+
+    stock = _lora_model(tiny, seed=25)
+    add(stock, "b", seed=26)
+    ours = accelerate_model(copy.deepcopy(stock))
+    _lora_model(tiny, seed=27).save_pretrained(tmp_path)
+    ids, mask = tiny.batch(seed=28)
+    assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=4), tiny.greedy(stock, ids, mask, max_new_tokens=4))
+    assert all(layer.merged for layer in _lora_layers(ours))  # hf-accel holds the adapter merged
+    outs = []
+    for m in (stock, ours):
+        if call == "disable_adapter":
+            with m.disable_adapter():
+                outs.append(tiny.greedy(m, ids, mask, max_new_tokens=4))
+        else:
+            if call == "add_adapter":
+                add(m, "c", seed=29)
+            elif call == "load_adapter":
+                m.load_adapter(str(tmp_path), adapter_name="c")
+            elif call == "set_adapter":
+                m.set_adapter("b")
+            elif call == "delete_adapter":
+                m.delete_adapter("b")
+            else:
+                getattr(m.base_model, call)()
+            outs.append(tiny.greedy(m, ids, mask, max_new_tokens=4))
+    assert torch.equal(outs[1], outs[0])
+    assert not is_accelerated(ours) and _reverted_logged(hf_log, f"{call}()")
+    got = ours.state_dict()
+    assert got.keys() == stock.state_dict().keys()
+    for name, value in stock.state_dict().items():
+        assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("wrap", ["lora_on_embed_tokens", "trainable_tokens"])
+def test_peft_wrapped_embedding_gives_stock_tokens_on_the_fast_path(wrap, tiny, hf_log):
+    """peft wraps the input embedding when LoRA or trainable tokens target it (``lora.Embedding``,
+    ``TrainableTokensWrapper``, neither with ``num_embeddings``): generate takes the fast path with the wrapped
+    embedding's rows and gives stock peft's tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny.model("llama", seed=30)
+    if wrap == "trainable_tokens":
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 4, 5, 6])
+    else:
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"])
+    stock = get_peft_model(base, config).eval()
+    torch.manual_seed(31)
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name or "trainable_tokens_delta" in name:
+                p.normal_(0.0, 0.5)
+    ours = accelerate_model(copy.deepcopy(stock))
+    ids, mask = tiny.batch(seed=32)
+    ids = ids.masked_fill((ids > 6) & (torch.arange(ids.shape[1]) % 3 == 0), 4)  # the trained tokens in the prompt
+    want = tiny.greedy(stock, ids, mask)
+    with stock.disable_adapter():
+        assert not torch.equal(tiny.greedy(stock, ids, mask), want)  # the wrapped embedding matters
+    assert torch.equal(tiny.greedy(ours, ids, mask), want)
+    assert is_accelerated(ours)
+    assert [r for r in hf_log.records if "generate runs the fast decode path" in r.getMessage()]
+
+
+@pytest.mark.parametrize("leave", ["revert_model", "merge_and_unload", "unmerge_adapter"])
+def test_peft_adapters_the_caller_merged_stay_merged_after_revert(leave, tiny, hf_log):
+    """A caller's own merge_adapter() before accelerate_model: revert (and the calls that revert first) leave the
+    adapters merged as found, flags and weights (peft's unmerge cleared the flags while the copied-back weights
+    still held the merge: LoRA applied twice afterwards)."""
+    stock = _lora_model(tiny, seed=33)
+    stock.merge_adapter()
+    ours = copy.deepcopy(stock)
+    ids, mask = tiny.batch(seed=34)
+    accelerate_model(ours)
+    assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=4), tiny.greedy(stock, ids, mask, max_new_tokens=4))
+    if leave == "revert_model":
+        revert_model(ours)
+    elif leave == "merge_and_unload":
+        stock, ours = stock.merge_and_unload(), ours.merge_and_unload()
+    else:
+        stock.base_model.unmerge_adapter()
+        ours.base_model.unmerge_adapter()
+    assert not is_accelerated(ours)
+    if leave != "merge_and_unload":
+        assert [m.merged_adapters for m in _lora_layers(ours)] == [m.merged_adapters for m in _lora_layers(stock)]
+    for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(tiny.logits(ours, ids, mask), tiny.logits(stock, ids, mask))
+
+
+@pytest.mark.parametrize("how", ["context", "layers"])
+def test_peft_with_disabled_adapters_is_refused(how, tiny):
+    """Disabled adapters (peft's forward unmerges them): accelerate_model names it and changes nothing."""
+    model = _lora_model(tiny, seed=35)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    if how == "layers":
+        model.base_model.disable_adapter_layers()
+        with pytest.raises(ValueError, match="adapters are disabled"):
+            accelerate_model(model)
+    else:
+        with model.disable_adapter():
+            with pytest.raises(ValueError, match="adapters are disabled"):
+                accelerate_model(model)
+    assert not is_accelerated(model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
