@@ -1,5 +1,5 @@
 """fill_from_host writes the values then the pad, in stream order on CUDA; bad shapes raise. (EOS ids that change
-between generate calls: test_fast_generate.py and the speculative GPU tests.)"""
+between generate calls: test_fast_greedy_eos.py and the speculative GPU tests.)"""
 
 import pytest
 import torch

@@ -1,0 +1,241 @@
+"""Where generate's fast decode path does not apply it falls back to transformers' loop, with stock's tokens and the
+reason logged; options it does take give stock's tokens on it.
+
+Fallbacks: beam search, guidance_scale, output_hidden_states, use_cache=False, a cache the caller passed, a
+right-padded batch, an all-padding row, an answer whose cache does not fit in device (or CPU) memory, a model in
+training mode / cast / with a replaced layer. On the fast path: num_return_sequences with sampling (and the error
+without it, as stock's), repetition_penalty, ``inputs=``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from fast_generate_helpers import FAST_MSG, _accelerated, _case, _generate, _messages
+from transformers import DynamicCache, LogitsProcessor
+
+
+# --- fallbacks: stock tokens, reason logged ---------------------------------------------------------------
+
+
+class _BanToken(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return scores.masked_fill(torch.arange(scores.shape[-1]) == 5, float("-inf"))
+
+
+FALLBACKS = {
+    # name -> (generate options, logged reason)
+    "beams": (dict(num_beams=2), "generate keeps transformers' cache: beam search"),
+    # (logits processors, stopping criteria and per-step scores run the fast path inside transformers' generate:
+    # test_prepared_loop.py; these cannot)
+    "guidance_scale": (dict(guidance_scale=1.5), "not used: generation option guidance_scale=1.5"),
+    "output_hidden_states": (dict(output_hidden_states=True, return_dict_in_generate=True),
+                             "not used: unsupported generate arguments: output_hidden_states"),
+    "use_cache_false": (dict(use_cache=False), "generate keeps transformers' cache: use_cache=False"),
+    "own_cache": ({}, "generate keeps transformers' cache: the caller passed its own cache"),
+}
+
+
+@pytest.mark.parametrize("name", list(FALLBACKS))
+def test_fallback_gives_stock_tokens_and_logs_why(name, tiny, hf_log, decode_steps):
+    model = tiny.model("qwen3")
+    ids, mask = tiny.batch(seed=2)
+    options, reason = FALLBACKS[name]
+    kwargs = dict(max_new_tokens=8, eos_token_id=None, **options)
+
+    def run(m):
+        call = dict(kwargs)
+        if name == "own_cache":
+            call[tiny.cache_kwarg(m)] = DynamicCache(config=m.config)
+        torch.manual_seed(0)
+        return _generate(m, ids, mask, tiny.PAD, **call)
+
+    stock = run(model)
+    ours = _accelerated(model)
+    out = run(ours)
+    if name == "output_hidden_states":
+        assert torch.equal(out.sequences, stock.sequences)
+        assert len(out.hidden_states) == len(stock.hidden_states) == 8
+    else:
+        assert torch.equal(out, stock), f"{name}\nstock:\n{stock}\nours:\n{out}"
+    assert _messages(hf_log, reason), [r.getMessage() for r in hf_log.records]
+    assert not _messages(hf_log, FAST_MSG) and decode_steps == []
+
+
+def test_right_padded_batch_falls_back_to_stock(tiny, hf_log):
+    """A right-padded batch (a user mistake transformers warns about) is not decoded on the fast path,
+    which assumes left padding: transformers' loop runs it, same tokens as stock, and the reason is logged."""
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=3)
+    # move each row's padding to the right
+    lengths = mask.sum(1)
+    right_ids = torch.full_like(ids, tiny.PAD)
+    right_mask = torch.zeros_like(mask)
+    for r, n in enumerate(lengths.tolist()):
+        right_ids[r, :n] = ids[r, ids.shape[1] - n:]
+        right_mask[r, :n] = 1
+    assert not bool(right_mask[:, -1].all()), "the batch must have a right-padded row"
+    stock = _generate(model, right_ids, right_mask, tiny.PAD, max_new_tokens=6)
+    ours = _accelerated(model)
+    assert torch.equal(_generate(ours, right_ids, right_mask, tiny.PAD, max_new_tokens=6), stock)
+    assert _messages(hf_log, "right-padded batch")
+
+
+def test_all_padding_row_falls_back_with_its_own_reason(tiny, hf_log):
+    """A row whose attention_mask is all zeros is not called right padding in the logged reason; the call
+    still matches stock transformers."""
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=4)
+    mask = mask.clone()
+    mask[0] = 0
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=4)
+    ours = _accelerated(model)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), stock)
+    assert _messages(hf_log, "is all padding")
+    assert not _messages(hf_log, "right-padded batch")
+
+
+def test_an_answer_whose_cache_does_not_fit_runs_on_a_pool_of_what_fits(tiny, decode_steps, hf_log, monkeypatch):
+    """max_new_tokens far beyond what device memory holds (here free memory is set to 40 blocks): the fast path, which reserves the whole answer, declines; transformers' loop runs on a
+    pool of the blocks that fit, with stock's tokens where the rows stop in time, and a clear OutOfBlocksError
+    where they do not."""
+    import hf_accel.cache.paged_cache as paged_cache
+    from hf_accel.cache.block_manager import OutOfBlocksError
+    from hf_accel.integrations.generate import last_cache_stats
+
+    model, ids, mask, kwargs, stock = _case(tiny, "llama", "all_rows_finish")
+    ours = _accelerated(model)
+    monkeypatch.setattr(paged_cache, "blocks_that_fit", lambda device, block_bytes, fraction=0.9: 40)
+    kwargs["max_new_tokens"] = 100_000
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), stock)
+    assert _messages(hf_log, "does not fit in free device memory (40 blocks)") and not decode_steps
+    assert _messages(hf_log, "the PagedCache gets 40 blocks")
+    assert last_cache_stats(ours)["num_blocks"] == 40
+    with pytest.raises(OutOfBlocksError, match="out of blocks"):
+        _generate(ours, ids, mask, tiny.PAD, max_new_tokens=1000, eos_token_id=None)
+    # an answer that fits takes the fast path again
+    kwargs["max_new_tokens"] = 20
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), stock) and decode_steps
+
+
+def test_cpu_memory_bounds_the_reservation(tiny, decode_steps, hf_log, monkeypatch):
+    """On a CPU the reservation is checked against the system's available memory (here set to 64 MiB): a
+    max_new_tokens of 10**12 (stock generate stops at EOS; the fast path used to try to allocate the whole
+    answer and failed) declines the fast path and runs transformers' loop on the blocks that fit, with
+    stock's tokens."""
+    import hf_accel.cache.paged_cache as paged_cache
+
+    assert paged_cache.free_kv_bytes("cpu") > 0  # read from this machine (Linux /proc/meminfo)
+    monkeypatch.setattr(paged_cache, "_available_system_memory", lambda: 64 * 2**20)
+    assert paged_cache.free_kv_bytes("cpu") == int(0.9 * 64 * 2**20)
+    model, ids, mask, kwargs, stock = _case(tiny, "llama", "all_rows_finish")
+    ours = _accelerated(model)
+    kwargs["max_new_tokens"] = 10**12
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), stock)
+    assert _messages(hf_log, "does not fit in free device memory") and not decode_steps
+
+
+def test_model_reason_follows_mode_dtype_and_layers(tiny):
+    """The fast path's model check is cached per call, but training mode, a cast, a device move of the
+    whole model and a replaced layer are seen at the next call (and generate falls back / recovers)."""
+    model = _accelerated(tiny.model("llama"))
+    fast = model._hf_accel_engine
+    assert fast._model_reason() is None
+    model.train()
+    assert "training" in fast._model_reason()
+    model.eval()
+    assert fast._model_reason() is None
+    model.double()
+    assert "float64" in fast._model_reason()
+    model.float()
+    assert fast._model_reason() is None
+    original = model.model.layers[0]
+    model.model.layers[0] = copy.deepcopy(original).to("meta")  # a new layer module on another device
+    assert "several devices" in fast._model_reason()
+    model.model.layers[0] = original
+    assert fast._model_reason() is None
+    ids, mask = tiny.batch(seed=1)
+    model2 = _accelerated(tiny.model("llama"))
+    stock = _generate(tiny.model("llama"), ids, mask, tiny.PAD, max_new_tokens=4)
+    assert torch.equal(_generate(model2, ids, mask, tiny.PAD, max_new_tokens=4), stock)
+    model2.train()
+    out = _generate(model2, ids, mask, tiny.PAD, max_new_tokens=4)  # transformers' loop, dropout 0: same
+    assert torch.equal(out, stock)
+
+
+# --- options the fast path takes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_num_return_sequences_samples_on_the_fast_path_as_stock(model_type, tiny, hf_log, decode_steps):
+    """Sampling with num_return_sequences = 3 over a left-padded batch decodes n rows per prompt on the fast path
+    (rows repeated in place, transformers' order): the same samples as stock for the same seed, EOS rows padded."""
+    model = tiny.model(model_type, seed=4)
+    ids, mask = tiny.batch(seed=6)
+    kwargs = dict(max_new_tokens=9, do_sample=True, num_return_sequences=3, top_k=20, temperature=1.3,
+                  eos_token_id=[5, 9])
+
+    def run(m):
+        torch.manual_seed(11)
+        return _generate(m, ids, mask, tiny.PAD, **kwargs)
+
+    stock = run(model)
+    ours = _accelerated(model)
+    out = run(ours)
+    assert out.shape[0] == 3 * ids.shape[0] and torch.equal(out[:, : ids.shape[1]], ids.repeat_interleave(3, 0))
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    assert (out[:, ids.shape[1]:] == tiny.PAD).any(), "no row ended early: the EOS bookkeeping is not exercised"
+    assert _messages(hf_log, FAST_MSG) and decode_steps
+
+
+def test_num_return_sequences_without_sampling_raises_as_stock(tiny):
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=6)
+    with pytest.raises(ValueError, match="num_return_sequences") as want:
+        _generate(model, ids, mask, tiny.PAD, max_new_tokens=4, num_return_sequences=2)
+    ours = _accelerated(model)
+    with pytest.raises(ValueError, match="num_return_sequences") as got:
+        _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4, num_return_sequences=2)
+    assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_repetition_penalty_on_the_fast_path_matches_stock(do_sample, tiny, hf_log, decode_steps):
+    """Unpadded rows with repetition_penalty decode on the fast path (the penalty as transformers' processor,
+    first in the list), token-identical to stock: greedy, and sampling with the same seed."""
+    model = tiny.model("llama")
+    ids, _ = tiny.batch(seed=5, lengths=(9, 9))
+    mask = torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=10, eos_token_id=None, repetition_penalty=1.8)
+    if do_sample:
+        kwargs.update(do_sample=True, top_k=8, temperature=0.9)
+
+    def run(m):
+        torch.manual_seed(0)
+        return _generate(m, ids, mask, tiny.PAD, **kwargs)
+
+    stock = run(model)
+    ours = _accelerated(model)
+    out = run(ours)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    assert _messages(hf_log, FAST_MSG) and decode_steps
+    # the penalty changed the answer: the call without it differs
+    torch.manual_seed(0)
+    no_penalty = _generate(model, ids, mask, tiny.PAD, **{**kwargs, "repetition_penalty": 1.0})
+    assert not torch.equal(no_penalty, stock)
+
+
+def test_inputs_keyword_takes_the_fast_path(tiny, decode_steps, hf_log):
+    """``inputs=`` (transformers' name of generate's first parameter) is the token ids, as positionally."""
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None)
+    ours = _accelerated(model)
+    with torch.no_grad():
+        out = ours.generate(inputs=ids, attention_mask=mask, pad_token_id=tiny.PAD, do_sample=False,
+                            max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(out, stock)
+    assert decode_steps and _messages(hf_log, FAST_MSG)
+    assert not _messages(hf_log, "keeps transformers' cache")
