@@ -79,16 +79,29 @@ def kv_head_choices(model) -> list[int]:
     return _divisors(getattr(model, "config", model).num_key_value_heads)
 
 
+def _as_int(value) -> int | None:
+    """``value`` as an int if it is an integer (Python, numpy or a 0-d integer tensor; not a bool), else None."""
+    import operator
+
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dim() or value.is_floating_point())):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_num_kv_heads(model, num_kv_heads) -> None:
     """ValueError naming the valid choices unless ``num_kv_heads`` is one of :func:`kv_head_choices`
     (``model``: a model or its config, so a caller can check before loading the weights)."""
     cfg = getattr(model, "config", model)
     current, heads = cfg.num_key_value_heads, cfg.num_attention_heads
     choices = kv_head_choices(cfg)
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads not in choices:
-        why = "must be an int" if not isinstance(num_kv_heads, int) or isinstance(num_kv_heads, bool) else (
-            "must be >= 1" if num_kv_heads < 1 else
-            f"must be <= the current {current}" if num_kv_heads > current else
+    integer = _as_int(num_kv_heads)
+    if integer is None or integer not in choices:
+        why = "must be an int" if integer is None else (
+            "must be >= 1" if integer < 1 else
+            f"must be <= the current {current}" if integer > current else
             f"must divide the current {current}"
         )
         raise ValueError(
@@ -185,7 +198,8 @@ def convert_to_gqa(
         ValueError: unsupported model type, a peft model, or an accelerated model (revert it first);
             ``num_kv_heads`` not a divisor of the
             current count, < 1 or > current (the message lists the valid choices); unknown method or
-            grouping; a calibrated choice without calibration text; too little calibration text.
+            grouping; a calibrated choice without calibration text; too little calibration text, or token
+            ids outside the model's vocabulary.
     """
     from tqdm.auto import tqdm
 
@@ -193,6 +207,7 @@ def convert_to_gqa(
     cfg = model.config
     current, heads = cfg.num_key_value_heads, cfg.num_attention_heads
     check_num_kv_heads(cfg, num_kv_heads)
+    num_kv_heads = int(num_kv_heads)  # a numpy / torch integer: a plain int in the config (it is saved as JSON)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if grouping not in GROUPINGS:
@@ -215,8 +230,12 @@ def convert_to_gqa(
                 f"method={method!r} with grouping={grouping!r} needs calibration_text (a short text in the "
                 "model's domain, with tokenizer=, or token ids)"
             )
-        windows = calibration_windows(_calibration_ids(calibration_text, tokenizer), context_length,
-                                      calibration_tokens)
+        ids = _calibration_ids(calibration_text, tokenizer)
+        vocab = model.get_input_embeddings().num_embeddings
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"calibration token ids must lie in [0, {vocab}) (the model's vocabulary); got "
+                             f"{int(ids.min())} .. {int(ids.max())}")
+        windows = calibration_windows(ids, context_length, calibration_tokens)
         moments = collect_input_moments(model, windows, batch_size=batch_size, progress=progress)
 
     d = head_dim_of(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -106,10 +107,22 @@ def test_bad_counts_raise_with_valid_choices(n):
     assert model.config.num_key_value_heads == 6  # nothing changed
 
 
-@pytest.mark.parametrize("bad", [2.0, "2", None, True])
+@pytest.mark.parametrize("bad", [2.0, "2", None, True, torch.tensor(2.0), torch.tensor([2])])
 def test_non_int_counts_raise(bad):
     with pytest.raises(ValueError, match="valid choices"):
         convert_to_gqa(build("llama", layers=1), bad)
+
+
+@pytest.mark.parametrize("count", [np.int64(2), np.int32(2), torch.tensor(2)], ids=["np.int64", "np.int32", "tensor"])
+def test_numpy_and_tensor_integer_counts_are_taken_as_ints(count, tmp_path):
+    """An integer count from numpy or a 0-d tensor works as the int it holds; the config gets a plain int, which
+    save_pretrained writes as JSON (before: refused, "must be an int")."""
+    model = build("llama", layers=1, dtype=torch.float32)
+    want = convert_to_gqa(copy.deepcopy(model), 2)
+    got = convert_to_gqa(model, count)
+    assert type(got.config.num_key_value_heads) is int and got.config.num_key_value_heads == 2
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values()))
+    got.save_pretrained(tmp_path)
 
 
 def test_bad_arguments_raise():
@@ -128,6 +141,11 @@ def test_bad_arguments_raise():
         convert_to_gqa(model, 2, method="activation", calibration_text=torch.arange(10), context_length=64)
     with pytest.raises(ValueError, match="qwen3"):
         convert_to_gqa(build("qwen3", layers=1), 2, method="pca", calibration_text=torch.arange(90))
+    vocab = model.get_input_embeddings().num_embeddings
+    for bad in (torch.arange(vocab - 5, vocab + 95), torch.arange(-1, 99)):  # ids the embedding has no row for
+        with pytest.raises(ValueError, match=rf"calibration token ids must lie in \[0, {vocab}\)"):
+            convert_to_gqa(model, 2, method="activation", calibration_text=bad, context_length=64)
+    assert model.config.num_key_value_heads == 8  # refused before anything changed
     assert kv_head_choices(model) == [1, 2, 4, 8]
 
 
