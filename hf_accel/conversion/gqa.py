@@ -153,7 +153,7 @@ def convert_to_gqa(
     tokenizer=None,
     grouping: str = "adjacent",
     calibration_tokens: int = 4096,
-    context_length: int = 512,
+    context_length: int | None = None,
     batch_size: int = 4,
     progress: bool = False,
 ):
@@ -183,7 +183,8 @@ def convert_to_gqa(
             whose K and V activations on the calibration text are closest; see
             :func:`hf_accel.conversion.calibration.balanced_groups`).
         calibration_tokens: at most this many calibration tokens are used.
-        context_length: calibration window length in tokens.
+        context_length: calibration window length in tokens, at most the model's ``max_position_embeddings``;
+            None: 512, or the model's positions if fewer.
         batch_size: calibration windows per forward pass.
         progress: show tqdm progress bars.
 
@@ -198,8 +199,8 @@ def convert_to_gqa(
         ValueError: unsupported model type, a peft model, or an accelerated model (revert it first);
             ``num_kv_heads`` not a divisor of the
             current count, < 1 or > current (the message lists the valid choices); unknown method or
-            grouping; a calibrated choice without calibration text; too little calibration text, or token
-            ids outside the model's vocabulary.
+            grouping; a calibrated choice without calibration text; too little calibration text, token ids
+            outside the model's vocabulary, or a ``context_length`` above the model's positions.
     """
     from tqdm.auto import tqdm
 
@@ -225,6 +226,12 @@ def convert_to_gqa(
     needs_data = method in pooling.CALIBRATED_METHODS or (grouping == "similarity" and num_kv_heads > 1)
     moments = None
     if needs_data:
+        max_pos = getattr(cfg, "max_position_embeddings", None)
+        if context_length is None:
+            context_length = min(512, max_pos) if max_pos else 512
+        elif max_pos and context_length > max_pos:  # windows past the trained positions: meaningless statistics
+            raise ValueError(f"context_length={context_length} is more than the model's {max_pos} positions "
+                             "(max_position_embeddings)")
         if calibration_text is None:
             raise ValueError(
                 f"method={method!r} with grouping={grouping!r} needs calibration_text (a short text in the "

@@ -146,6 +146,12 @@ def test_bad_arguments_raise():
         with pytest.raises(ValueError, match=rf"calibration token ids must lie in \[0, {vocab}\)"):
             convert_to_gqa(model, 2, method="activation", calibration_text=bad, context_length=64)
     assert model.config.num_key_value_heads == 8  # refused before anything changed
+    max_pos = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"context_length={max_pos + 1} is more than the model's {max_pos} "
+                                         r"positions \(max_position_embeddings\)"):
+        convert_to_gqa(model, 2, method="activation", calibration_text=torch.arange(2 * max_pos + 2) % vocab,
+                       context_length=max_pos + 1)
+    assert model.config.num_key_value_heads == 8
     assert kv_head_choices(model) == [1, 2, 4, 8]
 
 
