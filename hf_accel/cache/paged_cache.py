@@ -289,13 +289,18 @@ class PagedCache(Cache):
             if not key_states.is_cuda:
                 raise ValueError("memory_fraction needs a CUDA device; give num_blocks instead")
             free, _ = torch.cuda.mem_get_info(key_states.device)
-            per_block = 2 * self.block_size * key_states.shape[1] * key_states.shape[3] * key_states.element_size()
-            num_blocks = int(free * self._memory_fraction) // (per_block * len(self.layers))
+            per_block = self._block_bytes(key_states.shape[1], key_states.shape[3], key_states.dtype)
+            num_blocks = int(free * self._memory_fraction) // per_block
             if num_blocks < 1:
                 raise OutOfBlocksError(1, 0, 0, self.block_size)
         else:
             self.check_pools_fit(key_states.shape[1], key_states.shape[3], key_states.dtype, key_states.device)
         self.manager = BlockManager(num_blocks, self.block_size)
+
+    def _block_bytes(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one block over every layer's K and V pools."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.block_size * num_kv_heads * head_dim * element * len(self.layers)
 
     def check_pools_fit(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
         """Raise ValueError where the pools of a cache made with ``num_blocks`` (K and V of every layer, blocks of
@@ -305,8 +310,7 @@ class PagedCache(Cache):
         if self._num_blocks is None or self.manager is not None:
             return
         free = free_kv_bytes(device, 1.0)
-        per_block = 2 * self.block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        pools = self._num_blocks * per_block * len(self.layers)
+        pools = self._num_blocks * self._block_bytes(num_kv_heads, head_dim, dtype)
         if free is not None and pools > free:
             raise ValueError(
                 f"PagedCache(num_blocks={self._num_blocks}, block_size={self.block_size}): its pools take "
