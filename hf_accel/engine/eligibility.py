@@ -27,13 +27,17 @@ MAX_LOOKAHEAD = 33
 
 def model_reason(model) -> str | None:
     """Why ``model`` cannot take the fast decode path (None if it can): training mode, parameters on several
-    devices, sliding-window layers, a dtype the kernels do not take, head_dim above the kernels' limit, or a
-    rope type whose frequencies depend on the sequence length. Reads the model only (no engine needed)."""
+    devices or offloaded (on the meta device), sliding-window layers, a dtype the kernels do not take, head_dim
+    above the kernels' limit, or a rope type whose frequencies depend on the sequence length. Reads the model
+    only (no engine needed)."""
     cfg = model.config
     if model.training:
         return "the model is in training mode"
-    if len({p.device for p in model.parameters()}) > 1:
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
         return "the model is spread over several devices"
+    if any(d.type == "meta" for d in devices):  # accelerate's cpu_offload / disk offload: hooks bring weights in
+        return "its weights are offloaded (parameters on the meta device, loaded by accelerate hooks per forward)"
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         return "sliding-window layers"

@@ -2,7 +2,7 @@
 reason logged; options it does take give stock's tokens on it.
 
 Fallbacks: beam search, guidance_scale, output_hidden_states, use_cache=False, a cache the caller passed, a
-right-padded batch, an all-padding row, an answer whose cache does not fit in device (or CPU) memory, a model in
+right-padded batch, an all-padding row, a model offloaded by accelerate, an answer whose cache does not fit in device (or CPU) memory, a model in
 training mode / cast / with a replaced layer. On the fast path: num_return_sequences with sampling (and the error
 without it, as stock's), repetition_penalty, ``inputs=``.
 """
@@ -95,6 +95,24 @@ def test_all_padding_row_falls_back_with_its_own_reason(tiny, hf_log):
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), stock)
     assert _messages(hf_log, "is all padding")
     assert not _messages(hf_log, "right-padded batch")
+
+
+def test_offloaded_model_falls_back_with_stock_tokens(tiny, hf_log, decode_steps):
+    """A model offloaded by accelerate (``cpu_offload``: every parameter on the meta device, brought in by hooks
+    at each forward) cannot run the fast path, which reads the weights itself: transformers' loop runs it, with
+    stock's tokens on a padded batch, and the reason is logged. The fast path used to take the meta device for
+    the model's and move the input ids there."""
+    from accelerate import cpu_offload
+
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=5)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None)
+    offloaded = cpu_offload(copy.deepcopy(model), execution_device=torch.device("cpu"))
+    assert {p.device.type for p in offloaded.parameters()} == {"meta"}
+    ours = _accelerated(offloaded)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None), stock)
+    assert _messages(hf_log, "weights are offloaded (parameters on the meta device")
+    assert not _messages(hf_log, FAST_MSG) and decode_steps == []
 
 
 def test_an_answer_whose_cache_does_not_fit_runs_on_a_pool_of_what_fits(tiny, decode_steps, hf_log, monkeypatch):
