@@ -10,7 +10,7 @@ import functools
 import weakref
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 
 from hf_accel._logging import logger
 from hf_accel.integrations import generate as paged_generate
@@ -329,7 +329,8 @@ def accelerate_model(
             PeftModel is given with ``merge_lora=False``, the model was accelerated before with other options
             (:func:`revert_model` first), or ``block_size`` is not an int in [1, 1024].
         NotImplementedError: a PeftModel with non-LoRA adapters.
-        ValueError: also for ``speculative`` without ``fast_decode``/``paged_cache``, or a draft model
+        ValueError: also for ``speculative`` without ``fast_decode``/``paged_cache`` or on a model without
+            ``generate`` (a base model or a classification head: only its attention is accelerated), or a draft model
             with another vocabulary size, on another device, of an unsupported type, or unable to run
             the fast decode step (training mode, a dtype the kernels do not take, accelerated by the
             caller without ``fast_decode``; the message names it).
@@ -350,6 +351,9 @@ def accelerate_model(
         )
     check_model_type(hf_model)
     model_type = hf_model.config.model_type
+    # a base model or a classification head (LlamaModel, *ForSequenceClassification) has no generate(): its
+    # attention is accelerated, the cache and decode paths (which replace generate) are not installed
+    generates = isinstance(hf_model, GenerationMixin)
     if peft_model is not None and not merge_lora:
         raise ValueError("a PeftModel needs merge_lora=True (unmerged LoRA layers are not accelerated)")
     if peft_model is not None:
@@ -363,6 +367,9 @@ def accelerate_model(
         from hf_accel.speculative.config import SpeculativeConfig
 
         spec = SpeculativeConfig.from_arg(speculative)
+        if not generates:
+            raise ValueError(f"speculative decoding needs a model with generate() (a *ForCausalLM); "
+                             f"{type(hf_model).__name__} has none")
         if not (paged_cache and fast_decode):
             raise ValueError("speculative decoding runs on the fast decode path: it needs paged_cache=True and "
                              "fast_decode=True")
@@ -395,7 +402,10 @@ def accelerate_model(
             _guard_peft(peft_model, state)
         state["attn_implementation"] = _switch_attention(hf_model, name)
         state["attn_switched"] = True
-        if paged_cache:
+        if paged_cache and not generates:
+            logger.info("hf-accel: %s has no generate() (not a *ForCausalLM): its attention runs hf-accel's kernels; "
+                        "PagedCache and the fast decode path apply to generate only", type(hf_model).__name__)
+        elif paged_cache:
             paged_generate.install(hf_model, block_size, fast_decode=fast_decode, cuda_graphs=cuda_graphs,
                                    speculative=spec)
         elif fast_decode:
@@ -409,7 +419,7 @@ def accelerate_model(
     logger.info(
         "hf-accel: %s (%s, %d layers) now uses attention %r: %s%s%s",
         type(hf_model).__name__, model_type, hf_model.config.num_hidden_layers, name, path,
-        f"; generate uses PagedCache (block_size {block_size})" if paged_cache else "",
+        f"; generate uses PagedCache (block_size {block_size})" if paged_cache and generates else "",
         "; LoRA adapters merged" if state["lora_merged"] else "",
     )
     return model

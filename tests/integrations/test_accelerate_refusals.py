@@ -171,3 +171,37 @@ def test_failure_after_patching_began_is_undone(tiny, monkeypatch, fault):
     assert not is_accelerated(target) and not is_accelerated(draft)
     _assert_unchanged(target_before, _state(tiny, target, ids, mask))
     _assert_unchanged(draft_before, _state(tiny, draft, ids, mask))
+
+
+# --- models without generate() -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls_name", ["LlamaModel", "LlamaForSequenceClassification"])
+def test_model_without_generate_gets_the_attention_only(tiny, hf_log, attention_spy, cls_name):
+    """A base model or a classification head has no ``generate``: accelerate_model switches its attention to
+    hf-accel's (outputs as stock's), says that the cache and decode paths apply to generate only, and refuses
+    speculative decoding by name. It used to raise a bare AttributeError ('... has no attribute generate')."""
+    import transformers
+
+    cls = getattr(transformers, cls_name)
+    torch.manual_seed(0)
+    model = cls(tiny.config("llama", pad_token_id=tiny.PAD)).eval()
+    ids, mask = tiny.batch(seed=8)
+
+    def outputs(m):
+        with torch.no_grad():
+            out = m(input_ids=ids, attention_mask=mask)
+        return out.last_hidden_state if cls_name == "LlamaModel" else out.logits
+
+    stock = outputs(model)
+    with pytest.raises(ValueError, match=f"speculative decoding needs a model with generate.*{cls_name}"):
+        accelerate_model(model, speculative="prompt_lookup")
+    assert not is_accelerated(model) and model.config._attn_implementation == "sdpa"
+    assert accelerate_model(model) is model and is_accelerated(model)
+    assert "generate" not in model.__dict__
+    assert any("has no generate() (not a *ForCausalLM)" in r.getMessage() for r in hf_log.records)
+    spy = attention_spy()
+    torch.testing.assert_close(outputs(model), stock, rtol=1e-5, atol=1e-5)
+    assert spy.kernel_calls + len(spy.fallbacks) == model.config.num_hidden_layers
+    revert_model(model)
+    assert not is_accelerated(model) and model.config._attn_implementation == "sdpa"
