@@ -17,7 +17,7 @@ from hf_accel.engine.call_options import (
     _HANDLED, _MODEL_KWARGS, _OUTPUT_OPTIONS, _PREPARED_LOOP_KWARGS, PREPARED_LOOP_OPTIONS, call_inputs,
     passed_cache, repetition_penalty,
 )
-from hf_accel.engine.merged_weights import views_intact
+from hf_accel.engine.weight_snapshot import snapshot_intact
 from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 _ROPE_OK = {"default", "linear", "llama3", "yarn"}
@@ -58,7 +58,7 @@ def model_reason(model) -> str | None:
 
 class CallChecks:
     """The fast path's checks, as methods of :class:`~hf_accel.engine.fast_generate.FastEngine` (which sets
-    ``model``, ``block_size``, ``cache``, ``merged``, ``_merged_params`` and defines ``release``)."""
+    ``model``, ``block_size``, ``cache``, ``merged``, ``snapshot`` and defines ``release``)."""
 
     @property
     def device(self) -> torch.device:
@@ -95,8 +95,9 @@ class CallChecks:
                                                                inner.norm.weight)))
         except AttributeError:  # not a llama-family layout: no key, the full check answers
             return self._model_reason_uncached()
-        if self.merged and not views_intact(self._merged_params):
-            # a projection's Parameter was replaced: the merged matrices (and the steps reading them) are stale
+        if self.snapshot is not None and not snapshot_intact(self.snapshot):
+            # a weight, buffer or module was replaced since the steps were built: they (and the merged matrices)
+            # would read the old ones
             self.release()
             self._reason_cache = None
         key = (m.training, getattr(m.config, "num_hidden_layers", None), weights)

@@ -36,7 +36,8 @@ from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.call_options import call_inputs, passed_cache, repetition_penalty, sampling_warpers
 from hf_accel.engine.decode_step import DecodeStep
 from hf_accel.engine.eligibility import CallChecks
-from hf_accel.engine.merged_weights import merge_projections, projection_parameters, unmerge_projections
+from hf_accel.engine.merged_weights import merge_projections, unmerge_projections
+from hf_accel.engine.weight_snapshot import weight_snapshot
 from hf_accel.kernels.reshape_and_cache import slot_mapping_ref
 
 
@@ -200,7 +201,7 @@ class FastEngine(CallChecks):
         self.steps: dict[tuple, DecodeStep] = {}
         self.last_stats: dict = {}
         self.merged = None  # MergedLayer list once the fused step merged the projections
-        self._merged_params: list = []  # their Parameters, to notice one being replaced (merged_weights)
+        self.snapshot = None  # the model's weights when the steps were built (weight_snapshot), None: no steps
         self.call_lock = CallLock()
 
     def __reduce__(self):
@@ -242,9 +243,9 @@ class FastEngine(CallChecks):
                               q_len=q_len, num_layers=num_layers)
             if step.fused and self.merged is None:
                 self.merged = merge_projections(self.model) or []
-                self._merged_params = projection_parameters(self.model) if self.merged else []
             step.merged = self.merged or None
             self.steps[key] = step
+            self.snapshot = weight_snapshot(self.model)  # after the merge, which gives the projections new storage
         return step
 
     def release(self) -> None:
@@ -254,6 +255,7 @@ class FastEngine(CallChecks):
         if self.merged:
             unmerge_projections(self.model)
         self.merged = None
+        self.snapshot = None
 
     def sync_interval(self, device) -> int:
         """Steps between two host checks of the unfinished flags without CUDA graphs: ``sync_every`` if set, else

@@ -77,25 +77,6 @@ def _merge_projections(model) -> list[MergedLayer] | None:
     return merged
 
 
-def projection_parameters(model) -> list:
-    """``(module._parameters, parameter)`` of every merged projection weight and bias: while each dict still
-    holds the same Parameter, the merged matrices are the modules' weights (see :func:`views_intact`)."""
-    pairs = []
-    for ly in model.model.layers:
-        for m in (ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj, ly.mlp.gate_proj, ly.mlp.up_proj):
-            for name in ("weight", "bias"):
-                if m._parameters.get(name) is not None:
-                    pairs.append((m._parameters, name, m._parameters[name]))
-    return pairs
-
-
-def views_intact(pairs) -> bool:
-    """False once a merged projection's Parameter was replaced (``load_state_dict(..., assign=True)``, a new
-    ``nn.Parameter`` assigned): the merged matrix would then hold stale weights. Identity checks only
-    (microseconds); casts and moves of the whole model are caught by the engine's own key."""
-    return all(params.get(name) is param for params, name, param in pairs)
-
-
 def unmerge_projections(model) -> None:
     """Give every projection its own storage again (the same ``Parameter`` objects, values unchanged;
     ordinary tensors, also when called inside ``torch.inference_mode``)."""

@@ -181,3 +181,32 @@ def test_multi_turn_on_the_fused_graph_path_matches_stock_fp32(new_turn):
     assert cache.get_seq_length() == got[-1].shape[1] - 1
     steps = list(model._hf_accel_engine.steps.values())
     assert steps and all(s.fused and s.use_graph for s in steps)
+
+
+@pytest.mark.parametrize("how", ["data", "assign"])
+def test_captured_graphs_follow_replaced_weights(how):
+    """The captured graphs hold the weights' addresses: a weight given new storage after a generate (``param.data =
+    t``, or ``load_state_dict(..., assign=True)`` of every weight) is what the next generate uses, as in stock."""
+    import copy
+
+    model = _tiny("llama")
+    ours = hf_accel.accelerate_model(copy.deepcopy(model))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ids = torch.randint(8, 256, (2, 9), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ids[mask == 0] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(ours.generate(**kwargs), model.generate(**kwargs))
+    assert any(s.use_graph for s in ours._hf_accel_engine.steps.values())
+    new = {k: v.detach().clone() * 1.5 if v.is_floating_point() and v.dim() == 2 else v.detach().clone()
+           for k, v in model.state_dict().items()}
+    for m in (model, ours):
+        if how == "data":
+            for name, p in m.named_parameters():
+                if name in new and p.dim() == 2:
+                    p.data = new[name].clone()
+        else:
+            m.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
+    stock = model.generate(**kwargs)
+    assert torch.equal(ours.generate(**kwargs), stock)

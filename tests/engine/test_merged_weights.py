@@ -1,21 +1,25 @@
-"""Merged Q/K/V and gate/up projections (the fused step's) follow the model's Parameters: replacing one drops
-the merged matrices, which the next fused step builds again from the current weights."""
+"""Merged Q/K/V and gate/up projections (the fused step's) and the built steps follow the model's weights: replacing
+a Parameter, buffer or module, or the storage behind a Parameter (``param.data = t``), drops the steps and merged
+matrices, which the next call builds again from the current weights; edits in place keep them."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+from fast_generate_helpers import _accelerated, _generate
 
 from hf_accel import accelerate_model
-from hf_accel.engine.merged_weights import merge_projections, projection_parameters, views_intact
+from hf_accel.engine.merged_weights import merge_projections
+from hf_accel.engine.weight_snapshot import snapshot_intact, weight_snapshot
 
 
 def _merge(engine):
     """What the fused step does on CUDA when it is first built (the CPU path reads the modules directly)."""
     engine.merged = merge_projections(engine.model)
-    engine._merged_params = projection_parameters(engine.model)
-    assert engine.merged and views_intact(engine._merged_params)
+    engine.snapshot = weight_snapshot(engine.model)
+    assert engine.merged and snapshot_intact(engine.snapshot)
 
 
 def test_replaced_parameters_drop_the_merged_matrices(tiny):
@@ -34,7 +38,7 @@ def test_replaced_parameters_drop_the_merged_matrices(tiny):
                        other.model.layers[0].self_attn.q_proj.weight)
     # assign=True replaces the Parameters: the merged matrices would be stale
     model.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
-    assert not views_intact(engine._merged_params)
+    assert not snapshot_intact(engine.snapshot)
     assert engine._model_reason() is None and engine.merged is None and not engine.steps
     assert torch.equal(tiny.greedy(model, ids, mask), want)
 
@@ -49,3 +53,32 @@ def test_a_new_parameter_on_one_projection_is_noticed(tiny):
     assert engine.merged is None
     assert proj.weight.untyped_storage().data_ptr() != model.model.layers[1].mlp.gate_proj.weight.untyped_storage(
     ).data_ptr()
+
+
+def _set_data(module, name, value):
+    getattr(module, name).data = value
+
+
+def _new_parameter(module, name, value):
+    setattr(module, name, torch.nn.Parameter(value))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("how", [_set_data, _new_parameter], ids=["data", "parameter"])
+@pytest.mark.parametrize("where", ["mlp.up_proj", "self_attn.o_proj", "post_attention_layernorm"])
+def test_fused_steps_follow_replaced_weights(tiny, decode_steps, how, where):
+    """After a generate on the fused step (merged projections; on a GPU, graphs holding the weights' addresses), a
+    weight given new storage, merged (up_proj) or not (o_proj, a norm), is what the next generate uses, as in stock.
+    ``param.data = t`` used to be missed: the merged matrices and steps kept the old weights."""
+    model = tiny.model("llama", seed=74)
+    ids, mask = tiny.batch(seed=75)
+    ours = _accelerated(model, fused=True)
+    _generate(ours, ids, mask, tiny.PAD, max_new_tokens=3)
+    engine = ours._hf_accel_engine
+    assert engine.steps and engine.merged and decode_steps
+    for m in (model, ours):
+        module = m.model.layers[1].get_submodule(where)
+        how(module, "weight", torch.randn(module.weight.shape, generator=torch.Generator().manual_seed(76)))
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=3)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=3), stock)
+    assert engine.steps and engine.merged  # built again, from the new weights
