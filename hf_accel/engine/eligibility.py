@@ -26,13 +26,16 @@ MAX_LOOKAHEAD = 33
 
 
 def model_reason(model) -> str | None:
-    """Why ``model`` cannot take the fast decode path (None if it can): training mode, parameters on several
-    devices or offloaded (on the meta device), sliding-window layers, a dtype the kernels do not take, head_dim
-    above the kernels' limit, or a rope type whose frequencies depend on the sequence length. Reads the model
-    only (no engine needed)."""
+    """Why ``model`` cannot take the fast decode path (None if it can): training mode, a forward replaced on the
+    instance, parameters on several devices or offloaded (on the meta device), sliding-window layers, a dtype the
+    kernels do not take, head_dim above the kernels' limit, or a rope type whose frequencies depend on the sequence
+    length. Reads the model only (no engine needed)."""
     cfg = model.config
     if model.training:
         return "the model is in training mode"
+    if "forward" in vars(model):  # the fast path runs the layers itself: a wrapper around forward would be bypassed
+        return ("its forward is replaced on the instance (accelerate's mixed precision, a compiled forward, ...), "
+                "which the fast path would bypass")
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
         return "the model is spread over several devices"
@@ -83,10 +86,10 @@ class CallChecks:
     def _model_reason(self) -> str | None:
         """Why the model cannot take the fast path (None if it can). The full check walks every parameter
         (~1 ms per ``generate`` call on a slow host), so its answer is kept while a cheap key stays the same:
-        training mode, the embedding / LM head / final norm weights (identity, device, dtype) and the layer
-        modules. Moving or casting the model, replacing a layer or switching to training recomputes it; the
-        first three also drop this engine's cache, steps and merged projections (built for the old weights),
-        which the next call builds again."""
+        training mode, the embedding / LM head / final norm weights (identity, device, dtype), the layer
+        modules and whether ``forward`` is replaced on the instance. Moving or casting the model, replacing a
+        layer or switching to training recomputes it; the first three also drop this engine's cache, steps and
+        merged projections (built for the old weights), which the next call builds again."""
         m = self.model
         try:
             inner = m.model
@@ -100,7 +103,7 @@ class CallChecks:
             # would read the old ones
             self.release()
             self._reason_cache = None
-        key = (m.training, getattr(m.config, "num_hidden_layers", None), weights)
+        key = (m.training, "forward" in vars(m), getattr(m.config, "num_hidden_layers", None), weights)
         cached = getattr(self, "_reason_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]

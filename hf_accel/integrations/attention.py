@@ -86,6 +86,8 @@ def _fallback_reason(module, query, kv_len, attention_mask, dropout, kwargs) -> 
         return "training mode / attention dropout"
     if torch.is_grad_enabled() and query.requires_grad:
         return "autograd is recording (the kernel has no backward pass)"
+    if torch.is_autocast_enabled(query.device.type):
+        return "autocast is on (SDPA casts Q/K/V as autocast asks, as in transformers; the kernels take one dtype)"
     for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
         if kwargs.get(name) is not None:
             return f"{name} is set"
