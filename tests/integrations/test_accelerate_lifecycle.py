@@ -182,6 +182,32 @@ def test_accelerated_model_deep_copies_and_pickles(tiny, speculative):
     revert_model(model)
 
 
+def test_accelerated_model_saved_with_torch_save_generates_in_a_fresh_process(tiny, tmp_path):
+    """torch.load of an accelerated model in a new Python process: its config names the 'hf_accel' attention,
+    registered as the unpickling imports hf-accel; the tokens are stock's (it raised KeyError: 'hf_accel' is not a
+    valid attention implementation)."""
+    import subprocess
+    import sys
+
+    model = tiny.model("llama", seed=33)
+    ids, mask = tiny.batch(seed=34)
+    stock = tiny.greedy(model, ids, mask)
+    accelerate_model(model)
+    torch.save(model, tmp_path / "model.pt")
+    torch.save({"ids": ids, "mask": mask, "stock": stock}, tmp_path / "case.pt")
+    code = (
+        "import torch\n"
+        f"case = torch.load({str(tmp_path / 'case.pt')!r})\n"
+        f"model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "out = model.generate(input_ids=case['ids'], attention_mask=case['mask'], max_new_tokens=10, "
+        f"min_new_tokens=10, do_sample=False, pad_token_id={tiny.PAD})\n"
+        "print(model.config._attn_implementation, torch.equal(out, case['stock']))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["hf_accel", "True"], run.stdout
+
+
 @pytest.mark.parametrize("generate_first", [False, True])
 def test_revert_of_a_copy_reverts_its_copied_draft(tiny, generate_first):
     """A deep copy of a model whose draft model hf-accel accelerated carries an accelerated copy of the draft;
