@@ -184,6 +184,10 @@ class CallLock:
         self._lock.release()
         return False
 
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the lock (its ``generate`` call is running)."""
+        return self._owner == threading.get_ident()
+
 
 class FastEngine(CallChecks):
     """Per-model state of the fast path: a persistent PagedCache (pools kept between calls) and the

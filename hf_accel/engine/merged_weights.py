@@ -3,8 +3,9 @@
 One matmul per group instead of three (two) halves the launches of a bs1 decode layer, whose small
 matmuls are latency-bound. No weight is copied twice: the merged matrix is built once per layer and the
 modules' own parameters become row slices (views) of it, so memory stays the same and the modules'
-forward is unchanged. transformers' ``save_pretrained`` clones disjoint shared slices before saving, so a
-checkpoint saved meanwhile is ordinary; :func:`unmerge_projections` gives every module its own storage back.
+forward is unchanged. :func:`unmerge_projections` gives every module its own storage back; the model's
+``state_dict()`` does so first (a pre-hook of ``hf_accel.integrations.generate``), so that any saver writes an
+ordinary checkpoint.
 """
 
 from __future__ import annotations

@@ -449,14 +449,33 @@ def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool 
 
         engine_for(model, engine, speculative)  # checks the draft model now
     model._hf_accel_engine = engine
+    if engine is not None:
+        model._hf_accel_state_dict_hook = model.register_state_dict_pre_hook(_projections_own_storage)
     model.generate = functools.partial(paged_generate, model, original, block_size, engine, speculative=speculative)
     # name, doc and __wrapped__ (inspect.signature follows it), not __annotations__: transformers' hold ForwardRefs,
     # which do not pickle (torch.save(model) of an accelerated model)
     functools.update_wrapper(model.generate, original, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
 
 
+def _projections_own_storage(module, prefix, keep_vars) -> None:
+    """``state_dict()`` of a model whose fast path merged its Q/K/V and gate/up projections (their weights are
+    slices of one matrix per layer): the engine gives them their own storage back first (one layer's projections
+    copied at a time) and drops its steps, which the next ``generate`` builds again. Otherwise savers that refuse
+    or drop tensors sharing storage (accelerate's ``save_model``, safetensors' ``save_model``) would write a
+    checkpoint without some weights or raise. Inside a running ``generate`` of this thread (a streamer's callback)
+    the slices are left as they are."""
+    engine = module.__dict__.get("_hf_accel_engine")
+    if engine is None or not engine.merged or engine.call_lock.held_here():
+        return
+    with engine.call_lock:  # waits for a generate running in another thread
+        engine.release()
+
+
 def uninstall(model) -> None:
     model.__dict__.pop("generate", None)
+    hook = model.__dict__.pop("_hf_accel_state_dict_hook", None)
+    if hook is not None:
+        hook.remove()
     engine = model.__dict__.pop("_hf_accel_engine", None)
     if engine is not None:
         engine.release()

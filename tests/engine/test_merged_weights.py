@@ -82,3 +82,28 @@ def test_fused_steps_follow_replaced_weights(tiny, decode_steps, how, where):
     stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=3)
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=3), stock)
     assert engine.steps and engine.merged  # built again, from the new weights
+
+
+def test_state_dict_gives_the_merged_projections_their_own_storage(tiny, tmp_path):
+    """Savers that refuse or drop tensors sharing storage get an ordinary state dict: ``state_dict()`` unmerges the
+    projections first (the next fused step merges them again). safetensors' ``save_model`` raised on the merged
+    model, and accelerate's ``save_model`` wrote a checkpoint without the k/v/up projections."""
+    from safetensors.torch import load_model, save_model
+
+    model = tiny.model("llama", seed=77)
+    ids, mask = tiny.batch(seed=78)
+    stock = tiny.greedy(copy.deepcopy(model), ids, mask)
+    accelerate_model(model)
+    engine = model._hf_accel_engine
+    _merge(engine)
+    layer = model.model.layers[0]
+    assert layer.self_attn.k_proj.weight.untyped_storage().data_ptr() == engine.merged[0].qkv_weight.data_ptr()
+    state = model.state_dict()
+    assert engine.merged is None and engine.snapshot is None and not engine.steps
+    storages = [t.untyped_storage().data_ptr() for t in state.values()]
+    assert len(set(storages)) == len(storages)  # no two entries share storage
+    save_model(model, str(tmp_path / "model.safetensors"))
+    fresh = tiny.model("llama", seed=79)
+    assert not load_model(fresh, str(tmp_path / "model.safetensors"))[0]  # nothing missing
+    assert torch.equal(tiny.greedy(fresh, ids, mask), stock)
+    assert torch.equal(tiny.greedy(model, ids, mask), stock)
