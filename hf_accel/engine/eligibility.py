@@ -26,21 +26,21 @@ MAX_LOOKAHEAD = 33
 
 
 def model_reason(model) -> str | None:
-    """Why ``model`` cannot take the fast decode path (None if it can): training mode, a forward replaced on the
-    instance, parameters on several devices or offloaded (on the meta device), sliding-window layers, a dtype the
+    """Why ``model`` cannot take the fast decode path (None if it can): training mode, parameters on several
+    devices or offloaded (on the meta device), a forward replaced on the instance, sliding-window layers, a dtype the
     kernels do not take, head_dim above the kernels' limit, or a rope type whose frequencies depend on the sequence
     length. Reads the model only (no engine needed)."""
     cfg = model.config
     if model.training:
         return "the model is in training mode"
-    if "forward" in vars(model):  # the fast path runs the layers itself: a wrapper around forward would be bypassed
-        return ("its forward is replaced on the instance (accelerate's mixed precision, a compiled forward, ...), "
-                "which the fast path would bypass")
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
         return "the model is spread over several devices"
     if any(d.type == "meta" for d in devices):  # accelerate's cpu_offload / disk offload: hooks bring weights in
         return "its weights are offloaded (parameters on the meta device, loaded by accelerate hooks per forward)"
+    if "forward" in vars(model):  # the fast path runs the layers itself: a wrapper around forward would be bypassed
+        return ("its forward is replaced on the instance (accelerate's mixed precision, a compiled forward, ...), "
+                "which the fast path would bypass")
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         return "sliding-window layers"
