@@ -27,9 +27,10 @@ MAX_LOOKAHEAD = 33
 
 def model_reason(model) -> str | None:
     """Why ``model`` cannot take the fast decode path (None if it can): training mode, parameters on several
-    devices or offloaded (on the meta device), a forward replaced on the instance, sliding-window layers, a dtype the
-    kernels do not take, head_dim above the kernels' limit, or a rope type whose frequencies depend on the sequence
-    length. Reads the model only (no engine needed)."""
+    devices or offloaded (on the meta device), a forward replaced on the instance or forward hooks on its modules
+    (:func:`hooked_modules`), sliding-window layers, a dtype the kernels do not take, head_dim above the kernels'
+    limit, or a rope type whose frequencies depend on the sequence length. Reads the model only (no engine
+    needed)."""
     cfg = model.config
     if model.training:
         return "the model is in training mode"
@@ -41,6 +42,11 @@ def model_reason(model) -> str | None:
     if "forward" in vars(model):  # the fast path runs the layers itself: a wrapper around forward would be bypassed
         return ("its forward is replaced on the instance (accelerate's mixed precision, a compiled forward, ...), "
                 "which the fast path would bypass")
+    hooked = hooked_modules(model)
+    if hooked:
+        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
+        return (f"forward hooks or a replaced forward on {', '.join(hooked[:3])}{more} (the fast path runs the "
+                "layers itself and would skip them)")
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         return "sliding-window layers"
@@ -57,6 +63,22 @@ def model_reason(model) -> str | None:
     if rope not in _ROPE_OK:
         return f"rope_type {rope!r} (its frequencies depend on the sequence length)"
     return None
+
+
+def hooked_modules(model) -> list[str]:
+    """Names of the modules of ``model`` whose forward the fast path would not run as the user set it up: a forward
+    hook or pre-hook other than transformers' own (its output-capturing hooks, which record only while
+    ``output_hidden_states`` / ``output_attentions`` asks), a forward replaced on a submodule, or any global forward
+    hook (name ``"*"``)."""
+    from torch.nn.modules import module as torch_module
+
+    names = ["*"] if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks else []
+    for name, module in model.named_modules():
+        hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+        if (name and "forward" in module.__dict__) or any(
+                not (getattr(h, "__module__", None) or "").startswith("transformers.") for h in hooks):
+            names.append(name or "the model")
+    return names
 
 
 class CallChecks:
@@ -84,12 +106,16 @@ class CallChecks:
         return embed.weight.shape[0]
 
     def _model_reason(self) -> str | None:
-        """Why the model cannot take the fast path (None if it can). The full check walks every parameter
-        (~1 ms per ``generate`` call on a slow host), so its answer is kept while a cheap key stays the same:
-        training mode, the embedding / LM head / final norm weights (identity, device, dtype), the layer
-        modules and whether ``forward`` is replaced on the instance. Moving or casting the model, replacing a
-        layer or switching to training recomputes it; the first three also drop this engine's cache, steps and
-        merged projections (built for the old weights), which the next call builds again."""
+        """Why the model cannot take the fast path (None if it can). The full check walks every module
+        (~1 ms per ``generate`` call on a slow host), so a None answer is kept while a cheap key stays the same:
+        training mode, the embedding / LM head / final norm weights (identity, device, dtype), the layer modules,
+        whether ``forward`` is replaced on the instance and the number of global forward hooks; and while the
+        snapshot of the built steps (:mod:`.weight_snapshot`: every weight, module and forward hook) holds. A
+        refusal is checked again at each call (those calls run transformers' loop). A changed weight key or
+        snapshot also drops this engine's cache, steps and merged projections (built for the old weights), which
+        the next call builds again."""
+        from torch.nn.modules import module as torch_module
+
         m = self.model
         try:
             inner = m.model
@@ -99,14 +125,15 @@ class CallChecks:
         except AttributeError:  # not a llama-family layout: no key, the full check answers
             return self._model_reason_uncached()
         if self.snapshot is not None and not snapshot_intact(self.snapshot):
-            # a weight, buffer or module was replaced since the steps were built: they (and the merged matrices)
-            # would read the old ones
+            # a weight, buffer, module or forward hook changed since the steps were built: they (and the merged
+            # matrices) would read the old weights or skip the hook
             self.release()
             self._reason_cache = None
-        key = (m.training, "forward" in vars(m), getattr(m.config, "num_hidden_layers", None), weights)
+        key = (m.training, "forward" in vars(m), getattr(m.config, "num_hidden_layers", None),
+               len(torch_module._global_forward_hooks) + len(torch_module._global_forward_pre_hooks), weights)
         cached = getattr(self, "_reason_cache", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if cached is not None and cached[0] == key and cached[1] is None:
+            return None
         if cached is not None and cached[0][-1] != weights:
             self.release()
         reason = self._model_reason_uncached()

@@ -36,7 +36,7 @@ from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.call_options import call_inputs, passed_cache, repetition_penalty, sampling_warpers
 from hf_accel.engine.decode_step import DecodeStep
 from hf_accel.engine.eligibility import CallChecks
-from hf_accel.engine.merged_weights import merge_projections, unmerge_projections
+from hf_accel.engine.merged_weights import merge_projections, projections_share_storage, unmerge_projections
 from hf_accel.engine.weight_snapshot import weight_snapshot
 from hf_accel.kernels.reshape_and_cache import slot_mapping_ref
 
@@ -256,7 +256,7 @@ class FastEngine(CallChecks):
         """Drop graphs and pools, and give merged projections their own storage back."""
         self.steps.clear()
         self.cache = None
-        if self.merged:
+        if self.merged or projections_share_storage(self.model):
             unmerge_projections(self.model)
         self.merged = None
         self.snapshot = None

@@ -78,6 +78,19 @@ def _merge_projections(model) -> list[MergedLayer] | None:
     return merged
 
 
+def projections_share_storage(model) -> bool:
+    """Whether any layer's Q/K/V or gate/up weights are slices of one storage (merged by this engine, or by the
+    engine of the model this one was pickled from: ``torch.save`` keeps the sharing)."""
+    def storage(linear):
+        return linear.weight.untyped_storage().data_ptr()
+
+    for ly in model.model.layers:
+        a, mlp = ly.self_attn, ly.mlp
+        if storage(a.q_proj) == storage(a.k_proj) or storage(mlp.gate_proj) == storage(mlp.up_proj):
+            return True
+    return False
+
+
 def unmerge_projections(model) -> None:
     """Give every projection its own storage again (the same ``Parameter`` objects, values unchanged;
     ordinary tensors, also when called inside ``torch.inference_mode``)."""

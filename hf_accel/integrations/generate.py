@@ -464,11 +464,14 @@ def _projections_own_storage(module, prefix, keep_vars) -> None:
     or drop tensors sharing storage (accelerate's ``save_model``, safetensors' ``save_model``) would write a
     checkpoint without some weights or raise. Inside a running ``generate`` of this thread (a streamer's callback)
     the slices are left as they are."""
+    from hf_accel.engine.merged_weights import projections_share_storage
+
     engine = module.__dict__.get("_hf_accel_engine")
-    if engine is None or not engine.merged or engine.call_lock.held_here():
+    if engine is None or engine.call_lock.held_here():
         return
     with engine.call_lock:  # waits for a generate running in another thread
-        engine.release()
+        if engine.merged or projections_share_storage(module):  # (a model loaded by torch.load shares, unmerged)
+            engine.release()
 
 
 def uninstall(model) -> None:

@@ -2,7 +2,7 @@
 reason logged; options it does take give stock's tokens on it.
 
 Fallbacks: beam search, guidance_scale, output_hidden_states, use_cache=False, a cache the caller passed, a
-right-padded batch, an all-padding row, a model offloaded by accelerate, an answer whose cache does not fit in device (or CPU) memory, a model in
+right-padded batch, an all-padding row, a model offloaded by accelerate, forward hooks on its modules, an answer whose cache does not fit in device (or CPU) memory, a model in
 training mode / cast / with a replaced layer. On the fast path: num_return_sequences with sampling (and the error
 without it, as stock's), repetition_penalty, ``inputs=``.
 """
@@ -113,6 +113,48 @@ def test_offloaded_model_falls_back_with_stock_tokens(tiny, hf_log, decode_steps
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None), stock)
     assert _messages(hf_log, "weights are offloaded (parameters on the meta device")
     assert not _messages(hf_log, FAST_MSG) and decode_steps == []
+
+
+def test_forward_hooks_turn_the_fast_path_off_while_they_are_there(tiny, hf_log, decode_steps):
+    """A forward hook on a layer (say, steering its output) or a forward replaced on a submodule would be skipped by
+    the fast path, which runs the layers itself: while one is there transformers' loop runs, with stock's tokens,
+    and the reason is logged; removed, the fast path runs again. transformers' own output-capturing hooks (left on
+    the layers after a call with output_hidden_states) keep the fast path on. The hook used to be skipped."""
+    model = tiny.model("llama", seed=6)
+    ids, mask = tiny.batch(seed=7)
+    ours = _accelerated(model)
+    _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4, output_hidden_states=True, return_dict_in_generate=True)
+    assert any(m._forward_hooks for m in ours.modules())  # transformers' capturing hooks, now installed
+    decode_steps.clear()
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4),
+                       _generate(model, ids, mask, tiny.PAD, max_new_tokens=4))
+    assert decode_steps
+
+    def steer(module, args, output):
+        return output * 3
+
+    for name, add in (("model.layers.1.mlp", lambda m: m.register_forward_hook(steer)),
+                      ("model.layers.0.self_attn.o_proj", lambda m: m.register_forward_pre_hook(lambda mod, a: None)),
+                      ("model.norm", None)):
+        handles = []
+        for m in (model, ours):
+            module = m.get_submodule(name)
+            if add is None:
+                module.forward = (lambda f: lambda x: f(x) * 0.5)(module.forward)
+            else:
+                handles.append(add(module))
+        decode_steps.clear()
+        stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=4)
+        assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), stock), name
+        assert not decode_steps and _messages(hf_log, f"forward hooks or a replaced forward on {name}")
+        for m in (model, ours):
+            if add is None:
+                del m.get_submodule(name).forward
+        for handle in handles:
+            handle.remove()
+        assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4),
+                           _generate(model, ids, mask, tiny.PAD, max_new_tokens=4))
+        assert decode_steps, name
 
 
 def test_an_answer_whose_cache_does_not_fit_runs_on_a_pool_of_what_fits(tiny, decode_steps, hf_log, monkeypatch):

@@ -107,3 +107,30 @@ def test_state_dict_gives_the_merged_projections_their_own_storage(tiny, tmp_pat
     assert not load_model(fresh, str(tmp_path / "model.safetensors"))[0]  # nothing missing
     assert torch.equal(tiny.greedy(fresh, ids, mask), stock)
     assert torch.equal(tiny.greedy(model, ids, mask), stock)
+
+
+def test_a_pickled_merged_model_unmerges_for_state_dict_and_revert(tiny):
+    """``torch.save`` keeps the merged projections' shared storage and the loaded copy's engine starts unmerged:
+    its ``state_dict()`` and ``revert_model`` still give every projection its own storage (accelerate's save_model
+    wrote such a copy's checkpoint without its k/v/up weights)."""
+    import io
+
+    from hf_accel import revert_model
+    from hf_accel.engine.merged_weights import projections_share_storage
+
+    model = tiny.model("llama", seed=80)
+    accelerate_model(model)
+    _merge(model._hf_accel_engine)
+    for finish in ("state_dict", "revert"):
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert loaded._hf_accel_engine.merged is None and projections_share_storage(loaded)
+        if finish == "state_dict":
+            state = loaded.state_dict()
+            storages = [t.untyped_storage().data_ptr() for t in state.values()]
+            assert len(set(storages)) == len(storages)
+        else:
+            revert_model(loaded)
+        assert not projections_share_storage(loaded)
