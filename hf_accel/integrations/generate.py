@@ -449,35 +449,55 @@ def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool 
 
         engine_for(model, engine, speculative)  # checks the draft model now
     model._hf_accel_engine = engine
-    if engine is not None:
-        model._hf_accel_state_dict_hook = model.register_state_dict_pre_hook(_projections_own_storage)
+    if engine is not None:  # the model's and its base model's state_dict() (see _projections_own_storage)
+        owners = [m for m in (model, getattr(model, "model", None)) if isinstance(m, torch.nn.Module)]
+        model._hf_accel_state_dict_hooks = [
+            *(m.register_state_dict_pre_hook(functools.partial(_projections_own_storage, model)) for m in owners),
+            *(m.register_state_dict_post_hook(functools.partial(_unshared_projections, model)) for m in owners)]
     model.generate = functools.partial(paged_generate, model, original, block_size, engine, speculative=speculative)
     # name, doc and __wrapped__ (inspect.signature follows it), not __annotations__: transformers' hold ForwardRefs,
     # which do not pickle (torch.save(model) of an accelerated model)
     functools.update_wrapper(model.generate, original, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
 
 
-def _projections_own_storage(module, prefix, keep_vars) -> None:
-    """``state_dict()`` of a model whose fast path merged its Q/K/V and gate/up projections (their weights are
-    slices of one matrix per layer): the engine gives them their own storage back first (one layer's projections
-    copied at a time) and drops its steps, which the next ``generate`` builds again. Otherwise savers that refuse
-    or drop tensors sharing storage (accelerate's ``save_model``, safetensors' ``save_model``) would write a
-    checkpoint without some weights or raise. Inside a running ``generate`` of this thread (a streamer's callback)
-    the slices are left as they are."""
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _projections_own_storage(model, module, prefix, keep_vars) -> None:
+    """``state_dict()`` of a model (or of its base model) whose fast path merged its Q/K/V and gate/up projections
+    (their weights are slices of one matrix per layer): the engine gives them their own storage back first (one
+    layer's projections copied at a time) and drops its steps, which the next ``generate`` builds again. Otherwise
+    savers that refuse or drop tensors sharing storage (accelerate's ``save_model``, safetensors' ``save_model``)
+    would write a checkpoint without some weights or raise. Inside a running ``generate`` of this thread (a
+    streamer's callback) the slices are left as they are (:func:`_unshared_projections` copies them)."""
     from hf_accel.engine.merged_weights import projections_share_storage
 
-    engine = module.__dict__.get("_hf_accel_engine")
+    engine = model.__dict__.get("_hf_accel_engine")
     if engine is None or engine.call_lock.held_here():
         return
     with engine.call_lock:  # waits for a generate running in another thread
-        if engine.merged or projections_share_storage(module):  # (a model loaded by torch.load shares, unmerged)
+        if engine.merged or projections_share_storage(model):  # (a model loaded by torch.load shares, unmerged)
             engine.release()
+
+
+def _unshared_projections(model, module, state_dict, prefix, local_metadata) -> None:
+    """After ``state_dict()``: projection entries that still share storage (a ``generate`` in another thread merged
+    them again while the state dict was being built, or this thread's running ``generate`` holds them merged) are
+    replaced by copies, so that no saver drops them. Other shared entries (tied embeddings) stay as stock has them."""
+    by_storage: dict[int, list[str]] = {}
+    for key, value in state_dict.items():
+        parts = key.rsplit(".", 2)
+        if key.startswith(prefix) and len(parts) == 3 and parts[1] in _PROJECTIONS and isinstance(value, torch.Tensor):
+            by_storage.setdefault(value.untyped_storage().data_ptr(), []).append(key)
+    for keys in by_storage.values():
+        if len(keys) > 1:
+            for key in keys:
+                state_dict[key] = state_dict[key].detach().clone()
 
 
 def uninstall(model) -> None:
     model.__dict__.pop("generate", None)
-    hook = model.__dict__.pop("_hf_accel_state_dict_hook", None)
-    if hook is not None:
+    for hook in model.__dict__.pop("_hf_accel_state_dict_hooks", ()):
         hook.remove()
     engine = model.__dict__.pop("_hf_accel_engine", None)
     if engine is not None:

@@ -134,3 +134,22 @@ def test_a_pickled_merged_model_unmerges_for_state_dict_and_revert(tiny):
         else:
             revert_model(loaded)
         assert not projections_share_storage(loaded)
+
+
+def test_state_dict_of_the_base_model_and_while_generate_holds_the_merge(tiny):
+    """``model.model.state_dict()`` unmerges too; a state dict built while the engine stays merged (from inside a
+    running generate of the same thread, or when another thread's generate merges again meanwhile) gets copies of
+    the shared projection entries, while the tied or other entries stay as stock gives them."""
+    model = tiny.model("llama", seed=81)
+    accelerate_model(model)
+    engine = model._hf_accel_engine
+    _merge(engine)
+    state = model.model.state_dict()
+    assert engine.merged is None and len({t.untyped_storage().data_ptr() for t in state.values()}) == len(state)
+    _merge(engine)
+    with engine.call_lock:  # what a streamer's callback inside generate sees: the merge stays
+        state = model.state_dict()
+    assert engine.merged is not None
+    assert len({t.untyped_storage().data_ptr() for t in state.values()}) == len(state)
+    layer = model.model.layers[0].self_attn
+    assert torch.equal(state["model.layers.0.self_attn.k_proj.weight"], layer.k_proj.weight)
