@@ -7,8 +7,8 @@ new storage behind the same Parameter (``param.data = tensor``), a replaced subm
 forward method added to a module (which the fast path, running the layers itself, would skip) is not: the engine
 takes a snapshot when it builds a step and compares it at each call (~0.1 ms for a 30-layer model on a CPU of
 today), dropping its steps and merged projections and checking the model again when it differs. The snapshot
-refers to tensors and modules weakly; it holds the modules' own dicts of parameters, buffers and submodules
-(which the modules hold too).
+refers to tensors and submodules weakly, but holds each module's dicts (parameters, buffers, submodules, hooks,
+attributes): a module replaced by another keeps its weights in memory until the next call finds the change.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 
 class WeightSnapshot:
     """``tensors``: (dict, name, tensor, data_ptr) of every parameter and buffer (``dict`` its module's
-    ``_parameters`` / ``_buffers``); ``children``: (dict, name, submodule) of every submodule; ``hooks``: (module,
-    forward hooks, forward pre-hooks, dict) of every module (``dict`` its ``__dict__``, whose ``forward`` key is a
-    replaced forward). Tensors and modules as weak references."""
+    ``_parameters`` / ``_buffers``); ``children``: (dict, name, submodule) of every submodule (``dict`` its parent's
+    ``_modules``); ``hooks``: (forward hooks, their count, forward pre-hooks, their count, ``__dict__``, whether it
+    holds a ``forward``) of every module. Tensors and submodules as weak references."""
 
     __slots__ = ("tensors", "children", "hooks")
 
