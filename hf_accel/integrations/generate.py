@@ -453,7 +453,8 @@ def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool 
         owners = [m for m in (model, getattr(model, "model", None)) if isinstance(m, torch.nn.Module)]
         model._hf_accel_state_dict_hooks = [
             *(m.register_state_dict_pre_hook(functools.partial(_projections_own_storage, model)) for m in owners),
-            *(m.register_state_dict_post_hook(functools.partial(_unshared_projections, model)) for m in owners)]
+            *(m.register_state_dict_post_hook(functools.partial(_unshared_projections, model)) for m in owners),
+            *(m.register_load_state_dict_pre_hook(functools.partial(_release_before_load, model)) for m in owners)]
     model.generate = functools.partial(paged_generate, model, original, block_size, engine, speculative=speculative)
     # name, doc and __wrapped__ (inspect.signature follows it), not __annotations__: transformers' hold ForwardRefs,
     # which do not pickle (torch.save(model) of an accelerated model)
@@ -478,6 +479,18 @@ def _projections_own_storage(model, module, prefix, keep_vars) -> None:
     with engine.call_lock:  # waits for a generate running in another thread
         if engine.merged or projections_share_storage(model):  # (a model loaded by torch.load shares, unmerged)
             engine.release()
+
+
+def _release_before_load(model, module, *args) -> None:
+    """``load_state_dict`` on the model (or its base model): the engine drops its steps and gives merged projections
+    their own storage back first. With ``assign=True`` the merged matrices would otherwise stay in memory beside the
+    new weights until the next ``generate`` (most of the model's weights, twice); an in-place load then fills
+    the modules' own storage, and the next ``generate`` merges and builds its steps again."""
+    engine = model.__dict__.get("_hf_accel_engine")
+    if engine is None or engine.call_lock.held_here() or not (engine.merged or engine.steps):
+        return
+    with engine.call_lock:  # waits for a generate running in another thread
+        engine.release()
 
 
 def _unshared_projections(model, module, state_dict, prefix, local_metadata) -> None:

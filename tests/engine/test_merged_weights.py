@@ -22,7 +22,13 @@ def _merge(engine):
     assert engine.merged and snapshot_intact(engine.snapshot)
 
 
-def test_replaced_parameters_drop_the_merged_matrices(tiny):
+def test_load_state_dict_drops_the_merged_matrices_first(tiny):
+    """load_state_dict gives the projections their own storage back before it loads: in place it fills them, and
+    with assign=True the old merged matrices are freed at once (they stayed in memory beside the new weights until
+    the next generate). The next fused step merges the current weights again."""
+    import gc
+    import weakref
+
     model = tiny.model("llama", seed=70)
     other = tiny.model("llama", seed=71)
     ids, mask = tiny.batch(seed=72)
@@ -30,16 +36,15 @@ def test_replaced_parameters_drop_the_merged_matrices(tiny):
     accelerate_model(model)
     engine = model._hf_accel_engine
     _merge(engine)
-    qkv = engine.merged[0].qkv_weight
-    # an in-place load keeps the merged matrices (they are the modules' storage) and fills them
     model.load_state_dict(other.state_dict())
-    assert engine._model_reason() is None and engine.merged is not None
-    assert torch.equal(qkv[: model.model.layers[0].self_attn.q_proj.weight.shape[0]],
-                       other.model.layers[0].self_attn.q_proj.weight)
-    # assign=True replaces the Parameters: the merged matrices would be stale
+    assert engine.merged is None and engine.snapshot is None and engine._model_reason() is None
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, other.model.layers[0].self_attn.q_proj.weight)
+    _merge(engine)
+    old = weakref.ref(engine.merged[0].qkv_weight)
     model.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
-    assert not snapshot_intact(engine.snapshot)
-    assert engine._model_reason() is None and engine.merged is None and not engine.steps
+    gc.collect()
+    assert engine.merged is None and old() is None
+    assert engine._model_reason() is None and not engine.steps
     assert torch.equal(tiny.greedy(model, ids, mask), want)
 
 
