@@ -317,7 +317,8 @@ def test_fused_step_with_a_matmul_input_narrower_than_16_gives_stock_tokens(tiny
 def test_after_fused_generate_model_stays_trainable_and_castable(tiny):
     """A fused generate merges q/k/v and gate/up into shared matrices inside inference mode. The parameters
     must stay ordinary trainable tensors (requires_grad kept, backward and load_state_dict work, also after
-    revert_model), and a cast after the call rebuilds the engine instead of using the old merged weights."""
+    revert_model; load_state_dict unmerges them first), and a cast after the call rebuilds the engine instead of
+    using the old merged weights."""
     from hf_accel import revert_model
 
     base = tiny.model("llama", head_dim=32)
@@ -331,10 +332,12 @@ def test_after_fused_generate_model_stays_trainable_and_castable(tiny):
     q = model.model.layers[0].self_attn.q_proj.weight
     assert q.requires_grad and not q.is_inference()
     other = tiny.model("llama", seed=9, head_dim=32)
-    model.load_state_dict(other.state_dict())  # in-place copies into the merged storage
-    rows = q.shape[0]
-    assert torch.equal(fast.merged[0].qkv_weight[:rows], other.model.layers[0].self_attn.q_proj.weight)
+    model.load_state_dict(other.state_dict())  # unmerges first, then copies into the projections' own storage
+    assert not fast.merged and not fast.steps
+    assert torch.equal(q, other.model.layers[0].self_attn.q_proj.weight)
     model.load_state_dict(base.state_dict())
+    assert torch.equal(_generate(model, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None), stock)
+    assert fast.merged, "merged again from the loaded weights"
     # a cast: the merged matrices are stale now; the next call must not use them
     model.double()
     assert "float64" in fast._model_reason() and not fast.merged and not fast.steps
