@@ -10,6 +10,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+from torch.nn.modules import module as torch_module
 
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
@@ -70,8 +71,6 @@ def hooked_modules(model) -> list[str]:
     hook or pre-hook other than transformers' own (its output-capturing hooks, which record only while
     ``output_hidden_states`` / ``output_attentions`` asks), a forward replaced on a submodule, or any global forward
     hook (name ``"*"``)."""
-    from torch.nn.modules import module as torch_module
-
     names = ["*"] if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks else []
     for name, module in model.named_modules():
         hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
@@ -114,8 +113,6 @@ class CallChecks:
         refusal is checked again at each call (those calls run transformers' loop). A changed weight key or
         snapshot also drops this engine's cache, steps and merged projections (built for the old weights), which
         the next call builds again."""
-        from torch.nn.modules import module as torch_module
-
         m = self.model
         try:
             inner = m.model
