@@ -165,14 +165,28 @@ class PagedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, num_kv_heads, q_len, head_dim = key_states.shape
+        if value_states.shape != key_states.shape:
+            raise ValueError(f"PagedCache layer {self.layer_idx}: key and value states must have one shape "
+                             f"[batch, num_kv_heads, q_len, head_dim]; got {tuple(key_states.shape)} and "
+                             f"{tuple(value_states.shape)}")
+        if self.keys.shape[2:] != (num_kv_heads, head_dim):
+            raise ValueError(f"PagedCache layer {self.layer_idx} holds {self.keys.shape[2]} KV heads of size "
+                             f"{self.keys.shape[3]} and got {num_kv_heads} of size {head_dim}: a cache belongs to "
+                             "one model (pass another model a cache of its own)")
         if self.layer_idx == 0:  # a new forward: refuse a partial step before anything changes
             self._cache._check_whole_steps()
             self._cache._make_writable()
-        step = self._cache._prepare_step(self.length, q_len, batch, key_states.device)
+        start = self.length
+        step = self._cache._prepare_step(start, q_len, batch, key_states.device)
         k = key_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
         v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
         write = reshape_and_cache if key_states.is_cuda else reshape_and_cache_ref
-        write(k, v, self.keys, self.values, step.slot_mapping)
+        try:
+            write(k, v, self.keys, self.values, step.slot_mapping, check_slots=False)
+        except BaseException:
+            if self.layer_idx == 0:  # no layer holds the step yet: the block tables go back to where they were
+                self._cache._undo_step(start)
+            raise
         fresh = self.length == 0
         self.length += q_len
         if fresh:
@@ -386,6 +400,20 @@ class PagedCache(Cache):
                                slots.reshape(-1).to(torch.int32).to(device, non_blocking=True), start + q_len)
         return self._step
 
+    def _undo_step(self, start: int) -> None:
+        """Take back a step that :meth:`_prepare_step` made and no layer wrote (the first layer's write failed or
+        was interrupted): the block tables end at ``start`` again, rows allocated by that step are freed."""
+        self._step = None
+        m = self.manager
+        if start == 0 and all(layer.length == 0 for layer in self.layers):
+            for s in self.seq_ids:
+                m.free(s)
+            self.seq_ids = []
+            return
+        for s in self.seq_ids:
+            if m.length(s) > start:
+                m.truncate(s, start)
+
     def _grow(self, extra: int) -> None:
         """``extra`` more blocks in the manager and in every initialized layer's pools (copied over)."""
         for layer in self.layers:
@@ -438,7 +466,7 @@ class PagedCache(Cache):
         new_length = length + n if n < 0 else (length if n == 0 else min(n, length))
         if new_length < 0:
             raise ValueError(f"cannot remove {-n} tokens from a cache holding {length}")
-        if new_length == length:
+        if new_length == length and all(self.manager.length(s) == length for s in self.seq_ids):
             return
         for s in self.seq_ids:
             self.manager.truncate(s, new_length)

@@ -295,11 +295,12 @@ def expand_kv_heads(model, num_kv_heads: int | None = None):
     _check_model(model)
     cfg = model.config
     current, heads = cfg.num_key_value_heads, cfg.num_attention_heads
-    target = heads if num_kv_heads is None else num_kv_heads
+    given = heads if num_kv_heads is None else num_kv_heads
+    target = _as_int(given)
     choices = expand_choices(model)
-    if isinstance(target, bool) or not isinstance(target, int) or target not in choices:
+    if target not in choices:
         raise ValueError(
-            f"num_kv_heads={target!r} must be a multiple of the current {current} KV heads that divides "
+            f"num_kv_heads={given!r} must be a multiple of the current {current} KV heads that divides "
             f"the {heads} query heads; valid choices: {choices}"
         )
     for module in attention_modules(model):

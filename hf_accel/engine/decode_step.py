@@ -437,7 +437,7 @@ class DecodeStep:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             pools = self.cache.layers[layer_idx]
-            write(k, v, pools.keys, pools.values, slot_mapping)
+            write(k, v, pools.keys, pools.values, slot_mapping, check_slots=False)
             kwargs = dict(causal=True, sm_scale=self.scaling)
             if on_cuda:
                 kwargs["num_stages"] = switches.DECODE_ATTENTION_STAGES

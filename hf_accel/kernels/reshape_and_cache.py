@@ -20,14 +20,15 @@ def _reshape_and_cache_kernel(
     K, V, KCache, VCache, SlotMapping,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
-    stride_cb, stride_cs, stride_ch, stride_cd,
-    num_kv_heads, head_dim, block_size,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    num_kv_heads, head_dim, block_size, num_slots,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(SlotMapping + t).to(tl.int64)
-    if slot >= 0:
+    if (slot >= 0) & (slot < num_slots):  # past the pools: not written (the launcher refuses such slots)
         blk = slot // block_size
         off = slot % block_size
         offs_h = tl.arange(0, BLOCK_H)
@@ -36,12 +37,13 @@ def _reshape_and_cache_kernel(
         t64 = t.to(tl.int64)
         k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=m)
         v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=m)
-        dst = blk * stride_cb + off * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
-        tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=m)
-        tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=m)
+        k_dst = blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd
+        v_dst = blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
+        tl.store(KCache + k_dst, k.to(KCache.dtype.element_ty), mask=m)
+        tl.store(VCache + v_dst, v.to(VCache.dtype.element_ty), mask=m)
 
 
-def _check(key, value, key_cache, value_cache, slot_mapping):
+def _check(key, value, key_cache, value_cache, slot_mapping, check_slots: bool = True):
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(f"key/value must be [num_tokens, num_kv_heads, head_dim] and equal; got "
                          f"{tuple(key.shape)}, {tuple(value.shape)}")
@@ -54,6 +56,17 @@ def _check(key, value, key_cache, value_cache, slot_mapping):
         raise ValueError(f"slot_mapping must be [num_tokens={key.shape[0]}]; got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
+    if check_slots and slot_mapping.numel() and not _capturing(slot_mapping):
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        low, high = (int(x) for x in torch.aminmax(slot_mapping))
+        if low < -1 or high >= num_slots:
+            raise ValueError(f"slot_mapping holds slots in [{low}, {high}]; the pools have {num_slots} slots "
+                             f"({key_cache.shape[0]} blocks of {key_cache.shape[1]}), so each slot must be in "
+                             f"[0, {num_slots - 1}], or -1 to skip the token")
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def reshape_and_cache(
@@ -62,6 +75,8 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    check_slots: bool = True,
 ) -> None:
     """Scatter ``key``/``value`` rows into the block pools, in place.
 
@@ -71,26 +86,29 @@ def reshape_and_cache(
         key_cache: [num_blocks, block_size, num_kv_heads, head_dim], the pool (written in its dtype).
         value_cache: same shape as ``key_cache``.
         slot_mapping: [num_tokens], int32/int64 — ``block_id * block_size + offset``; -1 = skip.
+        check_slots: check that every slot lies in the pools (one device-to-host read of the slots' range; not
+            done while a CUDA graph is being captured). Pass False for slots made from block tables the caller
+            manages; either way a slot past the pools is not written.
 
     Raises:
-        ValueError: on shape/dtype mismatches.
+        ValueError: on shape/dtype mismatches, and (``check_slots``) on a slot below -1 or past the pools.
     """
-    _check(key, value, key_cache, value_cache, slot_mapping)
+    _check(key, value, key_cache, value_cache, slot_mapping, check_slots)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     check_launch_device(key, "reshape_and_cache")
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *key_cache.stride(),
-        num_kv_heads, head_dim, key_cache.shape[1],
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
+        num_kv_heads, head_dim, key_cache.shape[1], key_cache.shape[0] * key_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
 
-def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
+def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, *, check_slots: bool = True) -> None:
     """PyTorch reference of :func:`reshape_and_cache` (same arguments, in place)."""
-    _check(key, value, key_cache, value_cache, slot_mapping)
+    _check(key, value, key_cache, value_cache, slot_mapping, check_slots)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = key_cache.shape[1]
@@ -128,7 +146,7 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
         ``seq_lens = cache_lens + q_len``.
 
     Raises:
-        ValueError: dtypes other than int32, shapes that do not match, ``q_len`` < 1.
+        ValueError: dtypes other than int32, shapes that do not match, ``q_len`` or ``block_size`` < 1.
     """
     if cache_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
         raise ValueError(f"cache_lens and block_table must be int32, got {cache_lens.dtype}, {block_table.dtype}")
@@ -138,6 +156,8 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
                          f"dimension; got {tuple(cache_lens.shape)}, {tuple(block_table.shape)}")
     if q_len < 1:
         raise ValueError(f"q_len must be >= 1, got {q_len}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     batch = cache_lens.shape[0]
     slots = torch.empty(batch * q_len, dtype=torch.int32, device=cache_lens.device)
     seq_lens = torch.empty_like(cache_lens)
@@ -151,6 +171,8 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
 
 def slot_mapping_ref(cache_lens, block_table, q_len, block_size):
     """PyTorch reference of :func:`slot_mapping`."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     pos = cache_lens.long()[:, None] + torch.arange(q_len, device=cache_lens.device)
     idx = pos // block_size
     listed = idx < block_table.shape[1]

@@ -83,7 +83,8 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
         q: [batch, num_heads * head_dim]; k, v: [batch, num_kv_heads * head_dim] (projection outputs,
             rows contiguous), fp16/bf16/fp32.
         cos, sin: [batch, head_dim], the rotary tables at each row's position (transformers' layout).
-        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous last dims.
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], one layout (equal strides),
+            contiguous last dims.
         slot_mapping: [batch] int32 — ``block * block_size + offset``; -1 = do not write.
         q_norm_weight, k_norm_weight: optional [head_dim] per-head RMSNorm weights applied before RoPE.
         eps: the RMSNorm epsilon of those norms (Qwen3's ``rms_norm_eps``).
@@ -96,7 +97,8 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
         [batch, num_heads, head_dim] rotated queries.
 
     Raises:
-        ValueError: shape mismatches, a ``k_out`` of another shape, dtype or device, or not contiguous.
+        ValueError: shape mismatches, caches of different layouts, a ``k_out`` of another shape, dtype or device,
+            or not contiguous.
     """
     batch = q.shape[0]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -107,6 +109,11 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
                          f"cos {tuple(cos.shape)}, cache {tuple(key_cache.shape)}, slots {tuple(slot_mapping.shape)}")
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride() \
+            or key_cache.stride(3) != 1:
+        raise ValueError(f"key_cache and value_cache must have one shape and one layout with contiguous rows; got "
+                         f"{tuple(key_cache.shape)} strides {key_cache.stride()} and {tuple(value_cache.shape)} "
+                         f"strides {value_cache.stride()}")
     for t in (q, k, v, cos, sin):
         if t.stride(1) != 1:
             raise ValueError("q, k, v, cos, sin need contiguous rows")

@@ -148,3 +148,94 @@ def test_an_interrupted_first_forward_names_release(tiny, monkeypatch, one_threa
     cache.release()
     ref = Stepper(model, PagedCache(model.config, num_blocks=60, block_size=4), ids, mask)
     torch.testing.assert_close(Stepper(model, cache, ids, mask).logits, ref.logits, rtol=0, atol=1e-6)
+
+
+# --- a first layer's write that fails ------------------------------------------------------------------
+
+
+def _direct_cache(tiny, **kw):
+    """A PagedCache fed directly (no model): 2 layers, 2 KV heads of size 8, 2 tokens cached in 1 row."""
+    config = tiny.config("llama")
+    config.num_hidden_layers, config.num_key_value_heads, config.head_dim = 2, 2, 8
+    cache = PagedCache(config, num_blocks=8, block_size=3, **kw)
+    g = torch.Generator().manual_seed(90)
+    for layer in range(2):
+        cache.update(torch.randn(1, 2, 2, 8, generator=g), torch.randn(1, 2, 2, 8, generator=g), layer)
+    return cache
+
+
+def _tables(cache):
+    m = cache.manager
+    return ([layer.length for layer in cache.layers], [m.block_table(s) for s in cache.seq_ids],
+            [m.length(s) for s in cache.seq_ids], sorted(m._free), list(m._refcount))
+
+
+def _continue(cache, seed):
+    """One more 2-token step through both layers; layer 1's returned K/V."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(2):
+        k, v = cache.update(torch.randn(1, 2, 2, 8, generator=g), torch.randn(1, 2, 2, 8, generator=g), layer)
+    return torch.cat([k, v], dim=-1)
+
+
+@pytest.mark.parametrize("bad", ["value_length", "heads", "interrupt"])
+def test_a_failed_first_layer_write_leaves_the_block_tables_as_they_were(tiny, monkeypatch, bad):
+    """Layer 0 prepares the step (advances the block tables) before it writes: a write that fails there (K and V
+    of different lengths, another model's head count, an interrupt inside the write) used to leave the tables one
+    step ahead of every layer, and the next step raised "out of sync" with a crop that changed nothing. Now the
+    bad shapes are refused before anything changes, a failed write takes the step back, and the cache continues
+    exactly as one that never saw the call."""
+    cache, ref = _direct_cache(tiny), _direct_cache(tiny)
+    before = _tables(cache)
+    if bad == "value_length":
+        with pytest.raises(ValueError, match="key and value states must have one shape"):
+            cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 2, 8), 0)
+    elif bad == "heads":
+        with pytest.raises(ValueError, match="holds 2 KV heads of size 8 and got 4 of size 8"):
+            cache.update(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), 0)
+    else:
+        import hf_accel.cache.paged_cache as paged_cache
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(paged_cache, "reshape_and_cache_ref", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            cache.update(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), 0)
+        monkeypatch.undo()
+    assert _tables(cache) == before
+    cache.manager.check()
+    assert torch.equal(_continue(cache, 91), _continue(ref, 91))
+
+
+def test_an_interrupted_first_write_of_an_empty_cache_frees_its_rows(tiny, monkeypatch):
+    """The first step allocates the rows; an interrupt inside layer 0's write gives them back, so the empty cache
+    takes any batch size next."""
+    import hf_accel.cache.paged_cache as paged_cache
+
+    config = tiny.config("llama")
+    config.num_hidden_layers, config.num_key_value_heads, config.head_dim = 2, 2, 8
+    cache = PagedCache(config, num_blocks=8, block_size=3)
+    monkeypatch.setattr(paged_cache, "reshape_and_cache_ref", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        cache.update(torch.randn(3, 2, 2, 8), torch.randn(3, 2, 2, 8), 0)
+    monkeypatch.undo()
+    assert cache.seq_ids == [] and cache.manager.num_free_blocks == 8
+    k = torch.randn(1, 2, 4, 8)
+    for layer in range(2):
+        got, _ = cache.update(k, k, layer)
+    assert torch.equal(got, k) and cache.get_seq_length() == 4
+
+
+def test_crop_also_brings_block_tables_ahead_of_the_layers_back(tiny):
+    """``crop(n)`` with the layers already at ``n`` still truncates block tables that ran ahead of them (the state
+    the out-of-sync message describes), so the crop it recommends recovers."""
+    cache, ref = _direct_cache(tiny), _direct_cache(tiny)
+    for s in cache.seq_ids:
+        cache.manager.append(s, 2)
+    cache._step = None
+    with pytest.raises(RuntimeError, match=r"out of sync.*cache.crop\(2\)"):
+        _continue(cache, 92)
+    cache.crop(2)
+    assert _tables(cache) == _tables(ref)
+    assert torch.equal(_continue(cache, 93), _continue(ref, 93))

@@ -179,6 +179,20 @@ def test_expand_then_pool_back_is_exact(model_type):
     torch.testing.assert_close(logits(model, ids), ref, **TIGHT)
     with pytest.raises(ValueError, match=r"valid choices: \[2, 4, 8\]"):
         expand_kv_heads(model, 3)
+    for bad in (True, 4.0, torch.tensor([4])):
+        with pytest.raises(ValueError, match=r"valid choices: \[2, 4, 8\]"):
+            expand_kv_heads(model, bad)
+
+
+@pytest.mark.parametrize("count", [np.int64(4), torch.tensor(4)], ids=["numpy", "tensor"])
+def test_expand_takes_the_integer_types_convert_takes(count):
+    """A numpy or 0-d tensor integer is a count, as in :func:`convert_to_gqa` (it was refused with a message that
+    listed the very value among the valid choices)."""
+    base = build("llama", num_heads=8, num_kv_heads=2)
+    ids = tokens()
+    model = expand_kv_heads(copy.deepcopy(base), count)
+    assert model.config.num_key_value_heads == 4 and type(model.config.num_key_value_heads) is int
+    torch.testing.assert_close(logits(model, ids), logits(base, ids), **TIGHT)
 
 
 def _shuffle(n: int, layers: int, size: int) -> list[torch.Tensor]:

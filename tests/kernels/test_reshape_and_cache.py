@@ -167,3 +167,47 @@ def test_slot_mapping_matches_reference(q_len):
         slot_mapping(cache_lens.long(), table, q_len, block_size)
     with pytest.raises(ValueError, match="q_len"):
         slot_mapping(cache_lens, table, 0, block_size)
+
+
+@pytest.mark.parametrize("which", ["value_cache", "key_cache"])
+def test_key_and_value_pools_of_different_layouts(which):
+    """Each pool is written through its own strides: a value pool of the right shape in another layout (a permuted
+    view) used to be written with the key pool's strides, putting values in the wrong slots."""
+    key, value, kc, vc, slots = _case(5, 2, 8, 4, 4, torch.float32, torch.float32, seed=6)
+    other = torch.full((8, 2, 4, 4), float("nan"), device=DEVICE).permute(3, 2, 1, 0)  # [4, 4, 2, 8], strided
+    if which == "value_cache":
+        vc = other
+    else:
+        kc = other
+    kc_ref, vc_ref = kc.contiguous(), vc.contiguous()
+    reshape_and_cache(key, value, kc, vc, slots)
+    reshape_and_cache_ref(key, value, kc_ref, vc_ref, slots)
+    assert torch.equal(kc.nan_to_num(7.0), kc_ref.nan_to_num(7.0))
+    assert torch.equal(vc.nan_to_num(7.0), vc_ref.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("slot", [16, 1000, -2])
+def test_slots_outside_the_pools_are_refused(slot):
+    """A slot past the pools (4 blocks of 4: slots 0-15) or below -1 raises before anything is written (the
+    kernel used to write past the pool); with ``check_slots=False`` the kernel leaves such a slot unwritten."""
+    key, value, kc, vc, slots = _case(3, 2, 8, 4, 4, torch.float32, torch.float32, seed=7, skip_every=0)
+    slots[1] = slot
+    for fn in (reshape_and_cache, reshape_and_cache_ref):
+        with pytest.raises(ValueError, match=r"slots in \[.*\]; the pools have 16 slots"):
+            fn(key, value, kc, vc, slots)
+    assert kc.isnan().all() and vc.isnan().all()
+    if slot > 0:
+        reshape_and_cache(key, value, kc, vc, slots, check_slots=False)
+        assert torch.isnan(kc).sum() == kc.numel() - 2 * 2 * 8  # rows 0 and 2 only
+        s = slots[[0, 2]].long()
+        assert torch.equal(kc[s // 4, s % 4], key[[0, 2]]) and torch.equal(vc[s // 4, s % 4], value[[0, 2]])
+
+
+def test_slot_mapping_refuses_a_block_size_below_one():
+    from hf_accel.kernels.reshape_and_cache import slot_mapping, slot_mapping_ref
+
+    cache_lens = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE).view(2, 2)
+    for fn in (slot_mapping, slot_mapping_ref):
+        with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+            fn(cache_lens, table, 1, 0)

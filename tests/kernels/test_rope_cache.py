@@ -55,3 +55,19 @@ def test_k_out_errors(bad):
         k_out = torch.empty(5, 2, 32, device=DEVICE)[..., :16]
     with pytest.raises(ValueError, match="k_out"):
         rope_and_cache(q, k, v, cos, sin, kc, vc, slots, k_out=k_out)
+
+
+@pytest.mark.parametrize("bad", ["value_layout", "value_shape", "strided_rows"])
+def test_cache_layouts_it_cannot_write_are_refused(bad):
+    """The kernel addresses both pools with the key pool's strides and contiguous rows: a value pool of another
+    layout or shape, or pools with strided rows, raise instead of being written in the wrong places."""
+    q, k, v, cos, sin, kc, vc, slots = _inputs()
+    if bad == "value_layout":
+        vc = torch.full((16, 2, 4, 6), float("nan"), device=DEVICE).permute(3, 2, 1, 0)
+    elif bad == "value_shape":
+        vc = vc[:5]
+    else:
+        kc = torch.full((6, 4, 2, 32), float("nan"), device=DEVICE)[..., ::2]
+        vc = torch.full((6, 4, 2, 32), float("nan"), device=DEVICE)[..., ::2]
+    with pytest.raises(ValueError, match="key_cache and value_cache must have one shape and one layout"):
+        rope_and_cache(q, k, v, cos, sin, kc, vc, slots)
