@@ -199,7 +199,8 @@ def convert_to_gqa(
         ValueError: unsupported model type, a peft model, or an accelerated model (revert it first);
             ``num_kv_heads`` not a divisor of the
             current count, < 1 or > current (the message lists the valid choices); unknown method or
-            grouping; a calibrated choice without calibration text; too little calibration text, token ids
+            grouping; a ``batch_size`` below 1; a calibrated choice without calibration text; too little
+            calibration text, token ids
             outside the model's vocabulary, or a ``context_length`` above the model's positions.
     """
     from tqdm.auto import tqdm
@@ -213,6 +214,8 @@ def convert_to_gqa(
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if grouping not in GROUPINGS:
         raise ValueError(f"unknown grouping {grouping!r}; choose one of {', '.join(GROUPINGS)}")
+    if _as_int(batch_size) is None or batch_size < 1:
+        raise ValueError(f"batch_size (calibration windows per forward pass) must be an int >= 1; got {batch_size!r}")
     if method == "pca" and cfg.model_type in PCA_UNSUPPORTED:
         raise ValueError(
             f"method='pca' does not support model_type {cfg.model_type!r} (its per-head q/k norms undo the "

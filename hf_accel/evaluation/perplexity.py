@@ -68,7 +68,8 @@ def perplexity(
         :class:`PerplexityResult`.
 
     Raises:
-        ValueError: fewer than 2 tokens, a batch dimension other than 1, or a bad length/stride.
+        ValueError: fewer than 2 tokens, a batch dimension other than 1, a bad length/stride/batch_size, or a
+            ``context_length`` above the model's ``max_position_embeddings``.
     """
     from tqdm.auto import tqdm
 
@@ -81,6 +82,12 @@ def perplexity(
     stride = context_length if stride is None else stride
     if context_length < 2 or not 1 <= stride <= context_length:
         raise ValueError(f"need context_length >= 2 and 1 <= stride <= context_length; got {context_length}, {stride}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(max_pos, int) and context_length > max_pos:  # windows past the trained positions
+        raise ValueError(f"context_length={context_length} is more than the model's {max_pos} positions "
+                         "(max_position_embeddings)")
     device = next(model.parameters()).device
     windows = _windows(input_ids.numel(), context_length, stride)
     batches: list[list[tuple[int, int, int]]] = []

@@ -204,8 +204,8 @@ def attention(
     batch, num_heads, num_kv_heads, q_len, kv_len, head_dim = _check_inputs(query, key, value, key_mask)
     if query.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {query.dtype}; supported: {SUPPORTED_DTYPES}")
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported (1..{MAX_HEAD_DIM})")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     group = num_heads // num_kv_heads

@@ -72,6 +72,14 @@ def test_bad_inputs_raise(model):
         perplexity(model, torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="stride"):
         perplexity(model, torch.zeros(10, dtype=torch.long), context_length=4, stride=5)
+    with pytest.raises(ValueError, match="batch_size must be >= 1; got 0"):
+        perplexity(model, torch.zeros(10, dtype=torch.long), context_length=4, batch_size=0)
+    # windows past the trained positions (the CLI refused them, the function scored them)
+    positions = model.config.max_position_embeddings
+    ids = torch.zeros(positions + 10, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"context_length={positions + 1} is more than the model's {positions} "):
+        perplexity(model, ids, context_length=positions + 1)
+    assert perplexity(model, ids, context_length=positions).windows == 2
 
 
 def test_pydoc_text_fingerprint_and_disjoint_calibration():

@@ -281,7 +281,8 @@ def _ok():
         ("ratio", "multiple of num_kv_heads"),
         ("dtype_mix", "dtypes differ"),
         ("dtype_f64", "unsupported dtype"),
-        ("head_dim_big", "head_dim"),
+        ("head_dim_big", r"head_dim 512 is not supported \(1\.\.256\)"),
+        ("head_dim_zero", r"head_dim 0 is not supported \(1\.\.256\)"),  # was a ZeroDivisionError
         ("mask_shape", "key_mask"),
         ("mask_3d", "key_mask"),
         ("out_shape", "out must be"),
@@ -311,6 +312,8 @@ def test_input_validation(case, match):
         q = torch.randn(1, 8, 3, 512, device=DEVICE)
         k = torch.randn(1, 2, 5, 512, device=DEVICE)
         v = torch.randn(1, 2, 5, 512, device=DEVICE)
+    elif case == "head_dim_zero":
+        q, k, v = q[..., :0], k[..., :0], v[..., :0]
     elif case == "mask_shape":
         mask = torch.ones(1, 4, dtype=torch.bool, device=DEVICE)
     elif case == "mask_3d":
