@@ -168,7 +168,6 @@ class DecodeStep:
         self.num_kv_heads = cfg.num_key_value_heads
         attn0 = model.model.layers[0].self_attn
         self.head_dim = attn0.head_dim
-        self.scaling = attn0.scaling
         # fused=None: on CUDA when supported. fused=True on CPU runs the Triton kernels (interpreter; tests).
         self.fused = (dev.type == "cuda" if fused is None else fused) and fused_supported(model) is None
         self.merged = merged  # list of MergedLayer (fused step only) or None; sets small_linear
@@ -346,10 +345,10 @@ class DecodeStep:
             if contiguous:
                 o = prefill_attention(q.view(b, t, h, d).transpose(1, 2), k_rot.view(b, t, kv, d).transpose(1, 2),
                                       v.view(b, t, kv, d).transpose(1, 2), own_mask, causal=True,
-                                      sm_scale=self.scaling, kv_start=kv_start)
+                                      sm_scale=attn.scaling, kv_start=kv_start)
             else:
                 o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
-                                    seq_lens, max_seq, key_mask, causal=True, sm_scale=self.scaling,
+                                    seq_lens, max_seq, key_mask, causal=True, sm_scale=attn.scaling,
                                     num_splits=splits, num_stages=switches.DECODE_ATTENTION_STAGES,
                                     pdl=pdl and switches.ATTENTION_PDL, **attn_kw)
             ln = layer.post_attention_layernorm
@@ -438,7 +437,7 @@ class DecodeStep:
             k = k * cos + _rotate_half(k) * sin
             pools = self.cache.layers[layer_idx]
             write(k, v, pools.keys, pools.values, slot_mapping, check_slots=False)
-            kwargs = dict(causal=True, sm_scale=self.scaling)
+            kwargs = dict(causal=True, sm_scale=attn.scaling)
             if on_cuda:
                 kwargs["num_stages"] = switches.DECODE_ATTENTION_STAGES
                 if t == self.q_len:

@@ -436,8 +436,10 @@ class FastEngine(CallChecks):
         processors = LogitsProcessorList()
         if repetition_penalty(gc) is not None:  # first, as in transformers' processor list
             processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty(gc)))
-        if eos_list and (gc.min_length or 0) > 0:
-            processors.append(MinLengthLogitsProcessor(gc.min_length, eos_t, device=device))
+        # transformers' _prepare_generated_length: min_new_tokens, when set, takes precedence over min_length
+        min_length = (gc.min_length or 0) if gc.min_new_tokens is None else prompt_len + gc.min_new_tokens
+        if eos_list and min_length > 0:
+            processors.append(MinLengthLogitsProcessor(min_length, eos_t, device=device))
         if eos_list and (gc.min_new_tokens or 0) > 0:
             processors.append(MinNewTokensLengthLogitsProcessor(prompt_len, gc.min_new_tokens, eos_t,
                                                                 device=device))

@@ -4,7 +4,9 @@ Captured CUDA graphs and the merged projections (:mod:`.merged_weights`) hold th
 they were built. An edit in place (``load_state_dict``, ``param.mul_(...)``) writes to those addresses and is
 seen. A new Parameter or buffer (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``),
 new storage behind the same Parameter (``param.data = tensor``), a replaced submodule, or a forward hook or
-forward method added to a module (which the fast path, running the layers itself, would skip) is not: the engine
+forward method added to a module (which the fast path, running the layers itself, would skip), and a new value of
+a number the steps read when they are built or captured (an attention's ``scaling``, a norm's ``variance_epsilon``;
+:data:`STEP_SCALARS`) are not: the engine
 takes a snapshot when it builds a step and compares it at each call (~0.1 ms for a 30-layer model on a CPU of
 today), dropping its steps and merged projections and checking the model again when it differs. The snapshot
 refers to tensors and submodules weakly, but holds each module's dicts (parameters, buffers, submodules, hooks,
@@ -18,34 +20,46 @@ import weakref
 import torch
 
 
+#: Numbers of a module that the fast path's steps read when they are built or captured (a CUDA graph holds them).
+STEP_SCALARS = ("scaling", "variance_epsilon", "attention_scaling", "head_dim")
+
+
 class WeightSnapshot:
     """``tensors``: (dict, name, tensor, data_ptr) of every parameter and buffer (``dict`` its module's
     ``_parameters`` / ``_buffers``); ``children``: (dict, name, submodule) of every submodule (``dict`` its parent's
     ``_modules``); ``hooks``: (forward hooks, their count, forward pre-hooks, their count, ``__dict__``, whether it
-    holds a ``forward``) of every module. Tensors and submodules as weak references."""
+    holds a ``forward``) of every module; ``scalars``: (``__dict__``, name, value) of each module's
+:data:`STEP_SCALARS` that are numbers. Tensors and submodules as weak references."""
 
-    __slots__ = ("tensors", "children", "hooks")
+    __slots__ = ("tensors", "children", "hooks", "scalars")
 
-    def __init__(self, tensors: tuple, children: tuple, hooks: tuple):
-        self.tensors, self.children, self.hooks = tensors, children, hooks
+    def __init__(self, tensors: tuple, children: tuple, hooks: tuple, scalars: tuple = ()):
+        self.tensors, self.children, self.hooks, self.scalars = tensors, children, hooks, scalars
 
 
 def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
     """Every parameter, buffer and submodule of ``model``, the parameters' and buffers' storage addresses, and each
-    module's forward hooks and whether its forward is replaced."""
-    tensors, children, hooks = [], [], []
+    module's forward hooks, whether its forward is replaced, and the numbers of :data:`STEP_SCALARS` it holds."""
+    tensors, children, hooks, scalars = [], [], [], []
     for module in model.modules():
         for store in (module._parameters, module._buffers):
             tensors.extend((store, name, weakref.ref(t), t.data_ptr()) for name, t in store.items() if t is not None)
         children.extend((module._modules, name, weakref.ref(c)) for name, c in module._modules.items() if c is not None)
         hooks.append((module._forward_hooks, len(module._forward_hooks), module._forward_pre_hooks,
                       len(module._forward_pre_hooks), module.__dict__, "forward" in module.__dict__))
-    return WeightSnapshot(tuple(tensors), tuple(children), tuple(hooks))
+        attrs = module.__dict__
+        scalars.extend((attrs, name, attrs[name]) for name in STEP_SCALARS
+                       if isinstance(attrs.get(name), (int, float)))
+    return WeightSnapshot(tuple(tensors), tuple(children), tuple(hooks), tuple(scalars))
 
 
 def snapshot_intact(snapshot: WeightSnapshot) -> bool:
     """True while every parameter, buffer and submodule of the snapshot is still in place (the same object, and
-    for tensors the same storage address) and no module gained or lost a forward hook or a replaced forward."""
+    for tensors the same storage address), no module gained or lost a forward hook or a replaced forward, and the
+    numbers of :data:`STEP_SCALARS` are unchanged."""
+    for attrs, name, value in snapshot.scalars:
+        if attrs.get(name) != value:
+            return False
     for store, name, ref, ptr in snapshot.tensors:
         t = store.get(name)
         if t is None or t is not ref() or t.data_ptr() != ptr:

@@ -90,12 +90,34 @@ def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=Non
         gen_config, "prompt_lookup_num_tokens", None
     ) or kwargs.get("assistant_early_exit") or getattr(gen_config, "assistant_early_exit", None)):
         return "assisted generation"
+    mismatch = _layers_unlike_config(model)
+    if mismatch is not None:
+        return mismatch
     input_ids = _input_ids(args, kwargs)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         return ("no 2-D input_ids (inputs_embeds only)" if kwargs.get("inputs_embeds") is not None
                 else "no 2-D integer input_ids")
     if torch.is_autocast_enabled(input_ids.device.type):
         return "autocast is on (transformers' loop runs under it as asked; hf-accel's attention falls back to SDPA)"
+    return None
+
+
+def _layers_unlike_config(model) -> str | None:
+    """Why a PagedCache, which keeps one pool per configured layer and takes each forward as a step of every
+    layer, cannot serve the model's layers (None: it can): layers removed or reordered without updating
+    ``config.num_hidden_layers`` and each attention's ``layer_idx`` (pruning). Transformers' own cache takes
+    such a model, so its loop and cache run it."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return None
+    configured = getattr(model.config, "num_hidden_layers", None)
+    if configured != len(layers):
+        return (f"the model has {len(layers)} decoder layers and config.num_hidden_layers says {configured} (layers "
+                "removed or added without updating the config)")
+    for i, layer in enumerate(layers):
+        idx = getattr(getattr(layer, "self_attn", None), "layer_idx", i)
+        if idx != i:
+            return f"decoder layer {i} has self_attn.layer_idx {idx} (layers removed or reordered)"
     return None
 
 

@@ -74,6 +74,9 @@ CASES = {
     # the EOS id of step 2 is suppressed until 6 new tokens: transformers' processor on the host
     "min_new_tokens": ({0: 2}, dict(max_new_tokens=12, min_new_tokens=6)),
     "min_length": ({0: 2}, dict(max_new_tokens=12, min_length="WIDTH+6")),
+    # both: min_new_tokens takes precedence (transformers resets min_length to prompt + min_new_tokens), so the
+    # EOS of step 2 ends row 0 (hf-accel applied both minimums and suppressed it until step 6)
+    "both_min_lengths": ({0: 2}, dict(max_new_tokens=12, min_new_tokens=1, min_length="WIDTH+6")),
 }
 
 

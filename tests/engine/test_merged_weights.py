@@ -158,3 +158,30 @@ def test_state_dict_of_the_base_model_and_while_generate_holds_the_merge(tiny):
     assert len({t.untyped_storage().data_ptr() for t in state.values()}) == len(state)
     layer = model.model.layers[0].self_attn
     assert torch.equal(state["model.layers.0.self_attn.k_proj.weight"], layer.k_proj.weight)
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.interpreter)], ids=["module", "fused"])
+def test_steps_use_each_layers_attention_scaling_and_follow_its_changes(tiny, fused):
+    """The decode step took layer 0's ``self_attn.scaling`` for every layer (the prefill used each layer's own, so
+    only the later tokens differed), and numbers the steps read when built (an attention's scaling, a norm's
+    epsilon: a CUDA graph holds them) were not in the snapshot, so a change after a generate was not seen."""
+    model = tiny.model("llama", seed=80)
+    ids, mask = tiny.batch(seed=81)
+    plain = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6)
+    model.model.layers[1].self_attn.scaling *= 4
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6)
+    assert not torch.equal(stock, plain)  # the scaling matters to these tokens
+    ours = _accelerated(model, fused=fused)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6), stock)
+    engine = ours._hf_accel_engine
+    assert engine.snapshot is not None and snapshot_intact(engine.snapshot)
+    for edit in ("scaling", "eps"):
+        for m in (model, ours):
+            if edit == "scaling":
+                m.model.layers[0].self_attn.scaling *= 3
+            else:
+                m.model.layers[1].post_attention_layernorm.variance_epsilon = 0.5
+        assert not snapshot_intact(engine.snapshot)
+        stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6)
+        assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6), stock)
+        assert snapshot_intact(engine.snapshot)  # steps built again from the current numbers

@@ -8,6 +8,8 @@ unmerged bit for bit, attention and generate restored, the draft reverted).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from peft_lora_models import _lora_layers, _lora_model
@@ -205,3 +207,23 @@ def test_model_without_generate_gets_the_attention_only(tiny, hf_log, attention_
     assert spy.kernel_calls + len(spy.fallbacks) == model.config.num_hidden_layers
     revert_model(model)
     assert not is_accelerated(model) and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("edit", ["removed", "reordered"])
+def test_pruned_or_reordered_layers_keep_transformers_cache(tiny, edit, hf_log):
+    """Layers removed (config.num_hidden_layers not updated) or reordered (each keeping its ``layer_idx``): stock
+    generate runs them with its own cache; hf-accel's fallback used a PagedCache of the configured layers, which
+    took the missing layer for a failed forward and raised "PagedCache holds a partial step"."""
+    model = tiny.model("llama", seed=84, num_hidden_layers=3)
+    ids, mask = tiny.batch(seed=85)
+    if edit == "removed":
+        del model.model.layers[1]
+    else:
+        layers = model.model.layers
+        layers[0], layers[2] = layers[2], layers[0]
+    stock = tiny.greedy(copy.deepcopy(model), ids, mask, max_new_tokens=5)
+    ours = accelerate_model(model)
+    assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=5), stock)
+    reason = ("the model has 2 decoder layers and config.num_hidden_layers says 3" if edit == "removed"
+              else "decoder layer 0 has self_attn.layer_idx 2")
+    assert any(reason in r.getMessage() and "keeps transformers' cache" in r.getMessage() for r in hf_log.records)
