@@ -183,10 +183,11 @@ def test_multi_turn_on_the_fused_graph_path_matches_stock_fp32(new_turn):
     assert steps and all(s.fused and s.use_graph for s in steps)
 
 
-@pytest.mark.parametrize("how", ["data", "assign"])
+@pytest.mark.parametrize("how", ["data", "assign", "scalars"])
 def test_captured_graphs_follow_replaced_weights(how):
-    """The captured graphs hold the weights' addresses: a weight given new storage after a generate (``param.data =
-    t``, or ``load_state_dict(..., assign=True)`` of every weight) is what the next generate uses, as in stock."""
+    """The captured graphs hold the weights' addresses and the numbers read at capture: a weight given new storage
+    after a generate (``param.data = t``, or ``load_state_dict(..., assign=True)`` of every weight), or a new
+    attention scaling / norm epsilon, is what the next generate uses, as in stock."""
     import copy
 
     model = _tiny("llama")
@@ -206,7 +207,11 @@ def test_captured_graphs_follow_replaced_weights(how):
             for name, p in m.named_parameters():
                 if name in new and p.dim() == 2:
                     p.data = new[name].clone()
-        else:
+        elif how == "assign":
             m.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
+        else:  # numbers the graphs hold: every attention's scaling, a norm's epsilon
+            for layer in m.model.layers:
+                layer.self_attn.scaling *= 3
+            m.model.layers[0].post_attention_layernorm.variance_epsilon = 0.5
     stock = model.generate(**kwargs)
     assert torch.equal(ours.generate(**kwargs), stock)
