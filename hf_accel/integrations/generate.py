@@ -104,17 +104,19 @@ def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=Non
 
 def _layers_unlike_config(model) -> str | None:
     """Why a PagedCache, which keeps one pool per configured layer and takes each forward as a step of every
-    layer, cannot serve the model's layers (None: it can): layers removed or reordered without updating
-    ``config.num_hidden_layers`` and each attention's ``layer_idx`` (pruning). Transformers' own cache takes
-    such a model, so its loop and cache run it."""
+    layer, cannot serve the layers transformers' forward runs (the first ``config.num_hidden_layers``; None: it
+    can): layers removed or reordered without updating ``config.num_hidden_layers`` and each attention's
+    ``layer_idx`` (pruning). Transformers' own cache takes such a model, so its loop and cache run it."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         return None
     configured = getattr(model.config, "num_hidden_layers", None)
-    if configured != len(layers):
+    if not isinstance(configured, int):
+        return None
+    if configured > len(layers):  # fewer configured layers run the first ones (transformers' early-exit draft)
         return (f"the model has {len(layers)} decoder layers and config.num_hidden_layers says {configured} (layers "
-                "removed or added without updating the config)")
-    for i, layer in enumerate(layers):
+                "removed without updating the config)")
+    for i, layer in enumerate(layers[:configured]):
         idx = getattr(getattr(layer, "self_attn", None), "layer_idx", i)
         if idx != i:
             return f"decoder layer {i} has self_attn.layer_idx {idx} (layers removed or reordered)"
