@@ -29,7 +29,7 @@ class WeightSnapshot:
     ``_parameters`` / ``_buffers``); ``children``: (dict, name, submodule) of every submodule (``dict`` its parent's
     ``_modules``); ``hooks``: (forward hooks, their count, forward pre-hooks, their count, ``__dict__``, whether it
     holds a ``forward``) of every module; ``scalars``: (``__dict__``, name, value) of each module's
-:data:`STEP_SCALARS` that are numbers. Tensors and submodules as weak references."""
+    :data:`STEP_SCALARS` that are numbers. Tensors and submodules as weak references."""
 
     __slots__ = ("tensors", "children", "hooks", "scalars")
 
