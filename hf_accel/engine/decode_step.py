@@ -53,12 +53,25 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _silu_types() -> set:
+    from transformers.activations import ACT2FN
+
+    return {torch.nn.SiLU, type(ACT2FN["silu"])}
+
+
+_SILU_TYPES = _silu_types()
+
+
 def fused_supported(model) -> str | None:
     """Why the fused step cannot run this model (None if it can): it needs RMSNorms with ``weight`` and
-    ``variance_epsilon``, plain ``nn.Linear`` projections, a SiLU-gated MLP and an even head_dim."""
+    ``variance_epsilon``, plain ``nn.Linear`` projections, a SiLU-gated MLP (``hidden_act`` and each layer's
+    ``act_fn``) and an even head_dim."""
     inner = model.model
     if getattr(model.config, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(model.config, 'hidden_act', None)!r}"
+    acts = {type(getattr(ly.mlp, "act_fn", None)) for ly in model.model.layers}
+    if not acts <= _SILU_TYPES:  # an act_fn replaced on a layer: the fused kernels compute SiLU
+        return f"an MLP activation that is not SiLU ({', '.join(sorted(t.__name__ for t in acts - _SILU_TYPES))})"
     norms = [inner.norm] + [n for ly in inner.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)]
     if any(not hasattr(n, "variance_epsilon") or getattr(n, "weight", None) is None for n in norms):
         return "a norm that is not an RMSNorm with weight and variance_epsilon"

@@ -19,6 +19,7 @@ from hf_accel.engine.call_options import (
     passed_cache, repetition_penalty,
 )
 from hf_accel.engine.weight_snapshot import snapshot_intact
+from hf_accel.integrations.attention import ATTN_NAME
 from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 _ROPE_OK = {"default", "linear", "llama3", "yarn"}
@@ -64,6 +65,18 @@ def model_reason(model) -> str | None:
     if rope not in _ROPE_OK:
         return f"rope_type {rope!r} (its frequencies depend on the sequence length)"
     return None
+
+
+def _layer_class_forwards(model) -> tuple:
+    """The ``forward`` functions of the classes of the first decoder layer, its attention, MLP and norms (a patch
+    on a class replaces them for every instance; the fast path runs those modules' math itself)."""
+    try:
+        layer = model.model.layers[0]
+        modules = (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm,
+                   model.model.norm)
+    except (AttributeError, IndexError, TypeError):
+        return ()
+    return tuple((type(module), getattr(type(module), "forward", None)) for module in modules)
 
 
 def hooked_modules(model) -> list[str]:
@@ -127,6 +140,7 @@ class CallChecks:
             self.release()
             self._reason_cache = None
         key = (m.training, "forward" in vars(m), getattr(m.config, "num_hidden_layers", None),
+               getattr(m.config, "_attn_implementation", None), _layer_class_forwards(m),
                len(torch_module._global_forward_hooks) + len(torch_module._global_forward_pre_hooks), weights)
         cached = getattr(self, "_reason_cache", None)
         if cached is not None and cached[0] == key and cached[1] is None:
@@ -138,7 +152,19 @@ class CallChecks:
         return reason
 
     def _model_reason_uncached(self) -> str | None:
-        return model_reason(self.model)
+        m = self.model
+        attn = getattr(m.config, "_attn_implementation", None)
+        if attn != ATTN_NAME:  # set_attn_implementation(...) after accelerate_model: the fast path runs hf-accel's
+            return f"the attention implementation is {attn!r} (set after accelerate_model), not hf-accel's"
+        forwards = _layer_class_forwards(m)
+        known = getattr(self, "_class_forwards", None)
+        if known is None:
+            self._class_forwards = known = forwards  # as the classes were when the fast path first ran
+        changed = sorted({cls.__name__ for (cls, f), (_, k) in zip(forwards, known) if f is not k})
+        if changed:  # a class-level patch of a layer's forward, which the fast path would not run
+            return (f"the forward of {', '.join(changed)} was replaced on the class after the fast path was set up "
+                    "(the fast path runs the layers itself and would skip it)")
+        return model_reason(m)
 
     def check(self, gc, model_kwargs, prepared_loop: bool = False) -> str | None:
         """Reason why this call can't take the fast path, or None.

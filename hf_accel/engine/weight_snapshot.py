@@ -6,7 +6,8 @@ seen. A new Parameter or buffer (``load_state_dict(..., assign=True)``, ``module
 new storage behind the same Parameter (``param.data = tensor``), a replaced submodule, or a forward hook or
 forward method added to a module (which the fast path, running the layers itself, would skip), and a new value of
 a number the steps read when they are built or captured (an attention's ``scaling``, a norm's ``variance_epsilon``;
-:data:`STEP_SCALARS`) are not: the engine
+:data:`STEP_SCALARS`) or a buffer folded into a table of the steps (the rotary ``inv_freq``, also edited in place;
+:data:`FOLDED_BUFFERS`) are not: the engine
 takes a snapshot when it builds a step and compares it at each call (~0.1 ms for a 30-layer model on a CPU of
 today), dropping its steps and merged projections and checking the model again when it differs. The snapshot
 refers to tensors and submodules weakly, but holds each module's dicts (parameters, buffers, submodules, hooks,
@@ -22,6 +23,9 @@ import torch
 
 #: Numbers of a module that the fast path's steps read when they are built or captured (a CUDA graph holds them).
 STEP_SCALARS = ("scaling", "variance_epsilon", "attention_scaling", "head_dim")
+#: Buffers whose values the steps fold into tables of their own (the fused step's rotary cos/sin table is computed
+#: once from the rotary embedding's ``inv_freq``): compared by value, so an edit in place is seen too.
+FOLDED_BUFFERS = ("inv_freq",)
 
 
 class WeightSnapshot:
@@ -29,18 +33,21 @@ class WeightSnapshot:
     ``_parameters`` / ``_buffers``); ``children``: (dict, name, submodule) of every submodule (``dict`` its parent's
     ``_modules``); ``hooks``: (forward hooks, their count, forward pre-hooks, their count, ``__dict__``, whether it
     holds a ``forward``) of every module; ``scalars``: (``__dict__``, name, value) of each module's
-    :data:`STEP_SCALARS` that are numbers. Tensors and submodules as weak references."""
+    :data:`STEP_SCALARS` that are numbers; ``folded``: (``_buffers``, name, copy) of each buffer of
+    :data:`FOLDED_BUFFERS`. Tensors and submodules as weak references."""
 
-    __slots__ = ("tensors", "children", "hooks", "scalars")
+    __slots__ = ("tensors", "children", "hooks", "scalars", "folded")
 
-    def __init__(self, tensors: tuple, children: tuple, hooks: tuple, scalars: tuple = ()):
+    def __init__(self, tensors: tuple, children: tuple, hooks: tuple, scalars: tuple = (), folded: tuple = ()):
         self.tensors, self.children, self.hooks, self.scalars = tensors, children, hooks, scalars
+        self.folded = folded
 
 
 def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
     """Every parameter, buffer and submodule of ``model``, the parameters' and buffers' storage addresses, and each
-    module's forward hooks, whether its forward is replaced, and the numbers of :data:`STEP_SCALARS` it holds."""
-    tensors, children, hooks, scalars = [], [], [], []
+    module's forward hooks, whether its forward is replaced, the numbers of :data:`STEP_SCALARS` it holds and copies
+    of its :data:`FOLDED_BUFFERS`."""
+    tensors, children, hooks, scalars, folded = [], [], [], [], []
     for module in model.modules():
         for store in (module._parameters, module._buffers):
             tensors.extend((store, name, weakref.ref(t), t.data_ptr()) for name, t in store.items() if t is not None)
@@ -50,15 +57,21 @@ def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
         attrs = module.__dict__
         scalars.extend((attrs, name, attrs[name]) for name in STEP_SCALARS
                        if isinstance(attrs.get(name), (int, float)))
-    return WeightSnapshot(tuple(tensors), tuple(children), tuple(hooks), tuple(scalars))
+        folded.extend((module._buffers, name, module._buffers[name].detach().clone()) for name in FOLDED_BUFFERS
+                      if isinstance(module._buffers.get(name), torch.Tensor))
+    return WeightSnapshot(tuple(tensors), tuple(children), tuple(hooks), tuple(scalars), tuple(folded))
 
 
 def snapshot_intact(snapshot: WeightSnapshot) -> bool:
     """True while every parameter, buffer and submodule of the snapshot is still in place (the same object, and
     for tensors the same storage address), no module gained or lost a forward hook or a replaced forward, and the
-    numbers of :data:`STEP_SCALARS` are unchanged."""
+    numbers of :data:`STEP_SCALARS` and the values of :data:`FOLDED_BUFFERS` are unchanged."""
     for attrs, name, value in snapshot.scalars:
         if attrs.get(name) != value:
+            return False
+    for store, name, copy in snapshot.folded:  # one small device-to-host read each
+        t = store.get(name)
+        if t is None or t.shape != copy.shape or not torch.equal(t, copy):
             return False
     for store, name, ref, ptr in snapshot.tensors:
         t = store.get(name)

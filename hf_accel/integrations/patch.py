@@ -247,6 +247,30 @@ def _check_adapters_enabled(peft_model) -> None:
                          "the model without its adapters")
 
 
+def _check_no_tied_lora(peft_model) -> None:
+    """Raise ValueError if a LoRA layer wraps a module whose weight another module shares (LoRA on
+    ``embed_tokens`` of a model with ``tie_word_embeddings``): merging the adapter into that weight would change
+    the other module too (the LM head), which the unmerged PeftModel does not."""
+    from peft.tuners.lora import LoraLayer
+
+    owners: dict[int, list[str]] = {}
+    for name, module in peft_model.named_modules(remove_duplicate=False):
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and not isinstance(module, LoraLayer):
+            owners.setdefault(weight.untyped_storage().data_ptr(), []).append(name)
+    for name, module in peft_model.named_modules():
+        base = getattr(module, "base_layer", None) if isinstance(module, LoraLayer) else None
+        weight = getattr(base, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            continue
+        sharing = [n for n in owners.get(weight.untyped_storage().data_ptr(), [])
+                   if n != f"{name}.base_layer" and not n.startswith(f"{name}.")]
+        if sharing:
+            raise ValueError(f"a LoRA adapter targets {name}, whose weight {', '.join(sharing)} shares (tied "
+                             "embeddings): hf-accel merges adapters into the weights, which would change those "
+                             "modules too; target other modules, or untie the weights before adding the adapter")
+
+
 def _merged_adapters(peft_model) -> list:
     """Each LoRA layer with the adapters merged into it now (peft's ``merged_adapters``): what a caller merged
     before accelerate_model, restored by revert_model."""
@@ -359,6 +383,7 @@ def accelerate_model(
     if peft_model is not None:
         _check_lora_only(peft_model)
         _check_adapters_enabled(peft_model)
+        _check_no_tied_lora(peft_model)
     from hf_accel.cache.paged_cache import check_block_size
 
     check_block_size(block_size)

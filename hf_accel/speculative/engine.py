@@ -164,6 +164,10 @@ class SpeculativeEngine:
             reason = self.draft_fast._model_reason()
             if reason is not None:
                 return f"the draft model cannot run hf-accel's decode step now: {reason}"
+            draft_vocab, target_vocab = self.draft_fast.vocab_size, self.fast.vocab_size
+            if draft_vocab != target_vocab:  # e.g. resize_token_embeddings on one of them since the set-up
+                return (f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
+                        f"({target_vocab}) now; the draft must share the target's tokenizer")
             return self._pools_reason(gc, model_kwargs["input_ids"])
         return None
 

@@ -157,6 +157,46 @@ def test_forward_hooks_turn_the_fast_path_off_while_they_are_there(tiny, hf_log,
         assert decode_steps, name
 
 
+def test_attention_set_or_patched_after_accelerating_turns_the_fast_path_off(tiny, hf_log, decode_steps):
+    """``set_attn_implementation(...)`` to another (registered) attention, or a layer class's forward patched, after
+    accelerate_model: the forward used them, generate's fast path kept running hf-accel's attention and its own
+    layer math (other tokens, no log). Now transformers' loop runs them, with stock's tokens, the reason logged; set
+    back, the fast path runs again."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.llama import modeling_llama
+
+    def hotter(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling * 2, **kwargs)
+
+    AttentionInterface.register("hotter_test", hotter)
+    model = tiny.model("llama", seed=8)
+    ids, mask = tiny.batch(seed=9)
+    ours = _accelerated(model)
+    plain = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), plain) and decode_steps
+    for m in (model, ours):
+        m.set_attn_implementation("hotter_test")
+    decode_steps.clear()
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
+    assert not torch.equal(stock, plain)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
+    assert not decode_steps and _messages(hf_log, "the attention implementation is 'hotter_test'")
+    ours.set_attn_implementation("hf_accel")
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), plain) and decode_steps
+
+    original = modeling_llama.LlamaMLP.forward
+    with pytest.MonkeyPatch.context() as patch:  # (the decode_steps fixture's own patch stays)
+        patch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: original(self, x) * 0.5)
+        decode_steps.clear()
+        stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
+        assert not torch.equal(stock, plain)
+        assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
+        assert not decode_steps and _messages(hf_log, "the forward of LlamaMLP was replaced on the class")
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), plain) and decode_steps
+
+
 def test_an_answer_whose_cache_does_not_fit_runs_on_a_pool_of_what_fits(tiny, decode_steps, hf_log, monkeypatch):
     """max_new_tokens far beyond what device memory holds (here free memory is set to 40 blocks): the fast path, which reserves the whole answer, declines; transformers' loop runs on a
     pool of the blocks that fit, with stock's tokens where the rows stop in time, and a clear OutOfBlocksError

@@ -185,3 +185,28 @@ def test_steps_use_each_layers_attention_scaling_and_follow_its_changes(tiny, fu
         stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6)
         assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6), stock)
         assert snapshot_intact(engine.snapshot)  # steps built again from the current numbers
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("edit", ["inv_freq_in_place", "act_fn"])
+def test_fused_steps_follow_rotary_frequencies_and_activation(tiny, edit):
+    """The fused step computes its rotary cos/sin table once from ``inv_freq`` (an edit in place keeps the buffer's
+    address, so the snapshot of addresses missed it) and its kernels compute SiLU whatever ``act_fn`` a layer has:
+    both gave the old tokens. Now an in-place ``inv_freq`` edit rebuilds the steps, and a non-SiLU ``act_fn`` takes
+    the module step."""
+    model = tiny.model("llama", seed=86)
+    ids, mask = tiny.batch(seed=87)
+    ours = _accelerated(model, fused=True)
+    plain = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6), plain)
+    for m in (model, ours):
+        if edit == "inv_freq_in_place":
+            with torch.no_grad():
+                m.model.rotary_emb.inv_freq.mul_(3.0)
+        else:
+            m.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6)
+    assert not torch.equal(stock, plain)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6), stock)
+    fused = [s.fused for s in ours._hf_accel_engine.steps.values()]
+    assert fused and all(fused) == (edit == "inv_freq_in_place")

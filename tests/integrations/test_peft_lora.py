@@ -314,3 +314,20 @@ def test_peft_with_disabled_adapters_is_refused(how, tiny):
                 accelerate_model(model)
     assert not is_accelerated(model)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_peft_lora_on_a_tied_embedding_is_refused(tiny):
+    """LoRA on ``embed_tokens`` of a model with tied embeddings: merging it would change the LM head too (stock peft
+    leaves the head as it is), so generate gave other tokens with no log; now accelerate_model refuses and leaves
+    the model as it was."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny.model("llama", seed=33, tie_word_embeddings=True)
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]))
+    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"targets .*embed_tokens, whose weight .*lm_head shares \(tied embeddings\)"):
+        accelerate_model(peft_model)
+    assert not is_accelerated(peft_model)
+    after = peft_model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -154,6 +154,28 @@ def test_a_draft_model_changed_after_accelerating_declines_speculation(tiny, hf_
     assert speculative_stats(ours) is not None
 
 
+def test_a_target_whose_vocabulary_grew_decodes_plainly(tiny, hf_log):
+    """The draft's vocabulary is checked against the target's on every call: after the target's
+    ``resize_token_embeddings`` the draft's catch-up raised a bare IndexError (the target's new ids have no row in
+    the draft's embedding). Now the call decodes plainly, logged, with stock's tokens."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    draft = truncated(model, 2)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft))
+    ids, mask = repetitive_batch(tiny, lengths=(10,))
+    grown = model.config.vocab_size + 12
+    for m in (model, ours):
+        m.resize_token_embeddings(grown, mean_resizing=False)
+        with torch.no_grad():  # the new ids win often: the target writes them, the draft has no row for them
+            m.lm_head.weight[-12:] = 4 * m.lm_head.weight[:120:10]
+            m.model.embed_tokens.weight[-12:] = m.model.embed_tokens.weight[:120:10]
+    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    assert int(want.max()) >= draft.config.vocab_size
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None), want)
+    assert speculative_stats(ours) is None
+    assert _messages(hf_log, f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
+                             f"target's ({draft.config.vocab_size + 12}) now")
+
+
 def test_a_draft_model_reverted_by_the_caller_is_accelerated_again_at_the_next_call(tiny, hf_log):
     """A draft of ``accelerate_model(speculative=...)`` that the caller reverted (``revert_model``) is accelerated again
     by the target's next call, logged, and drafts through its new acceleration (never the released one), with the
