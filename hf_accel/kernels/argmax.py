@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.kernels.arrival import check_counters, last_to_arrive, reset_arrivals
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import check_dense, check_launch_device
 
 #: Columns per program: 24 programs per row for a 49152-entry vocabulary, 63 for 128256.
 BLOCK = 2048
@@ -107,6 +107,10 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, scratch=None) 
     _check_scratch(partials, counters, rows, chunks, x.device, "argmax_rows")
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or out.device != x.device:
+        raise ValueError(f"argmax_rows: out must be a [{rows}] int64 tensor on {x.device}; got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
+    check_dense("argmax_rows", out=out)
     _argmax_kernel[(rows, chunks)](x, out, partials, counters, x.stride(0), vocab, chunks, BLOCK=BLOCK,
                                    BLOCK_C=triton.next_power_of_2(chunks), num_warps=_NUM_WARPS)
     return out
@@ -180,6 +184,7 @@ def greedy_tail(logits: torch.Tensor, tokens: torch.Tensor, unfinished: torch.Te
                          f"{tuple(position_ids.shape)} must be [batch, 1]")
     if tokens.stride(1) != 1 or not unfinished.is_contiguous() or not cache_lens.is_contiguous():
         raise ValueError("greedy_tail: tokens needs contiguous rows; unfinished and cache_lens must be contiguous")
+    check_dense("greedy_tail", eos=eos)
     partials, counters = scratch
     _check_scratch(partials, counters, batch, chunks, dev, "greedy_tail")
     _greedy_tail_kernel[(batch, chunks)](

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import check_dense, check_launch_device
 
 #: Layout of the ``info`` counters (int64): ``[0]`` any row still active, ``[1]`` accepted drafts, ``[2]``
 #: drafts examined, ``[3]`` drafts proposed, ``[4]`` largest remaining budget, then ``[INFO_HIST + v]`` rows
@@ -155,6 +155,8 @@ def commit_tokens(out, num_accepted, drafts, valid, tokens, lengths, remaining, 
     out, drafts, valid = out.contiguous(), drafts.contiguous(), valid.contiguous()  # the kernel indexes rows densely
     if b > 256:
         raise ValueError(f"commit_tokens handles at most 256 rows per launch, got {b}")
+    check_dense("commit_tokens", num_accepted=num_accepted, lengths=lengths, remaining=remaining, active=active,
+                eos=eos, info=info, totals=totals, classes=classes)
     check_launch_device(out, "commit_tokens")
     _commit_kernel[(1,)](out, num_accepted if num_accepted is not None else lengths, drafts, valid.view(torch.uint8),
                          tokens, lengths, remaining, active.view(torch.uint8), eos, info, totals,

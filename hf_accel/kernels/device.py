@@ -35,6 +35,16 @@ def on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
+def check_dense(op: str, **tensors) -> None:
+    """ValueError naming the first of ``tensors`` (None entries skipped) that is not contiguous: ``op``'s kernel
+    indexes these arguments densely (``ptr + i``), so a strided view of the right shape (``t[::2]``) would be read
+    or written in the wrong places."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (the kernel indexes it densely); got shape "
+                             f"{tuple(t.shape)} strides {t.stride()}: pass {name}.contiguous()")
+
+
 def check_launch_device(t: torch.Tensor, op: str, reference: str | None = None) -> None:
     """ValueError when ``op``'s Triton kernel would be launched on a tensor it cannot run on: a CPU tensor
     while the kernels were compiled for a GPU (Triton itself would fail with "0 active drivers"). The message

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import check_dense, check_launch_device
 
 
 @triton.jit
@@ -108,6 +108,7 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
                              f"{tokens.device}, got {tuple(class_counts.shape)} {class_counts.dtype}")
         if active is None or active.shape != (1,) or active.dtype != torch.bool or active.device != tokens.device:
             raise ValueError("class_counts needs active: a [1] bool tensor on the tokens' device")
+    check_dense("ngram_lookup", lengths=lengths, starts=starts, class_counts=class_counts, active=active)
     check_launch_device(tokens, "ngram_lookup")
     _ngram_lookup_kernel[(b,)](tokens, lengths, starts, drafts, valid, ngram,
                                class_counts if num_classes else ngram,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import check_dense, check_launch_device
 
 from hf_accel.kernels.attention import (
     _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref, attention_sdpa, sdpa_allowed,
@@ -470,6 +470,7 @@ def paged_attention(
         check_counters(merge_counters, m_blocks * batch * num_kv_heads, query.device, "merge_counters")
     pdl = use_pdl(pdl, query)
     pdl_launch = {"launch_pdl": True} if pdl else {}
+    check_dense("paged_attention", seq_lens=seq_lens)
     check_launch_device(query, "paged_attention")
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,

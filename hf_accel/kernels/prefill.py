@@ -536,7 +536,8 @@ def prefill_attention(
         causal: query ``i`` sees key ``j`` iff ``j <= i + kv_len - q_len`` (bottom-right aligned).
         sm_scale: softmax scale, float, 1/sqrt(logit unit); default ``1/sqrt(head_dim)``.
         kv_start: optional [batch], int32, key index: keys before it are invisible (left padding given
-            as start offsets: only the one block holding the start is masked).
+            as start offsets: only the one block holding the start is masked). With ``key_mask`` too, the mask
+            must hide the keys before ``kv_start`` as well: blocks after the start are read through the mask only.
         return_lse: also return the log-sum-exp [batch, num_heads, q_len], fp32, natural log of the
             scaled logits (``-inf`` for rows that see no key).
         out: optional [batch, q_len, num_heads, head_dim] output buffer of the query's dtype.
@@ -548,7 +549,7 @@ def prefill_attention(
 
     Raises:
         ValueError: mismatched shapes/dtypes/devices, unsupported dtype, head_dim > 256, num_heads not
-            a multiple of num_kv_heads, a mask or offsets of the wrong shape.
+            a multiple of num_kv_heads, a mask or offsets of the wrong shape, ``sm_scale`` <= 0.
 
     Algorithm: FlashAttention-2 forward (Dao 2023, Algorithm 1; causal block skipping and
     diagonal-only masking, section 3.1.1), see the module docstring.
@@ -596,6 +597,8 @@ def prefill_attention(
         raise ValueError(f"kv_start must be [batch] = [{batch}]; got {tuple(kv_start.shape)}")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
+    elif not sm_scale > 0:  # the online softmax takes the running maximum of the scaled logits as max(s) * scale
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
     if out is None:
         out = torch.empty(batch, q_len, num_heads, head_dim, dtype=query.dtype, device=query.device)
     elif tuple(out.shape) != (batch, q_len, num_heads, head_dim) or out.dtype != query.dtype:
@@ -663,7 +666,7 @@ def prefill_attention_varlen(
     Raises:
         ValueError: mismatched shapes/dtypes, unsupported dtype/head_dim, bad cu_seqlens shapes; offsets
             that do not start at 0, decrease, or end elsewhere than at total_q / total_k; a query sequence
-            longer than ``max_seqlen_q``. (The offsets are read on the host, one small copy, except while a
+            longer than ``max_seqlen_q``; ``sm_scale`` <= 0. (The offsets are read on the host, one small copy, except while a
             CUDA graph is being captured: there they are the caller's to get right.)
     """
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
@@ -687,6 +690,8 @@ def prefill_attention_varlen(
         _check_cu_seqlens(cu_seqlens_k, total_k, "k", None)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
+    elif not sm_scale > 0:  # the online softmax takes the running maximum of the scaled logits as max(s) * scale
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
     if out is None:
         out = torch.empty(total_q, num_heads, head_dim, dtype=query.dtype, device=query.device)
     elif tuple(out.shape) != (total_q, num_heads, head_dim) or out.dtype != query.dtype:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import check_dense, check_launch_device
 
 
 @triton.jit
@@ -97,6 +97,7 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    check_dense("reshape_and_cache", slot_mapping=slot_mapping)
     check_launch_device(key, "reshape_and_cache")
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
@@ -162,6 +163,7 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
     slots = torch.empty(batch * q_len, dtype=torch.int32, device=cache_lens.device)
     seq_lens = torch.empty_like(cache_lens)
     if batch:
+        check_dense("slot_mapping", cache_lens=cache_lens)
         check_launch_device(cache_lens, "slot_mapping")
         _slot_mapping_kernel[(batch,)](cache_lens, block_table, slots, seq_lens, q_len, block_size,
                                        block_table.stride(0), block_table.shape[1],

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import check_dense, check_launch_device
 
 
 @triton.jit
@@ -62,6 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     y = torch.empty(rows, hidden, dtype=weight.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     r_in = residual if residual is not None else x
+    check_dense("rms_norm", weight=weight)
     check_launch_device(x, "rms_norm")
     _rms_norm_kernel[(rows,)](
         x, r_in, weight, y, r_out, x.stride(0), r_in.stride(0), y.stride(0), r_out.stride(0), hidden, eps,

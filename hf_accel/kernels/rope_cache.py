@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import check_dense, check_launch_device
 
 from hf_accel.kernels.pdl import gdc_wait, use_pdl
 
@@ -124,6 +124,12 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
     q_out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     has_norm = q_norm_weight is not None
     pdl = use_pdl(pdl, q)
+    if sin.stride(0) != cos.stride(0):
+        raise ValueError(f"rope_and_cache: cos and sin must have one row stride; got {cos.stride(0)} and "
+                         f"{sin.stride(0)}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("rope_and_cache: give both q_norm_weight and k_norm_weight, or neither")
+    check_dense("rope_and_cache", q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, slot_mapping=slot_mapping)
     check_launch_device(q, "rope_and_cache")
     _rope_cache_kernel[(batch, num_heads + num_kv_heads)](
         q, k, v, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
