@@ -96,12 +96,41 @@ def _norms(tensors) -> list[float]:
         return torch.stack([n.to(tensors[0].device) for n in norms]).tolist()
 
 
-def _lora_values(peft_model, saved) -> tuple:
-    """What the merged weights depend on: the norms of the LoRA parameters, their scalings, and the norms of the
-    merged base weights."""
+def _lora_probes(peft_model) -> list:
+    """One fixed random tensor per LoRA parameter, of its shape, dtype and device, scaled to its RMS: the
+    parameter's fingerprint is the norm of parameter + probe, which (unlike its norm alone) changes when the values
+    change but not their norm (a sign flip, rows swapped)."""
+    generator = torch.Generator().manual_seed(0)
+    probes = []
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                rms = float(p.detach().float().pow(2).mean().sqrt()) if p.numel() else 0.0
+                probes.append((torch.randn(p.shape, generator=generator) * rms).to(p.device, p.dtype))
+    return probes
+
+
+def _lora_fingerprints(peft_model, probes) -> list[float] | None:
+    """The float32 norm of each LoRA parameter plus its probe (:func:`_lora_probes`), with one host sync; None when
+    the parameters no longer match the probes in number, shape, dtype or device (replaced: changed)."""
+    params = [p.detach() for n, p in peft_model.named_parameters() if "lora_" in n]
+    if len(params) != len(probes) or any(p.shape != q.shape or p.dtype != q.dtype or p.device != q.device
+                                         for p, q in zip(params, probes)):
+        return None
+    with torch.no_grad():
+        try:
+            summed = torch._foreach_add(params, probes)
+        except (AttributeError, TypeError, RuntimeError):  # (a torch without it): one kernel per tensor
+            summed = [p + q for p, q in zip(params, probes)]
+    return _norms(summed)
+
+
+def _lora_values(peft_model, saved, probes) -> tuple:
+    """What the merged weights depend on: the fingerprints of the LoRA parameters (:func:`_lora_fingerprints`),
+    their scalings, and the norms of the merged base weights."""
     from peft.tuners.lora import LoraLayer
 
-    lora = _norms(p for n, p in peft_model.named_parameters() if "lora_" in n)
+    lora = _lora_fingerprints(peft_model, probes)
     scalings = tuple(tuple(sorted(m.scaling.items())) for m in peft_model.modules() if isinstance(m, LoraLayer))
     return lora, scalings, _norms(getattr(b, k) for b, params in saved for k in params)
 
@@ -110,13 +139,14 @@ def lora_change(model) -> str | None:
     """What changed, while hf-accel holds ``model``'s LoRA adapters merged, that the merged weights do not reflect
     (the LoRA weights or scalings, or the merged base weights: written in place, through ``.data`` or replaced with
     other values; peft's own unmerge by ``set_adapter`` included), or None. Reads every LoRA parameter and merged
-    base weight once (one fused norm kernel and one host sync per call)."""
+    base weight once (a fused add and norm over the LoRA parameters, a fused norm over the base weights, two host
+    syncs per call)."""
     hf_model, _ = _unwrap_peft(model)
     state = getattr(hf_model, _STATE_ATTR, None)
     if state is None or not state.get("lora_merged") or state.get("lora_peft") is None:
         return None
-    lora, scalings, base = _lora_values(state["lora_peft"], state["lora_base_weights"])
-    if lora != state["lora_values"][0] or scalings != state["lora_values"][1]:
+    lora, scalings, base = _lora_values(state["lora_peft"], state["lora_base_weights"], state["lora_probes"])
+    if lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1]:
         return "LoRA weights or scalings changed"
     if base != state["lora_values"][2]:
         return "base weights of LoRA layers changed"
@@ -156,7 +186,8 @@ def _guard_peft(peft_model, state: dict) -> None:
         hooks.append(base.register_state_dict_post_hook(functools.partial(_peft_state_dict, peft_model)))
     state["peft_guards"] = (attrs, hooks)
     state["lora_peft"] = peft_model
-    state["lora_values"] = _lora_values(peft_model, state["lora_base_weights"])
+    state["lora_probes"] = _lora_probes(peft_model)
+    state["lora_values"] = _lora_values(peft_model, state["lora_base_weights"], state["lora_probes"])
 
 
 def _revert_for(peft_model, what: str) -> None:
@@ -206,14 +237,14 @@ def _peft_state_dict(peft_model, module, state_dict, prefix, local_metadata):
     state = getattr(peft_model.get_base_model(), _STATE_ATTR, None)
     if state is None or not state.get("lora_merged") or state.get("lora_values") is None:
         return
-    lora, scalings, _ = _lora_values(peft_model, [])
+    lora, scalings, _ = _lora_values(peft_model, [], state["lora_probes"])
     params, stored, offset = None, [], 0
     for base, saved in state["lora_base_weights"]:  # this layer's norms at the merge (flattened in this order)
         if base is module:
             params, stored = saved, state["lora_values"][2][offset: offset + len(saved)]
             break
         offset += len(saved)
-    changed = (lora != state["lora_values"][0] or scalings != state["lora_values"][1] or params is None
+    changed = (lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1] or params is None
                or _norms(getattr(module, k) for k in params) != stored)
     if changed:
         _revert_for(peft_model, "state_dict() after weights changed while merged")

@@ -123,7 +123,8 @@ def _reverted_logged(hf_log, what):
 
 
 @pytest.mark.parametrize("change", ["load_state_dict", "set_peft_model_state_dict", "lora_in_place", "lora_data",
-                                    "scale_layer", "base_in_place", "base_data", "set_adapter"])
+                                    "lora_sign_flip", "lora_rows_reversed", "scale_layer", "base_in_place",
+                                    "base_data", "set_adapter"])
 def test_peft_weights_changed_while_merged_give_what_stock_gives(change, tiny, hf_log):
     """The merged weights go stale when the adapters or the merged base weights change: hf-accel reverts first
     (load_state_dict: before anything loads) or at the next call (logged), and a base-weight edit survives."""
@@ -147,6 +148,12 @@ def test_peft_weights_changed_while_merged_give_what_stock_gives(change, tiny, h
                 for n, p in m.named_parameters():
                     if "lora_B" in n:
                         p.data.mul_(3)
+            elif change in ("lora_sign_flip", "lora_rows_reversed"):  # every tensor keeps its norm
+                for n, p in m.named_parameters():
+                    if change == "lora_sign_flip" and "lora_B" in n:
+                        p.neg_()
+                    elif change == "lora_rows_reversed" and "lora_A" in n:
+                        p.copy_(p.flip(0))
             elif change == "scale_layer":
                 for layer in m.modules():
                     if isinstance(layer, LoraLayer):
