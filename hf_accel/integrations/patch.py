@@ -96,6 +96,11 @@ def _norms(tensors) -> list[float]:
         return torch.stack([n.to(tensors[0].device) for n in norms]).tolist()
 
 
+def _lora_parameters(peft_model):
+    """The LoRA parameters of a PeftModel (named ``lora_*``: A, B, embedding A/B, DoRA magnitudes), in module order."""
+    return [p for n, p in peft_model.named_parameters() if "lora_" in n]
+
+
 def _lora_probes(peft_model) -> list:
     """One fixed random tensor per LoRA parameter, of its shape, dtype and device, scaled to its RMS: the
     parameter's fingerprint is the norm of parameter + probe, which (unlike its norm alone) changes when the values
@@ -103,17 +108,16 @@ def _lora_probes(peft_model) -> list:
     generator = torch.Generator().manual_seed(0)
     probes = []
     with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_" in n:
-                rms = float(p.detach().float().pow(2).mean().sqrt()) if p.numel() else 0.0
-                probes.append((torch.randn(p.shape, generator=generator) * rms).to(p.device, p.dtype))
+        for p in _lora_parameters(peft_model):
+            rms = float(p.detach().float().pow(2).mean().sqrt()) if p.numel() else 0.0
+            probes.append((torch.randn(p.shape, generator=generator) * rms).to(p.device, p.dtype))
     return probes
 
 
 def _lora_fingerprints(peft_model, probes) -> list[float] | None:
     """The float32 norm of each LoRA parameter plus its probe (:func:`_lora_probes`), with one host sync; None when
     the parameters no longer match the probes in number, shape, dtype or device (replaced: changed)."""
-    params = [p.detach() for n, p in peft_model.named_parameters() if "lora_" in n]
+    params = [p.detach() for p in _lora_parameters(peft_model)]
     if len(params) != len(probes) or any(p.shape != q.shape or p.dtype != q.dtype or p.device != q.device
                                          for p, q in zip(params, probes)):
         return None
@@ -211,7 +215,7 @@ def _peft_train(peft_model, mode: bool = True):
 
 
 def _peft_pre_forward(module, args, kwargs):
-    if torch.is_grad_enabled() and any(p.requires_grad for n, p in module.named_parameters() if "lora_" in n):
+    if torch.is_grad_enabled() and any(p.requires_grad for p in _lora_parameters(module)):
         _revert_for(module, "a forward with autograd")
     else:
         revert_if_lora_changed(module)

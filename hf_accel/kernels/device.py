@@ -35,6 +35,12 @@ def on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CUDA tensor and a CUDA graph is being captured on the current stream (no host reads of
+    device values then)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_dense(op: str, **tensors) -> None:
     """ValueError naming the first of ``tensors`` (None entries skipped) that is not contiguous: ``op``'s kernel
     indexes these arguments densely (``ptr + i``), so a strided view of the right shape (``t[::2]``) would be read

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import capturing, check_launch_device
 from hf_accel.kernels.prefill_reference import (
     prefill_attention_ref,
     prefill_attention_varlen_ref,
@@ -685,7 +685,7 @@ def prefill_attention_varlen(
         if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < 0:
             raise ValueError(f"{name} must be a host int >= 0; got {given!r}")
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-    if not (query.is_cuda and torch.cuda.is_current_stream_capturing()):  # values: one small copy to the host
+    if not capturing(query):  # values: one small copy to the host
         _check_cu_seqlens(cu_seqlens_q, total_q, "q", max_seqlen_q)
         _check_cu_seqlens(cu_seqlens_k, total_k, "k", None)
     if sm_scale is None:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_dense, check_launch_device
+from hf_accel.kernels.device import capturing, check_dense, check_launch_device
 
 
 @triton.jit
@@ -56,17 +56,13 @@ def _check(key, value, key_cache, value_cache, slot_mapping, check_slots: bool =
         raise ValueError(f"slot_mapping must be [num_tokens={key.shape[0]}]; got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
-    if check_slots and slot_mapping.numel() and not _capturing(slot_mapping):
+    if check_slots and slot_mapping.numel() and not capturing(slot_mapping):
         num_slots = key_cache.shape[0] * key_cache.shape[1]
         low, high = (int(x) for x in torch.aminmax(slot_mapping))
         if low < -1 or high >= num_slots:
             raise ValueError(f"slot_mapping holds slots in [{low}, {high}]; the pools have {num_slots} slots "
                              f"({key_cache.shape[0]} blocks of {key_cache.shape[1]}), so each slot must be in "
                              f"[0, {num_slots - 1}], or -1 to skip the token")
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def reshape_and_cache(
