@@ -363,7 +363,7 @@ class DecodeStep:
                 o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
                                     seq_lens, max_seq, key_mask, causal=True, sm_scale=attn.scaling,
                                     num_splits=splits, num_stages=switches.DECODE_ATTENTION_STAGES,
-                                    pdl=pdl and switches.ATTENTION_PDL, **attn_kw)
+                                    pdl=pdl and switches.ATTENTION_PDL, check_blocks=False, **attn_kw)
             ln = layer.post_attention_layernorm
             if linear is not None:
                 delta = linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_dense, check_launch_device
+from hf_accel.kernels.device import capturing, check_dense, check_launch_device
 
 from hf_accel.kernels.attention import (
     _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs, attention_ref, attention_sdpa, sdpa_allowed,
@@ -285,6 +285,23 @@ def _check(query, key_cache, value_cache, block_table, seq_lens, key_mask):
     return batch, num_heads, num_kv_heads, q_len, head_dim
 
 
+def _check_block_ids(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
+    """ValueError for a negative ``seq_lens`` entry, or a block id the kernel reads (the entries of each row that
+    cover its ``seq_lens`` keys, within the table) outside ``[0, num_blocks)``: the kernel would read past the pools."""
+    used = seq_lens.to(torch.int64).clamp(min=0).add(block_size - 1).div(block_size, rounding_mode="floor")
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    read = cols[None, :] < used[:, None].to(cols.device)
+    bad = read & ((block_table < 0) | (block_table >= num_blocks))
+    negative, out_of_range = torch.stack([(seq_lens < 0).any().to(bad.device), bad.any()]).tolist()
+    if negative:
+        raise ValueError(f"seq_lens must be >= 0; got {seq_lens.tolist()}")
+    if out_of_range:
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is read (seq_lens[{b}] = "
+                         f"{int(seq_lens[b])}, block_size {block_size}) but the pools have {num_blocks} blocks: "
+                         f"every block id a sequence uses must be in [0, {num_blocks - 1}]")
+
+
 #: Tokens per chunk of block ids (see ``chunk_tokens``); 2048 measured 1-2% above 1024 at B16 S8k.
 CHUNK_TOKENS = 2048
 #: The chunked kernel is used when the grid has at most this many programs per SM (the shared memory of
@@ -322,6 +339,7 @@ def paged_attention(
     trigger: bool | str = False,
     preload_kv: bool = False,
     split_multiple: int | None = None,
+    check_blocks: bool = True,
 ) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
@@ -372,6 +390,10 @@ def paged_attention(
             before the first layer's Q/K/V kernel starts). Uses the per-tile block-id loads (``chunk_tokens=0``).
         split_multiple: keys per split are rounded up to a multiple of this (default ``block_n``: whole
             tiles); 1 gives every split the same share to within one key (any count of splits).
+        check_blocks: check on the host that ``seq_lens`` holds no negative length and that every block id the
+            kernel will read (the first ``ceil(seq_lens[b] / block_size)`` entries of each row, within the table)
+            names a block of the pools (one device-to-host read; skipped while a CUDA graph is captured). The
+            decode step passes False: its tables come from the block manager.
 
     Returns:
         [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
@@ -379,7 +401,8 @@ def paged_attention(
     Raises:
         ValueError: shape/dtype mismatches (``out`` included), head_dim > 256, a ``key_mask`` narrower than
             ``max_seq_len``, ``num_splits`` < 1, ``block_n`` or ``block_m`` not a power of 2 >= 16, ``chunk_tokens`` not an
-            int >= 0, ``merge_counters`` not a contiguous int32 tensor of enough elements on the query's device.
+            int >= 0, ``merge_counters`` not a contiguous int32 tensor of enough elements on the query's device;
+            with ``check_blocks``, a negative ``seq_lens`` entry or a block id read outside ``[0, num_blocks)``.
     """
     batch, num_heads, num_kv_heads, q_len, head_dim = _check(query, key_cache, value_cache, block_table,
                                                              seq_lens, key_mask)
@@ -410,6 +433,8 @@ def paged_attention(
     if batch == 0 or q_len == 0:
         return out
     block_size = key_cache.shape[1]
+    if check_blocks and not capturing(block_table):
+        _check_block_ids(block_table, seq_lens, block_size, key_cache.shape[0])
     block_d = max(16, triton.next_power_of_2(head_dim))
     rows = q_len * group
     if block_m is None:

@@ -310,6 +310,45 @@ def test_launcher_argument_errors(bad):
         paged_attention(*case.args(), mask, **kw)
 
 
+@pytest.mark.parametrize("bad_id", [-1, "num_blocks", 2**31 - 1])
+def test_block_id_outside_the_pools_is_refused(bad_id):
+    """A block id that a sequence's keys need but that names no block of the pools: ValueError naming the
+    entry (the kernel would read outside the pools)."""
+    case = Case([40, 20], 4, 2, 1, 16, seed=5)
+    q, kc, vc, table, lens, max_len = case.args()
+    table = table.clone()
+    table[1, 1] = kc.shape[0] if bad_id == "num_blocks" else bad_id  # row 1 reads blocks 0 and 1 (20 keys)
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\]"):
+        paged_attention(q, kc, vc, table, lens, max_len)
+
+
+def test_negative_seq_len_is_refused():
+    case = Case([40, 20], 4, 2, 1, 16, seed=5)
+    q, kc, vc, table, lens, max_len = case.args()
+    lens = lens.clone()
+    lens[0] = -3
+    with pytest.raises(ValueError, match="seq_lens must be >= 0"):
+        paged_attention(q, kc, vc, table, lens, max_len)
+
+
+def test_block_ids_past_a_sequence_are_not_checked():
+    """Entries past the blocks a sequence's keys fill are never read: any value there is fine."""
+    case = Case([40, 20], 4, 2, 1, 16, seed=6)
+    case.block_table[1, 2] = -1
+    case.block_table[1, 3:] = 2**31 - 1
+    case.check()
+
+
+def test_check_blocks_false_skips_the_host_check(monkeypatch):
+    case = Case([40, 20], 4, 2, 1, 16, seed=7)
+    calls = []
+    monkeypatch.setattr(pa, "_check_block_ids", lambda *a: calls.append(a))
+    paged_attention(*case.args(), check_blocks=False)
+    assert calls == []
+    paged_attention(*case.args())
+    assert len(calls) == 1
+
+
 # --- key mask (left padding), fully masked rows -------------------------------------------------------
 
 
