@@ -121,7 +121,7 @@ def _slot_mapping_kernel(CacheLens, BlockTable, Slots, SeqLens, q_len, block_siz
     offs = tl.arange(0, BLOCK_T)
     ok = offs < q_len
     pos = cached + offs
-    listed = pos // block_size < table_len
+    listed = (pos >= 0) & (pos // block_size < table_len)  # a negative cache_lens reads no table entry
     blk = tl.load(BlockTable + b.to(tl.int64) * stride_tb + pos // block_size, mask=ok & listed, other=0)
     tl.store(Slots + b * q_len + offs, tl.where(listed, blk * block_size + pos % block_size, -1), mask=ok)
     tl.store(SeqLens + b, cached + q_len)
@@ -134,7 +134,9 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
     Args:
         cache_lens: [batch] int32 — tokens already cached per row.
         block_table: [batch, max_blocks] int32, contiguous last dimension — physical block ids. A token
-            past the table gets slot -1 (not written; the paged kernels answer such a row with NaN).
+            past the table gets slot -1 (not written; the paged kernels answer such a row with NaN), and so
+            does a token at a negative position (a negative ``cache_lens``, a caller error that a kernel cannot
+            raise: the table is never read outside its row).
         q_len: new tokens per row (>= 1); block_size: tokens per cache block.
 
     Returns:
@@ -173,7 +175,7 @@ def slot_mapping_ref(cache_lens, block_table, q_len, block_size):
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     pos = cache_lens.long()[:, None] + torch.arange(q_len, device=cache_lens.device)
     idx = pos // block_size
-    listed = idx < block_table.shape[1]
-    blk = block_table.gather(1, idx.clamp(max=block_table.shape[1] - 1)).long()
+    listed = (pos >= 0) & (idx < block_table.shape[1])
+    blk = block_table.gather(1, idx.clamp(0, block_table.shape[1] - 1)).long()
     slots = torch.where(listed, blk * block_size + pos % block_size, -1).to(torch.int32).reshape(-1)
     return slots, cache_lens + q_len

@@ -211,3 +211,21 @@ def test_slot_mapping_refuses_a_block_size_below_one():
     for fn in (slot_mapping, slot_mapping_ref):
         with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
             fn(cache_lens, table, 1, 0)
+
+
+@pytest.mark.parametrize("cached", [-3, -40])
+def test_slot_mapping_negative_positions_get_no_slot(cached):
+    """A negative ``cache_lens`` entry (a caller error the kernel cannot raise) gives its tokens at negative
+    positions slot -1 (nothing is written there) instead of reading the block table before the row's start; the
+    tokens it reaches at positions >= 0 get their slots; the reference agrees."""
+    from hf_accel.kernels.reshape_and_cache import slot_mapping, slot_mapping_ref
+
+    q_len, block_size = 5, 16
+    table = torch.tensor([[7, 2], [5, 9]], dtype=torch.int32, device=DEVICE)
+    cache_lens = torch.tensor([4, cached], dtype=torch.int32, device=DEVICE)
+    got = slot_mapping(cache_lens, table, q_len, block_size)
+    want = slot_mapping_ref(cache_lens, table, q_len, block_size)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    row1 = got[0][q_len:].tolist()
+    expect = [5 * block_size + p if p >= 0 else -1 for p in range(cached, cached + q_len)]
+    assert row1 == expect
