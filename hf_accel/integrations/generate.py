@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import math
 
 import torch
@@ -50,6 +51,27 @@ def _call(args, kwargs) -> tuple[dict, object]:
     elif "inputs" in call:
         call["input_ids"] = call.pop("inputs")
     return call, call.pop("generation_config", None)
+
+
+def _as_keywords(original_generate, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``generate``'s positional arguments after the token ids (``generate(ids, generation_config)``) as keywords
+    under transformers' parameter names, so that every decision reads them where it reads keywords. Left as they
+    are (and run by transformers' loop and cache, :func:`_paged_generate`) where they cannot be named: more of
+    them than the signature's positional parameters, a name also passed by keyword (transformers raises), or a
+    signature that cannot be read."""
+    if len(args) <= 1:
+        return args, kwargs
+    try:
+        params = [p for p in inspect.signature(original_generate).parameters.values()
+                  if p.kind is p.POSITIONAL_OR_KEYWORD]
+    except (TypeError, ValueError):
+        return args, kwargs
+    if len(args) > len(params):
+        return args, kwargs
+    named = dict(zip((p.name for p in params[1:]), args[1:]))
+    if any(name in kwargs for name in named):
+        return args, kwargs
+    return args[:1], {**kwargs, **named}
 
 
 def _prepared(model, args, kwargs):
@@ -387,6 +409,11 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
     from hf_accel.integrations.patch import revert_if_lora_changed
 
     if revert_if_lora_changed(model):  # merged LoRA adapters gone stale: hf-accel reverted (logged)
+        return original_generate(*args, **kwargs)
+    args, kwargs = _as_keywords(original_generate, args, kwargs)
+    if len(args) > 1:  # options hf-accel cannot read (use_cache=False, a cache_implementation ...): stock runs them
+        log_once("generate-positional", "hf-accel: generate keeps transformers' loop and cache: positional "
+                 "arguments after input_ids that do not name generate's parameters")
         return original_generate(*args, **kwargs)
     if kwargs.get("cache_implementation") == "paged":  # transformers reads it from the call's arguments only
         return _continuous_batching(model, original_generate, engine, args, kwargs)

@@ -358,6 +358,34 @@ def test_model_generation_config_merged_into_a_callers_config(tiny, hf_log):
     assert out.shape == (3, 42)
 
 
+@pytest.mark.parametrize("settings", [dict(use_cache=False), dict(cache_implementation="static"),
+                                      dict(cache_implementation="dynamic"), {}, dict(processor=True)],
+                         ids=["use_cache-false", "static-cache", "dynamic-cache", "plain", "logits-processor"])
+def test_positional_generation_config_is_read(settings, tiny, hf_log):
+    """``generate(ids, generation_config)`` (and a logits processor list after it, positionally) is read as the
+    keyword call is: greedy tokens equal stock's (use_cache=False used to run with a PagedCache: other tokens;
+    a cache_implementation used to raise), and hf-accel's path runs where the keyword call's does."""
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+    class Ban(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores.index_fill(1, input_ids[:, -1], float("-inf"))  # never repeat the last token
+
+    settings = dict(settings)
+    extra = (LogitsProcessorList([Ban()]),) if settings.pop("processor", False) else ()
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(5))
+    stock = _tiny_llama(tiny, 9)
+    ours = accelerate_model(copy.deepcopy(stock))
+    gc = GenerationConfig(max_new_tokens=12, pad_token_id=tiny.PAD, do_sample=False, **settings)
+    with torch.no_grad():
+        want = stock.generate(ids, gc, *extra)
+        got = ours.generate(ids, gc, *extra)
+    assert torch.equal(got, want)
+    assert not _messages(hf_log, "positional")
+    skipped = _messages(hf_log, "keeps transformers' cache")
+    assert bool(skipped) == bool(settings), skipped
+
+
 @pytest.mark.parametrize("options", [dict(no_repeat_ngram_size=2), dict(do_sample=True, min_p=0.1)])
 def test_a_fallback_call_without_a_length_gets_transformers_default(options, tiny):
     """No length given and a 40-token prompt: transformers' loop generates its default number of new tokens (the
