@@ -218,6 +218,9 @@ class CallChecks:
             call_mask = pad = None  # ids that are not ints: refused below
         # without a mask transformers infers one from the pad id: it may end in 0 (a prompt ending in the pad id)
         mask = model_kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.shape != ids.shape:
+            return (f"attention_mask of shape {tuple(mask.shape)} does not match input_ids' {tuple(ids.shape)} "
+                    "(transformers' loop runs it as it does)")
         if mask is None:
             mask = call_mask
         if mask is not None and mask.dim() == 2 and mask.shape == ids.shape and not bool(mask[:, -1].all()):

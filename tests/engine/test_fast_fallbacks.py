@@ -97,6 +97,29 @@ def test_all_padding_row_falls_back_with_its_own_reason(tiny, hf_log):
     assert not _messages(hf_log, "right-padded batch")
 
 
+@pytest.mark.parametrize("extra", [3, -2], ids=["wider", "narrower"])
+def test_attention_mask_of_another_width_runs_as_stock(extra, tiny, hf_log):
+    """An attention_mask with more (or fewer) columns than input_ids: transformers' loop runs it as stock does (a
+    wider mask generates there; a narrower one raises the same error), with the reason logged. The fast path used
+    to build the prompt's positions from the mask's columns and raise from inside the rotary embedding."""
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=5)
+    wide = torch.ones(ids.shape[0], ids.shape[1] + extra, dtype=mask.dtype)
+    wide[:, -min(ids.shape[1], wide.shape[1]):] = mask[:, -min(ids.shape[1], wide.shape[1]):]
+    ours = _accelerated(model)
+    if extra < 0:
+        with pytest.raises(RuntimeError) as want:
+            _generate(model, ids, wide, tiny.PAD, max_new_tokens=5)
+        with pytest.raises(RuntimeError) as got:
+            _generate(ours, ids, wide, tiny.PAD, max_new_tokens=5)
+        assert str(got.value) == str(want.value)
+    else:
+        stock = _generate(model, ids, wide, tiny.PAD, max_new_tokens=5)
+        assert torch.equal(_generate(ours, ids, wide, tiny.PAD, max_new_tokens=5), stock)
+    assert _messages(hf_log, "does not match input_ids'")
+    assert not _messages(hf_log, FAST_MSG)
+
+
 def test_offloaded_model_falls_back_with_stock_tokens(tiny, hf_log, decode_steps):
     """A model offloaded by accelerate (``cpu_offload``: every parameter on the meta device, brought in by hooks
     at each forward) cannot run the fast path, which reads the weights itself: transformers' loop runs it, with
