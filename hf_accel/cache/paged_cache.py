@@ -534,10 +534,14 @@ class PagedCache(Cache):
         if getattr(_active, "step", None) is not None:
             _active.step = None
 
-    def memory_stats(self) -> dict:
+    def memory_stats(self, length: int | None = None) -> dict:
         """Blocks and bytes: ``blocks_allocated``, ``num_blocks``, ``tokens_stored``, ``slots_allocated``,
         ``waste_pct`` (allocated slots holding no token, in %; shared blocks counted once), ``bytes_allocated`` (K+V of allocated
-        blocks over all layers) and ``bytes_reserved`` (the pools)."""
+        blocks over all layers) and ``bytes_reserved`` (the pools).
+
+        ``length``: count each of the cache's sequences as holding its first ``length`` tokens at most, for an owner
+        that reserved slots ahead of the tokens it wrote (the fast decode path reserves the whole answer up front);
+        the reserved blocks still count as allocated. None: the tokens each sequence holds."""
         m = self.manager
         if m is None:
             return {"blocks_allocated": 0, "num_blocks": self._num_blocks or 0, "tokens_stored": 0,
@@ -547,10 +551,12 @@ class PagedCache(Cache):
         per_block = sum(2 * (layer.keys.numel() // layer.keys.shape[0]) * layer.keys.element_size()
                         for layer in layers)
         slots = m.num_allocated_blocks * self.block_size
-        tokens = m.tokens_stored()  # per sequence (a shared prefix counts once per sequence)
+        # per sequence (a shared prefix counts once per sequence)
+        tokens = (m.tokens_stored() if length is None
+                  else sum(min(m.length(s), max(int(length), 0)) for s in self.seq_ids))
         fill: dict[int, int] = {}  # physical fill of each block, for the waste figure
         for s in self.seq_ids:
-            n = m.length(s)
+            n = m.length(s) if length is None else min(m.length(s), max(int(length), 0))
             for i, b in enumerate(m.block_table(s)):
                 fill[b] = max(fill.get(b, 0), min(self.block_size, n - i * self.block_size))
         used = sum(fill.values())

@@ -451,7 +451,7 @@ class FastEngine(CallChecks):
         try:
             if not gc.do_sample and not len(processors) and streamer is None and len(eos_list) <= 8:
                 n, tokens = self._greedy_in_graph(step, logits, input_ids, batch, prompt_len, max_new, pad, eos_list)
-                self.last_stats = cache.memory_stats()
+                self.last_stats = cache.memory_stats(length=prompt_len + n - 1)
                 return self._output(gc, tokens[:, : prompt_len + n], prefix)
             tokens = torch.full((batch, prompt_len + max_new), pad, dtype=torch.long, device=device)
             tokens[:, :prompt_len] = input_ids
@@ -497,7 +497,7 @@ class FastEngine(CallChecks):
             n = int(steps_run)
             if rng is not None:
                 rng.restore(n)  # the state after n draws, as after transformers' loop
-            self.last_stats = cache.memory_stats()
+            self.last_stats = cache.memory_stats(length=prompt_len + n - 1)
             return self._output(gc, tokens[:, : prompt_len + n], prefix)
         finally:
             cache.release()
@@ -572,7 +572,7 @@ class FastEngine(CallChecks):
                 logits = _next_logits(step, batch, next_tokens, i)
             if streamer is not None:
                 streamer.end()
-            self.last_stats = cache.memory_stats()
+            self.last_stats = cache.memory_stats(length=ids.shape[1] - 1)
             return self._output(gc, ids, prefix, scores=scores, logits=raw_logits)
         finally:
             cache.release()

@@ -568,8 +568,8 @@ class SpeculativeEngine:
                 # completion to completion, the host's turnaround included (CUDA events; wall clock on CPU)
                 "round_ms": {str(k): 1e3 * t for k, t in sorted(chooser.times.items())},
             }
-            fast.last_stats = cache.memory_stats()
             generated = int((st.lengths[:batch] - prompt_len).max())
+            fast.last_stats = cache.memory_stats(length=prompt_len + generated - 1)
             return fast._output(gc, st.tokens[:batch, : prompt_len + generated].clone(), prefix)
         finally:
             cache.release()

@@ -8,6 +8,7 @@ blocks) and the CPU memory sizing; a growable cache grows and keeps its contents
 
 from __future__ import annotations
 
+import copy
 import gc
 import random
 import weakref
@@ -115,6 +116,41 @@ def test_thousand_generate_calls_leave_zero_blocks(loop, tiny, monkeypatch, one_
     if loop == "transformers":
         gc.collect()
         assert len(alive) == 0, f"{len(alive)} PagedCache objects still referenced after generate returned"
+
+
+@pytest.mark.parametrize("how", ["greedy", "sampling", "processor", "speculative"])
+def test_fast_path_stats_count_the_tokens_written_not_the_reservation(how, tiny):
+    """The fast decode path reserves the whole answer (max_new_tokens) up front; its stats count the tokens the call
+    left in the cache, as transformers' loop on a PagedCache does (prompt + new tokens - 1 per row), with the
+    reserved blocks still counted as allocated. They used to count every reserved slot (near-zero waste)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Keep(LogitsProcessor):  # runs the call through transformers' logits-processor path
+        def __call__(self, input_ids, scores):
+            return scores
+
+    base = tiny.model("llama", num_hidden_layers=1)
+    ids, mask = tiny.batch(seed=2)
+    free = tiny.greedy(base, ids, mask, 6)
+    eos = sorted({int(t) for t in free[:, ids.shape[1] + 2]})  # every row ends by its 3rd new token
+    kw = dict(max_new_tokens=100, eos_token_id=eos)
+    if how == "sampling":
+        kw.update(do_sample=True, top_k=1)  # sampling loop, greedy outcome
+    elif how == "processor":
+        kw["logits_processor"] = LogitsProcessorList([Keep()])
+    stats = {}
+    for loop in ("transformers", "default"):
+        model = accelerate(copy.deepcopy(base), loop,
+                           **({"speculative": "prompt_lookup"} if how == "speculative" and loop == "default" else {}))
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=tiny.PAD, **kw)
+        stats[loop] = (out, last_cache_stats(model))
+    (want_out, want), (got_out, got) = stats["transformers"], stats["default"]
+    assert torch.equal(got_out, want_out)
+    assert got["tokens_stored"] == want["tokens_stored"] == ids.shape[0] * (got_out.shape[1] - 1)
+    assert got_out.shape[1] - ids.shape[1] < 100  # stopped early: most of the reservation is empty
+    assert got["slots_allocated"] >= ids.shape[0] * (ids.shape[1] + 100)
+    assert got["waste_pct"] > 50
 
 
 def test_blocks_freed_when_generate_raises(tiny, monkeypatch):
