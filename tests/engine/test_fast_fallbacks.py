@@ -97,20 +97,24 @@ def test_all_padding_row_falls_back_with_its_own_reason(tiny, hf_log):
     assert not _messages(hf_log, "right-padded batch")
 
 
-@pytest.mark.parametrize("extra", [3, -2], ids=["wider", "narrower"])
-def test_attention_mask_of_another_width_runs_as_stock(extra, tiny, hf_log):
-    """An attention_mask with more (or fewer) columns than input_ids: transformers' loop runs it as stock does (a
-    wider mask generates there; a narrower one raises the same error), with the reason logged. The fast path used
-    to build the prompt's positions from the mask's columns and raise from inside the rotary embedding."""
+@pytest.mark.parametrize("extra", [3, -2, "3-d"], ids=["wider", "narrower", "3-d"])
+def test_attention_mask_of_another_shape_runs_as_stock(extra, tiny, hf_log):
+    """An attention_mask with more (or fewer) columns than input_ids, or not 2-D: transformers' loop runs it as
+    stock does (a wider mask generates there; a narrower or 3-D one raises the same error), with the reason logged.
+    The fast path used to build the prompt's positions from the mask's columns and raise from inside the rotary
+    embedding (or from transformers' mask code for a 3-D mask)."""
     model = tiny.model("llama")
     ids, mask = tiny.batch(seed=5)
-    wide = torch.ones(ids.shape[0], ids.shape[1] + extra, dtype=mask.dtype)
-    wide[:, -min(ids.shape[1], wide.shape[1]):] = mask[:, -min(ids.shape[1], wide.shape[1]):]
+    if extra == "3-d":
+        wide = mask[:, None, :]
+    else:
+        wide = torch.ones(ids.shape[0], ids.shape[1] + extra, dtype=mask.dtype)
+        wide[:, -min(ids.shape[1], wide.shape[1]):] = mask[:, -min(ids.shape[1], wide.shape[1]):]
     ours = _accelerated(model)
-    if extra < 0:
-        with pytest.raises(RuntimeError) as want:
+    if extra != 3:
+        with pytest.raises((RuntimeError, ValueError)) as want:
             _generate(model, ids, wide, tiny.PAD, max_new_tokens=5)
-        with pytest.raises(RuntimeError) as got:
+        with pytest.raises(type(want.value)) as got:
             _generate(ours, ids, wide, tiny.PAD, max_new_tokens=5)
         assert str(got.value) == str(want.value)
     else:
