@@ -323,6 +323,11 @@ def check_model_type(hf_model) -> None:
         )
 
 
+def _is_bool(value) -> bool:
+    """``value`` is True/False (Python's or numpy's bool)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
 def accelerate_model(
     model,
     *,
@@ -382,7 +387,8 @@ def accelerate_model(
         The same object, patched.
 
     Raises:
-        TypeError: ``model`` is not a transformers/peft model, an unknown option is given, or
+        TypeError: ``model`` is not a transformers/peft model, an unknown option is given, ``paged_cache``,
+            ``fast_decode``, ``cuda_graphs`` or ``merge_lora`` is not a bool (numpy's bool is taken), or
             ``speculative`` is not a config, method name or model.
         ValueError: the model type is not supported (the message lists the supported ones), a
             PeftModel is given with ``merge_lora=False``, the model was accelerated before with other options
@@ -402,6 +408,10 @@ def accelerate_model(
     the kernel does not apply: training, autograd, ``output_attentions``, sliding-window/softcap/sink kwargs, dtypes
     other than fp16/bf16/fp32, head_dim > 256, or masks other than causal + padding.
     """
+    for flag, value in (("paged_cache", paged_cache), ("fast_decode", fast_decode), ("cuda_graphs", cuda_graphs),
+                        ("merge_lora", merge_lora)):
+        if not _is_bool(value):  # a string like "no" would read as True
+            raise TypeError(f"accelerate_model: {flag} must be True or False, got {value!r}")
     hf_model, peft_model = _unwrap_peft(model)
     if not isinstance(hf_model, PreTrainedModel):
         raise TypeError(

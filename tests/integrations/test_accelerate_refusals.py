@@ -75,6 +75,25 @@ def test_unknown_or_positional_option_raises_type_error(tiny):
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("flag", ["paged_cache", "fast_decode", "cuda_graphs", "merge_lora"])
+@pytest.mark.parametrize("value", ["no", 0, None, 1.0])
+def test_flags_must_be_bools(flag, value, tiny):
+    """A flag given as a string ("no" reads as True), a number or None: TypeError naming it, nothing changed."""
+    model = tiny.model("llama")
+    with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+        accelerate_model(model, **{flag: value})
+    assert not is_accelerated(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_numpy_bool_flags_are_taken(tiny):
+    import numpy as np
+
+    model = accelerate_model(tiny.model("llama"), fast_decode=np.bool_(False))
+    assert is_accelerated(model)
+    assert "_hf_accel_engine" in model.__dict__ and model._hf_accel_engine is None  # fast_decode off
+
+
 def test_revert_of_a_model_never_accelerated(tiny):
     with pytest.raises(ValueError, match="not accelerated"):
         revert_model(tiny.model("llama"))
