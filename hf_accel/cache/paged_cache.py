@@ -338,7 +338,13 @@ class PagedCache(Cache):
         done = min(lengths)
         fix = (f"cache.crop({done}) drops the partial step (the caller's inputs must start at token {done} again)"
                if done else "no step completed: cache.release() empties the cache")
-        return f"Its layers hold {shown} tokens: a forward failed part-way after some layers wrote their K/V; {fix}"
+        cause = "a forward failed part-way after some layers wrote their K/V"
+        first_short = next((i for i, n in enumerate(lengths) if n != lengths[0]), None)
+        if first_short is not None and all(n == lengths[-1] for n in lengths[first_short:]):
+            # the layers ahead are the first ones: also what a model running fewer layers than the cache has leaves
+            cause += (f", or the model runs {first_short} decoder layers and this cache was built for "
+                      f"{len(lengths)} (a cache made for another model's config)")
+        return f"Its layers hold {shown} tokens: {cause}; {fix}"
 
     def _make_writable(self) -> None:
         """Outside ``torch.inference_mode``, replace pools created inside it (inference tensors, which refuse

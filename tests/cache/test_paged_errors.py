@@ -131,6 +131,25 @@ def test_a_forward_that_fails_part_way_is_named_and_recoverable(tiny, monkeypatc
     torch.testing.assert_close(s.step(x), ref.step(x), rtol=0, atol=1e-6)
 
 
+def test_a_cache_built_for_more_layers_names_that_cause(tiny):
+    """A PagedCache made from a config with more layers than the model runs: after the first forward its last layers
+    are a step behind; the next forward's error names the layer counts as a possible cause, not only a failed
+    forward."""
+    import copy as copy_mod
+
+    from hf_accel.integrations.generate import CACHE_KWARG
+
+    model = accelerate(tiny.model("llama", seed=67, num_hidden_layers=2))
+    bigger = copy_mod.deepcopy(model.config)
+    bigger.num_hidden_layers = 3
+    cache = PagedCache(bigger, num_blocks=16, block_size=4)
+    ids = _tokens(68, 1, 5)
+    with torch.no_grad():
+        model(input_ids=ids, **{CACHE_KWARG: cache})
+        with pytest.raises(RuntimeError, match="the model runs 2 decoder layers and this cache was built for 3"):
+            model(input_ids=ids[:, :1], **{CACHE_KWARG: cache})
+
+
 def test_an_interrupted_first_forward_names_release(tiny, monkeypatch, one_thread):
     """No step completed (the prefill was interrupted in layer 0's MLP): crop cannot express "back to 0"
     (crop(0) changes nothing), so the message names release(), which recovers."""
