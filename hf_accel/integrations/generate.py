@@ -124,6 +124,19 @@ def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=Non
     return None
 
 
+def _check_passed_length(passed, input_ids) -> None:
+    """ValueError for a passed PagedCache that holds as many tokens as ``input_ids`` or more: generate takes the
+    whole conversation so far plus the new tokens, and feeds the model the ones past the cache (none here;
+    transformers' loop fails on the empty slice with a reshape error)."""
+    if not isinstance(passed, PagedCache) or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return
+    cached = passed.get_seq_length()
+    if cached >= input_ids.shape[1]:
+        raise ValueError(f"the passed PagedCache holds {cached} tokens and input_ids has {input_ids.shape[1]}: "
+                         "input_ids must hold the tokens the cache holds plus at least one new token (the previous "
+                         "turn's sequences followed by the new prompt)")
+
+
 def _layers_unlike_config(model) -> str | None:
     """Why a PagedCache, which keeps one pool per configured layer and takes each forward as a step of every
     layer, cannot serve the layers transformers' forward runs (the first ``config.num_hidden_layers``; None: it
@@ -435,6 +448,7 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
     prepared = _prepared_or_none(model, args, kwargs)
     if prepared is None:  # transformers' own loop raises why
         return original_generate(*args, **kwargs)
+    _check_passed_length(passed_cache(kwargs), _input_ids(args, kwargs))
     gc = prepared[0]
     if call_spec is None and assisted_reason is None and engine is not None and speculative is not None:
         reason = _skip_reason(model, args, kwargs, engine=engine, gc=gc)

@@ -220,6 +220,34 @@ def test_caches_the_fast_path_cannot_take_fall_back_with_the_reason(tiny, hf_log
     assert output_cache(scored) is output_cache(first)
 
 
+@pytest.mark.parametrize("fast_decode", [True, False], ids=["fast-path", "transformers-loop"])
+@pytest.mark.parametrize("extra", [0, -3], ids=["same-length", "shorter-prompt"])
+def test_a_passed_cache_as_long_as_the_input_is_refused(fast_decode, extra, tiny):
+    """input_ids no longer than what the passed PagedCache holds (the new prompt alone, or the last turn's
+    sequences with nothing new): a ValueError saying what input_ids must hold. Transformers' loop failed on the empty
+    slice with a reshape error; the cache is left as it was and continues the right call."""
+    stock = tiny.model("llama", seed=95)
+    ids, mask = tiny.batch(seed=96)
+    model = accelerate_model(copy.deepcopy(stock), fast_decode=fast_decode)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=tiny.PAD)
+    name = tiny.cache_kwarg(model)
+    with torch.no_grad():
+        first = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **kw)
+    cache = output_cache(first)
+    held = cache.get_seq_length()
+    short = first.sequences[:, : held + extra]
+    with pytest.raises(ValueError, match=f"holds {held} tokens and input_ids has {held + extra}"), torch.no_grad():
+        model.generate(input_ids=short, attention_mask=torch.ones_like(short), **{name: cache}, **kw)
+    assert cache.get_seq_length() == held
+    ids2 = torch.cat([first.sequences, _tokens(97, 3, 2)], 1)
+    mask2 = torch.ones_like(ids2)
+    mask2[:, : mask.shape[1]] = mask
+    with torch.no_grad():
+        got = model.generate(input_ids=ids2, attention_mask=mask2, **{name: cache}, **kw)
+        want = stock.generate(input_ids=ids2, attention_mask=mask2, **kw)
+    assert torch.equal(got, want)
+
+
 def test_a_dynamic_cache_still_runs_transformers_loop(tiny, hf_log, fast_calls):
     stock = tiny.model("llama", seed=93)
     ids, mask = tiny.batch(seed=94)
