@@ -139,14 +139,30 @@ def build_accelerated(model, enabled: dict[str, Any], features=FEATURES):
     for f in features:
         if f.transform is not None and f.key in enabled:
             model = _run_feature(f, f.transform, model, enabled[f.key])
-    if ATTENTION in enabled:
-        options = {}
-        for f in features:
-            if f.options is not None:
-                options.update(_run_feature(f, f.options, f.key in enabled, enabled.get(f.key, f.setting_default)))
+    options = accelerate_options(enabled, features)
+    if options is not None:
         model = _run_feature(next(f for f in features if f.key == ATTENTION),
                              lambda m, _s: hf_accel.accelerate_model(m, **options), model, None)
     return model
+
+
+def accelerate_options(enabled: dict[str, Any], features=FEATURES) -> dict | None:
+    """The ``accelerate_model`` options of the enabled features (None: hf-accel attention is off, the right pane
+    runs an unmodified copy). Raises ValueError with a page message for a bad setting."""
+    if ATTENTION not in enabled:
+        return None
+    options = {}
+    for f in features:
+        if f.options is not None:
+            options.update(_run_feature(f, f.options, f.key in enabled, enabled.get(f.key, f.setting_default)))
+    return options
+
+
+def uses_paged_cache(enabled: dict[str, Any], features=FEATURES) -> bool:
+    """Whether the right pane's model decodes on hf-accel's paged cache (its fast decode path): hf-accel attention
+    on, and the paged cache not switched off (``accelerate_model``'s default where the toggle is not shown)."""
+    options = accelerate_options(enabled, features)
+    return options is not None and options.get("paged_cache", True)
 
 
 def _run_feature(feature: Feature, fn, *args):

@@ -151,13 +151,13 @@ class ModelStore:
 class PaneRun:
     """Runs ``measure_generate`` in a thread and records tokens, timestamps and KV-cache bytes.
 
-    It is the inner streamer of :func:`hf_accel.measure_generate` (which does the timing). A forward
-    hook on the model catches the cache object that generate uses (the prefill pass returns it; a
-    decode loop that does not go through the model's forward, like hf-accel's fast path, keeps using
-    the same object), and each new token samples that cache's K/V memory.
+    It is the inner streamer of :func:`hf_accel.measure_generate` (which does the timing). Each new token
+    samples the K/V memory of the cache the call writes: with ``paged`` (a model accelerated with its paged
+    cache) the one :func:`hf_accel.cache_in_use` names, with no hook (a forward hook turns hf-accel's fast decode
+    path off); otherwise the one the model's forward returns, caught by a forward hook.
     """
 
-    def __init__(self, model, inputs: dict, gen_kwargs: dict):
+    def __init__(self, model, inputs: dict, gen_kwargs: dict, *, paged: bool = False):
         self.model = model
         self.inputs = inputs
         self.gen_kwargs = gen_kwargs
@@ -172,11 +172,16 @@ class PaneRun:
         self.started = False
         self.done = threading.Event()
         self._prompt_seen = False
+        self._paged = paged
 
     # streamer interface
     def put(self, value):
-        if not self._prompt_seen:
+        if self._paged:
+            self._cache = hf_accel.cache_in_use(self.model) or self._cache
+        if not self._prompt_seen:  # generate hands the prompt over after the prefill
             self._prompt_seen = True
+            if self._paged:
+                self._sample_kv(self.prompt_len)
             return
         if self.t_first is None:
             self.t_first = time.perf_counter()
@@ -212,7 +217,7 @@ class PaneRun:
         threading.Thread(target=self._run, name="hf-accel-demo-generate", daemon=True).start()
 
     def _run(self):
-        handle = self.model.register_forward_hook(self._hook, with_kwargs=True)
+        handle = None if self._paged else self.model.register_forward_hook(self._hook, with_kwargs=True)
         try:
             self.t_start = time.perf_counter()
             with torch.inference_mode():
@@ -221,7 +226,8 @@ class PaneRun:
             log.warning("generate failed", exc_info=True)
             self.error = f"generation failed: {type(e).__name__}: {first_line(e)}"
         finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
             self.done.set()
 
     def text(self, tokenizer) -> str:

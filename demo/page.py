@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from features import Feature, available_features, enabled_features
+from features import Feature, available_features, enabled_features, uses_paged_cache
 from measurements import kv_plot_rows, stats_html, summary_text
 from model_runs import DEFAULT_MODEL_LABEL, DeviceInfo, ModelStore, PaneRun
 from request import (DECODING, MAX_NEW_TOKENS, RUN_MODES, cap_to_context, first_line, generate_kwargs,
@@ -222,7 +222,8 @@ def run_comparison(store: ModelStore, feats, model_path, prompt_text, n_new, dec
         yield out(st("Waiting for the previous generation to finish…"))
         for r in store.last_runs:
             r.done.wait()
-    runs = {STOCK: PaneRun(stock_model, inputs, kw), ACCEL: PaneRun(accel_model, inputs, kw)}
+    runs = {STOCK: PaneRun(stock_model, inputs, kw),
+            ACCEL: PaneRun(accel_model, inputs, kw, paged=uses_paged_cache(enabled, feats))}
     store.last_runs = list(runs.values())
     how = "both at once" if settings.run_mode == "concurrent" else "stock first, then hf-accel"
     title = accel_title(enabled, feats)

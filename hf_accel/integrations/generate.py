@@ -20,6 +20,7 @@ apply, transformers' own assisted generation runs with the caller's arguments.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -284,13 +285,15 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
             with engine.call_lock:  # concurrent calls on one model wait for each other
                 reason = engine.check(gc, model_kwargs)
                 if reason is None:
-                    return _run_fast(model, engine, gc, model_kwargs, speculative, assisted)
+                    with _in_use(model, engine):
+                        return _run_fast(model, engine, gc, model_kwargs, speculative, assisted)
                 if original_generate is not None:
                     call, gc, model_kwargs = _stop_strings_as_criterion(model, kwargs, gc, model_kwargs)
                     prepared_reason = engine.check(gc, model_kwargs, prepared_loop=True)
                     if prepared_reason is None:
-                        return _run_prepared_loop(model, engine, original_generate, args, call, model_kwargs,
-                                                  reason, speculative)
+                        with _in_use(model, engine):
+                            return _run_prepared_loop(model, engine, original_generate, args, call, model_kwargs,
+                                                      reason, speculative)
                     reason = prepared_reason  # what keeps the call off both routes
     log_once(f"fast-skip:{reason}", f"hf-accel: fast decode path not used: {reason}; transformers' loop runs "
              "on hf-accel's kernels")
@@ -483,7 +486,8 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
     log_once("generate-paged", f"hf-accel: generate uses PagedCache (block_size {block_size})")
     returned = False
     try:
-        out = original_generate(*args, **{CACHE_KWARG: cache}, **kwargs)
+        with _in_use(model, cache):
+            out = original_generate(*args, **{CACHE_KWARG: cache}, **kwargs)
         # return_dict_in_generate: the caller gets the cache, filled, to pass back for the next turn (as
         # transformers' own DynamicCache); it grows from then on, since its pool was sized for this call
         returned = output_cache(out) is cache
@@ -583,13 +587,46 @@ def uninstall(model) -> None:
     engines = model.__dict__.pop("_hf_accel_spec_engines", None)
     if engines is not None:
         engines.close()  # reverts the draft models its engines accelerated
-    for name in ("_hf_accel_spec_stats", "_hf_accel_last_cache_stats", "_hf_accel_generation_configs"):
+    for name in ("_hf_accel_spec_stats", "_hf_accel_last_cache_stats", "_hf_accel_generation_configs",
+                 "_hf_accel_in_use"):
         model.__dict__.pop(name, None)
 
 
 def last_cache_stats(model) -> dict | None:
     """``PagedCache.memory_stats()`` of the model's last paged ``generate`` call (taken before the release)."""
     return getattr(model, "_hf_accel_last_cache_stats", None)
+
+
+@contextlib.contextmanager
+def _in_use(model, source):
+    """While the body runs, :func:`cache_in_use` answers ``source``'s cache: a FastEngine (its ``cache``, made or
+    reused by the call's prefill) or a PagedCache."""
+    model._hf_accel_in_use = source
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_hf_accel_in_use", None)
+
+
+def cache_in_use(model) -> PagedCache | None:
+    """The KV cache that ``model``'s ``generate`` call in progress writes on hf-accel's path, to watch its memory
+    while the call runs (``memory_stats()`` from a streamer's ``put``, say): the fast decode path's PagedCache (it
+    reserves the blocks of the whole answer after the prefill), or the PagedCache transformers' loop runs on. None
+    between calls, for a call on transformers' own cache (beam search, a cache the caller passed that the fast
+    path does not take, ...) and for a model never accelerated; never raises. Read it only: the running call owns
+    it (it is released, or reused by the next call, when the call returns).
+
+    Args:
+        model: the model ``generate`` was called on (a transformers model, or a peft ``PeftModel`` wrapping one).
+    """
+    from hf_accel.engine.fast_generate import FastEngine
+    from hf_accel.integrations.patch import _unwrap_peft
+
+    hf_model, _ = _unwrap_peft(model)
+    source = getattr(hf_model, "_hf_accel_in_use", None)
+    if isinstance(source, FastEngine):
+        return source.cache
+    return source if isinstance(source, PagedCache) else None
 
 
 def speculative_stats(model) -> dict | None:

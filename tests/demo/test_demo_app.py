@@ -415,20 +415,29 @@ def test_pane_run_records_tokens_timing_and_kv(tiny):
     assert not model._forward_hooks  # the hook is removed after the run
 
 
-def test_pane_run_on_accelerated_model_samples_every_token():
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "hooked"])
+def test_pane_run_on_accelerated_model_samples_every_token(paged, hf_log):
+    """The accelerated pane with hf-accel's paged cache reads that cache through hf_accel.cache_in_use, with no
+    forward hook, so generate takes the fast decode path (a hook turned it off: the pane ran transformers' loop).
+    Its K/V curve is one step: the whole answer's blocks, reserved after the prefill."""
     import hf_accel
 
     model = hf_accel.accelerate_model(_tiny_llama())
     inputs = _TinyTokenizer()("hello there")
-    run = app.PaneRun(model, inputs, dict(max_new_tokens=6, do_sample=False, pad_token_id=0))
+    run = app.PaneRun(model, inputs, dict(max_new_tokens=6, do_sample=False, pad_token_id=0), paged=paged)
     run.start()
     assert run.done.wait(60) and run.error is None
     p = inputs["input_ids"].shape[1]
     assert [u.tokens for u in run.kv_points] == list(range(p, p + 7))  # hf-accel's own decode loop included
     assert all(u.bytes_used > 0 for u in run.kv_points)
-    if demo_features._accelerate_accepts("paged_cache"):
-        assert {u.cache_type for u in run.kv_points} == {"PagedCache"}
-        assert all(u.bytes_reserved >= u.bytes_used for u in run.kv_points)
+    assert {u.cache_type for u in run.kv_points} == {"PagedCache"}
+    assert all(u.bytes_reserved >= u.bytes_used for u in run.kv_points)
+    fast = [r for r in hf_log.records if "generate runs the fast decode path" in r.getMessage()]
+    hooked = [r for r in hf_log.records if "forward hooks" in r.getMessage()]
+    assert bool(fast) == paged and bool(hooked) == (not paged)
+    if paged:
+        assert len({u.bytes_used for u in run.kv_points}) == 1  # reserved up front
+    assert not model._forward_hooks
 
 
 def test_pane_run_error_is_a_message():
@@ -450,7 +459,7 @@ def _drain(gen):
     return list(gen)
 
 
-def test_run_comparison_end_to_end_with_tiny_model(tiny):
+def test_run_comparison_end_to_end_with_tiny_model(tiny, hf_log):
     pytest.importorskip("gradio")
     store = app.ModelStore(CPU, loader=_loader_for(tiny))
     feats = [f for f in app.available_features() if f.key == "attention"]
@@ -466,6 +475,9 @@ def test_run_comparison_end_to_end_with_tiny_model(tiny):
     accel_cache = "PagedCache" if paged else "DynamicCache"  # paged by default
     assert set(plot["run"]) == {"stock HF generate", "hf-accel"} and plot["KV cache (MiB)"].notna().all()
     assert "(DynamicCache)" in s_stats and f"({accel_cache}" in a_stats
+    # the right pane runs hf-accel's fast decode path (no forward hook of the demo's turns it off)
+    assert any("generate runs the fast decode path" in r.getMessage() for r in hf_log.records) == paged
+    assert not any("forward hooks" in r.getMessage() for r in hf_log.records)
 
 
 def test_run_comparison_bad_input_yields_messages(tiny):
