@@ -9,6 +9,7 @@ message (the feature settings and the model loading use them too).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 #: The most new tokens a request may ask for: the slider's end, the request check and the launcher's flag.
@@ -36,6 +37,10 @@ def validate_request(prompt, max_new_tokens, decoding, temperature, top_p, run_m
     text = (prompt or "").strip()
     if not text:
         raise ValueError(EMPTY_PROMPT_MESSAGE)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: not text a tokenizer takes
+        raise ValueError("The prompt holds characters that are not valid Unicode text") from None
     n = parse_int(max_new_tokens, "Max new tokens")
     if not 1 <= n <= MAX_NEW_TOKENS:
         raise ValueError(f"Max new tokens must be between 1 and {MAX_NEW_TOKENS} (got {n})")
@@ -86,7 +91,7 @@ def parse_int(value, what: str) -> int:
         f = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be a whole number (got {value!r})") from None
-    if f != int(f):
+    if not math.isfinite(f) or f != int(f):
         raise ValueError(f"{what} must be a whole number (got {value!r})")
     return int(f)
 

@@ -140,6 +140,11 @@ def _run_generate(args) -> int:
     prompt = args.prompt.strip()
     if not prompt:
         raise CLIError("--prompt is empty; give some text to answer")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the locale could not decode reach Python as lone surrogates
+        raise CLIError("--prompt is not valid UTF-8 text (the shell passed bytes of another encoding); pass it as "
+                       "UTF-8") from None
     if args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if args.speculative and args.draft_model:

@@ -139,6 +139,9 @@ def test_validate_request_ok_and_stripped():
     (dict(max_new_tokens=1025), "between 1 and 1024"),
     (dict(max_new_tokens=2.5), "whole number"),
     (dict(max_new_tokens="x"), "whole number"),
+    (dict(max_new_tokens=float("inf")), "whole number"),  # was an OverflowError
+    (dict(max_new_tokens=float("nan")), "whole number"),
+    (dict(prompt="caf\udce9"), "not valid Unicode text"),  # was a TypeError from the tokenizer
     (dict(decoding="Beam"), "Decoding must be"),
     (dict(decoding="Sampling", temperature=0), "Temperature must be > 0"),
     (dict(decoding="Sampling", top_p=0), "Top-p"),
@@ -146,10 +149,10 @@ def test_validate_request_ok_and_stripped():
     (dict(run_mode="parallel"), "run mode"),
 ])
 def test_validate_request_errors(kwargs, match):
-    args = dict(max_new_tokens=32, decoding="Greedy", temperature=0.7, top_p=0.9, run_mode="concurrent")
+    args = dict(prompt="hi", max_new_tokens=32, decoding="Greedy", temperature=0.7, top_p=0.9, run_mode="concurrent")
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        app.validate_request("hi", args["max_new_tokens"], args["decoding"], args["temperature"], args["top_p"],
+        app.validate_request(args["prompt"], args["max_new_tokens"], args["decoding"], args["temperature"], args["top_p"],
                              args["run_mode"])
 
 

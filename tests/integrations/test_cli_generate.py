@@ -12,6 +12,7 @@ from hf_accel.cli import EXIT_USAGE, main
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["generate", "--prompt", "   "], "--prompt is empty"),
+    (["generate", "--prompt", "caf\udce9 au lait"], "--prompt is not valid UTF-8 text"),  # latin-1 byte, UTF-8 locale
     (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["generate", "--prompt", "hi", "--speculative", "prompt_lookup", "--draft-model", "x"], "not both"),
     # checked before any model is loaded
