@@ -299,12 +299,16 @@ def _run(args) -> int:
 
 def run(args) -> int:
     """Run ``convert-gqa`` with parsed ``args``; returns the exit status (0 ok, 2 user error)."""
+    from safetensors import SafetensorError
+
     from hf_accel.models.loading import ModelNotFoundError
 
     try:
         return _run(args)
-    except (CliError, ValueError, TypeError, ModelNotFoundError, OSError) as e:
+    except (CliError, ValueError, TypeError, ModelNotFoundError, OSError, SafetensorError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, SafetensorError):  # a corrupt or cut-off weights file of the model read
+            msg = f"could not read the model's weights: {type(e).__name__}: {msg}"
         print(f"{PROG}: error: {msg}", file=sys.stderr)
         return 2
 

@@ -345,3 +345,18 @@ def test_a_write_error_that_is_not_an_oserror_is_one_line_and_exit_2(model_dir, 
                                    "SafetensorError: Error while serializing: I/O error: No space left on device "
                                    "(os error 28)")
     assert not (tmp_path / "new").exists()
+
+
+def test_a_cut_off_weights_file_is_one_line(model_dir, tmp_path, capsys):
+    """A model folder whose model.safetensors is cut off: one error line naming the weights, exit 2 (was a
+    SafetensorError traceback)."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    rc = main(["--model", str(broken), "--out", str(tmp_path / "o"), *ARGS, "--num-kv-heads", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "could not read the model's weights: SafetensorError" in err[0]
