@@ -16,7 +16,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import TextIteratorStreamer, pipeline
 
-from hf_accel import accelerate_model, revert_model
+from hf_accel import SUPPORTED_MODEL_TYPES, accelerate_model, revert_model
 from hf_accel.models import ModelNotFoundError, load_model
 
 parser = argparse.ArgumentParser()
@@ -38,6 +38,9 @@ except ModelNotFoundError as e:
     parser.error(str(e))
 except Exception as e:  # files that do not load (no weights, not a GGUF, a corrupt safetensors file, ...)
     parser.error(f"could not load model {args.model}: {type(e).__name__}: {e}")
+if model.config.model_type not in SUPPORTED_MODEL_TYPES:  # checked before the stock run, not after it
+    parser.error(f"hf-accel does not support model_type {model.config.model_type!r}; supported: "
+                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 messages = [{"role": "user", "content": args.prompt}]
 greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
@@ -75,6 +78,7 @@ revert_model(model)
 report("streamer", ask_streaming(model), ours)
 
 # 3. A peft LoRA model (the adapter merged into the weights while accelerated; revert_model unmerges it).
+torch.manual_seed(0)  # peft draws lora_A from the global generator: the same adapter on every run
 lora = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
 with torch.no_grad():
     for name, p in lora.named_parameters():

@@ -109,7 +109,7 @@ def test_examples_name_a_model_that_does_not_load_in_one_line(tmp_path):
         assert "could not load" in last and str(path) in last, (script, flag, last)
 
 
-def test_one_line_patch_names_an_unsupported_model_type_in_one_line(tmp_path):
+def test_examples_name_an_unsupported_model_type_in_one_line(tmp_path):
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     from hf_accel.models import find_default_gguf
@@ -117,6 +117,7 @@ def test_one_line_patch_names_an_unsupported_model_type_in_one_line(tmp_path):
     gguf = find_default_gguf()
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path)
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
-    run = _run("one_line_patch.py", "--model", str(tmp_path))
-    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-1500:]
-    assert "does not support model_type 'gpt2'" in run.stderr.strip().splitlines()[-1]
+    for script in ("one_line_patch.py", "pipeline_streamer_peft.py"):  # the second used to raise after its stock run
+        run = _run(script, "--model", str(tmp_path))
+        assert run.returncode == 2 and "Traceback" not in run.stderr, (script, run.stderr[-1500:])
+        assert "does not support model_type 'gpt2'" in run.stderr.strip().splitlines()[-1], script
