@@ -258,4 +258,5 @@ def run_comparison(store: ModelStore, feats, model_path, prompt_text, n_new, dec
     summ = summary_text(s.stats, a.stats, greedy=not settings.do_sample, identical=identical,
                         run_mode=settings.run_mode, device=store.device,
                         output_may_differ=any(f.changes_output and f.key in enabled for f in feats))
-    yield snapshot("Done.", "ok", f'<div class="summary">{html.escape(summ)}</div>')
+    yield snapshot(f"Done{' (' + cap_note + ')' if cap_note else ''}.", "ok",
+                   f'<div class="summary">{html.escape(summ)}</div>')

@@ -483,6 +483,18 @@ def test_run_comparison_end_to_end_with_tiny_model(tiny, hf_log):
     assert not any("forward hooks" in r.getMessage() for r in hf_log.records)
 
 
+def test_run_comparison_keeps_the_cap_note_in_the_final_status(tiny):
+    """Asked for more new tokens than the context holds: the note saying so stays in the status once the run is
+    done (it used to show only while generating)."""
+    pytest.importorskip("gradio")
+    store = app.ModelStore(CPU, loader=_loader_for(tiny))
+    feats = [f for f in app.available_features() if f.key == "attention"]
+    outs = _drain(app.run_comparison(store, feats, "", "hello", 1000, "Greedy", 0.7, 0.9, "sequential",
+                                     [True, None], run_id=8))
+    status = outs[-1][0]
+    assert 'data-kind="ok"' in status and "Done" in status and "capped to" in status
+
+
 def test_run_comparison_bad_input_yields_messages(tiny):
     pytest.importorskip("gradio")
     from hf_accel.models import ModelNotFoundError
