@@ -77,7 +77,9 @@ def _pick_device(name: str) -> str:
         raise CliError("--" + str(e).replace("device must be cpu,", "device must be auto, cpu,", 1)) from None
 
 
-def _measure(model, tokenizer, eval_ids, args, device: str) -> dict:
+def _measure(model, tokenizer, eval_ids, args, device: str, kv_dtype=None) -> dict:
+    """KV heads, KV-cache bytes per token in ``kv_dtype`` (the written checkpoint's dtype; default the model's),
+    perplexity and (on CUDA) decode speed of ``model`` as it is now."""
     from hf_accel import accelerate_model, revert_model
     from hf_accel.conversion.gqa import kv_cache_bytes_per_token
     from hf_accel.evaluation import perplexity
@@ -85,7 +87,8 @@ def _measure(model, tokenizer, eval_ids, args, device: str) -> dict:
 
     row = {
         "num_kv_heads": model.config.num_key_value_heads,
-        "kv_bytes_per_token": kv_cache_bytes_per_token(model.config, model.dtype),
+        "kv_bytes_per_token": kv_cache_bytes_per_token(model.config, kv_dtype or model.dtype),
+        "kv_dtype": str(kv_dtype or model.dtype).replace("torch.", ""),
         "perplexity": None,
         "decode_tokens_per_s": None,
     }
@@ -117,7 +120,8 @@ def format_table(before: dict, after: dict, ppl_label: str, no_gpu: bool) -> str
     """The before/after table as text."""
     lines = [f"{'':<34}{'before':>14}{'after':>14}"]
     lines.append(f"{'KV heads':<34}{before['num_kv_heads']:>14}{after['num_kv_heads']:>14}")
-    lines.append(f"{'KV cache bytes / token':<34}{before['kv_bytes_per_token']:>14,}{after['kv_bytes_per_token']:>14,}")
+    kv_label = f"KV cache bytes / token ({before.get('kv_dtype', '?')})"
+    lines.append(f"{kv_label:<34}{before['kv_bytes_per_token']:>14,}{after['kv_bytes_per_token']:>14,}")
     lines.append(f"{ppl_label:<34}{_fmt(before['perplexity'], '.3f'):>14}{_fmt(after['perplexity'], '.3f'):>14}")
     tok = "decode tok/s" + (" (needs CUDA)" if no_gpu else "")
     lines.append(f"{tok:<34}{_fmt(before['decode_tokens_per_s'], '.1f'):>14}"
@@ -271,14 +275,14 @@ def _run(args) -> int:
     if needs_text:
         cal_ids = tokenizer(calibration, return_tensors="pt", add_special_tokens=False).input_ids
 
-    before = _measure(model, tokenizer, eval_ids, args, device)
+    before = _measure(model, tokenizer, eval_ids, args, device, kv_dtype=source_dtype)
     convert_to_gqa(model, args.num_kv_heads, method=args.method, grouping=args.grouping, calibration_text=cal_ids,
                    calibration_tokens=args.calibration_tokens, context_length=args.context_length, progress=True)
     if args.recovery_steps:
         model, stats = recover_with_lora(model, cal_ids, steps=args.recovery_steps, progress=True)
         print(f"LoRA recovery: {stats.steps} step{'s' if stats.steps != 1 else ''} in {stats.seconds:.0f} s, loss {stats.first_loss:.3f} -> "
               f"{stats.last_loss:.3f}", file=sys.stderr)
-    after = _measure(model, tokenizer, eval_ids, args, device)
+    after = _measure(model, tokenizer, eval_ids, args, device, kv_dtype=source_dtype)
 
     if source_dtype is not None and source_dtype != model.dtype:
         model.to(source_dtype)

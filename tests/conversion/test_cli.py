@@ -360,3 +360,20 @@ def test_a_cut_off_weights_file_is_one_line(model_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert "could not read the model's weights: SafetensorError" in err[0]
+
+
+def test_kv_bytes_are_those_of_the_written_checkpoints_dtype(tmp_path, capsys):
+    """A bfloat16 checkpoint converted on a CPU (which runs in float32) is written in bfloat16: the table's KV bytes
+    per token are bfloat16's (they used to be float32's, twice as many) and say which dtype they count."""
+    src = tmp_path / "bf16"
+    model = build("llama", num_heads=4, num_kv_heads=4, head_dim=8, layers=2, dtype=torch.bfloat16)
+    model.save_pretrained(src)
+    _tokenizer().save_pretrained(src)
+    out = tmp_path / "out"
+    rc = main(["--model", str(src), "--num-kv-heads", "2", "--out", str(out), *ARGS])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    kv_line = next(line for line in captured.out.splitlines() if line.startswith("KV cache bytes"))
+    # 2 (K,V) * 2 layers * heads * 8 dims * 2 bytes
+    assert "(bfloat16)" in kv_line and kv_line.split()[-2:] == ["256", "128"]
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
