@@ -25,6 +25,7 @@ import copy
 import functools
 import inspect
 import math
+import threading
 
 import torch
 from transformers.generation import utils as _gen_utils
@@ -47,7 +48,7 @@ def _call(args, kwargs) -> tuple[dict, object]:
     """A generate call's keyword arguments with its token ids as ``input_ids`` (from the first positional argument
     or ``inputs=``), and the caller's ``generation_config`` (popped)."""
     call = dict(kwargs)
-    if args:
+    if args and (args[0] is not None or "input_ids" not in call):
         call["input_ids"] = args[0]
     elif "inputs" in call:
         call["input_ids"] = call.pop("inputs")
@@ -162,7 +163,7 @@ def _layers_unlike_config(model) -> str | None:
 def _input_ids(args, kwargs):
     """A generate call's token ids: the first positional argument, ``inputs=`` (transformers' name for
     it) or ``input_ids=``."""
-    if args:
+    if args and args[0] is not None:
         return args[0]
     return kwargs["inputs"] if kwargs.get("inputs") is not None else kwargs.get("input_ids")
 
@@ -463,14 +464,14 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
     reason = _skip_reason(model, args, kwargs, engine=engine, gc=gc)
     if reason is not None:
         log_once(f"generate-skip:{reason}", f"hf-accel: generate keeps transformers' cache: {reason}")
-        return original_generate(*args, **kwargs)
+        return _loop_on_passed(model, original_generate, args, kwargs)
     if engine is not None and speculative is None:
         out = _try_fast(model, engine, args, kwargs, prepared=prepared, original_generate=original_generate)
         if out is not None:
             return out
     if passed_cache(kwargs) is not None:  # a PagedCache the fast path did not take (reason logged)
         log_once("generate-passed-paged", "hf-accel: generate continues the caller's PagedCache in transformers' loop")
-        return original_generate(*args, **kwargs)
+        return _loop_on_passed(model, original_generate, args, kwargs)
     num_blocks = _blocks_needed(gc, _input_ids(args, kwargs), block_size)
     fit = paged_cache.blocks_that_fit(model.device, paged_cache.kv_block_bytes(
         model.config, block_size, next(model.parameters()).dtype))
@@ -498,6 +499,19 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
         model._hf_accel_last_cache_stats = cache.memory_stats()
         if not returned:
             cache.release()
+
+
+def _loop_on_passed(model, original_generate, args, kwargs):
+    """transformers' loop on the call's own cache; a PagedCache the caller passed is named by :func:`cache_in_use`
+    while it runs, and its ``memory_stats()`` become :func:`last_cache_stats` (as for the PagedCache generate makes)."""
+    passed = passed_cache(kwargs)
+    if not isinstance(passed, PagedCache):
+        return original_generate(*args, **kwargs)
+    try:
+        with _in_use(model, passed):
+            return original_generate(*args, **kwargs)
+    finally:
+        model._hf_accel_last_cache_stats = passed.memory_stats()
 
 
 def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool = True,
@@ -599,22 +613,27 @@ def last_cache_stats(model) -> dict | None:
 
 @contextlib.contextmanager
 def _in_use(model, source):
-    """While the body runs, :func:`cache_in_use` answers ``source``'s cache: a FastEngine (its ``cache``, made or
-    reused by the call's prefill) or a PagedCache."""
-    model._hf_accel_in_use = source
+    """While the body runs, :func:`cache_in_use` answers ``source``'s cache for this thread's call: a FastEngine
+    (its ``cache``, made or reused by the call's prefill) or a PagedCache. One entry per calling thread (calls on
+    transformers' loop may run side by side)."""
+    calls = model.__dict__.setdefault("_hf_accel_in_use", {})
+    me = threading.get_ident()
+    calls[me] = source
     try:
         yield
     finally:
-        model.__dict__.pop("_hf_accel_in_use", None)
+        calls.pop(me, None)
 
 
 def cache_in_use(model) -> PagedCache | None:
     """The KV cache that ``model``'s ``generate`` call in progress writes on hf-accel's path, to watch its memory
     while the call runs (``memory_stats()`` from a streamer's ``put``, say): the fast decode path's PagedCache (it
-    reserves the blocks of the whole answer after the prefill), or the PagedCache transformers' loop runs on. None
-    between calls, for a call on transformers' own cache (beam search, a cache the caller passed that the fast
-    path does not take, ...) and for a model never accelerated; never raises. Read it only: the running call owns
-    it (it is released, or reused by the next call, when the call returns).
+    reserves the blocks of the whole answer after the prefill; None before the prefill), or the PagedCache
+    transformers' loop runs on (one generate sized for the call, or one the caller passed). From the thread
+    running the call (a streamer's ``put``) it is that call's cache; from another thread, the cache of the one
+    call running (None while several run at once). None between calls, for a call on transformers' own cache
+    (beam search, a DynamicCache the caller passed, ...) and for a model never accelerated; never raises. Read it
+    only: the running call owns it (it is released, or reused by the next call, when the call returns).
 
     Args:
         model: the model ``generate`` was called on (a transformers model, or a peft ``PeftModel`` wrapping one).
@@ -622,10 +641,17 @@ def cache_in_use(model) -> PagedCache | None:
     from hf_accel.engine.fast_generate import FastEngine
     from hf_accel.integrations.patch import _unwrap_peft
 
-    hf_model, _ = _unwrap_peft(model)
-    source = getattr(hf_model, "_hf_accel_in_use", None)
+    try:
+        hf_model, _ = _unwrap_peft(model)
+        calls = dict(vars(hf_model).get("_hf_accel_in_use") or {})
+    except Exception:  # any object: None
+        return None
+    source = calls.get(threading.get_ident())
+    if source is None and len(calls) == 1:
+        source = next(iter(calls.values()))
     if isinstance(source, FastEngine):
-        return source.cache
+        cache = source.cache
+        return cache if cache is not None and cache.seq_ids else None  # a released cache: before this call's prefill
     return source if isinstance(source, PagedCache) else None
 
 

@@ -8,6 +8,8 @@ Slot ``s`` is token slot ``s % block_size`` of physical block ``s // block_size`
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -145,7 +147,8 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
         ``seq_lens = cache_lens + q_len``.
 
     Raises:
-        ValueError: dtypes other than int32, shapes that do not match, ``q_len`` or ``block_size`` < 1.
+        ValueError: dtypes other than int32, shapes that do not match, ``q_len`` or ``block_size`` not a host int
+            >= 1.
     """
     if cache_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
         raise ValueError(f"cache_lens and block_table must be int32, got {cache_lens.dtype}, {block_table.dtype}")
@@ -153,10 +156,7 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
             or block_table.stride(1) != 1:
         raise ValueError(f"cache_lens must be [batch] and block_table a [batch, max_blocks] with a contiguous last "
                          f"dimension; got {tuple(cache_lens.shape)}, {tuple(block_table.shape)}")
-    if q_len < 1:
-        raise ValueError(f"q_len must be >= 1, got {q_len}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    _check_counts(q_len, block_size)
     batch = cache_lens.shape[0]
     slots = torch.empty(batch * q_len, dtype=torch.int32, device=cache_lens.device)
     seq_lens = torch.empty_like(cache_lens)
@@ -169,13 +169,22 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
     return slots, seq_lens
 
 
+def _check_counts(q_len, block_size) -> None:
+    for name, value in (("q_len", q_len), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be a host int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def slot_mapping_ref(cache_lens, block_table, q_len, block_size):
     """PyTorch reference of :func:`slot_mapping`."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    _check_counts(q_len, block_size)
     pos = cache_lens.long()[:, None] + torch.arange(q_len, device=cache_lens.device)
     idx = pos // block_size
     listed = (pos >= 0) & (idx < block_table.shape[1])
+    if block_table.shape[1] == 0:  # no entry to read: every token past the table
+        return torch.full((pos.numel(),), -1, dtype=torch.int32, device=pos.device), cache_lens + q_len
     blk = block_table.gather(1, idx.clamp(0, block_table.shape[1] - 1)).long()
     slots = torch.where(listed, blk * block_size + pos % block_size, -1).to(torch.int32).reshape(-1)
     return slots, cache_lens + q_len

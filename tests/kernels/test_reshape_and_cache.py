@@ -229,3 +229,29 @@ def test_slot_mapping_negative_positions_get_no_slot(cached):
     row1 = got[0][q_len:].tolist()
     expect = [5 * block_size + p if p >= 0 else -1 for p in range(cached, cached + q_len)]
     assert row1 == expect
+
+
+@pytest.mark.parametrize("bad", [dict(q_len=True), dict(q_len=torch.tensor(2)), dict(block_size=2.5),
+                                 dict(block_size=True)])
+def test_slot_mapping_takes_host_int_counts(bad):
+    """q_len / block_size of another type: a ValueError naming it (a bool was taken as 1, a tensor or float failed
+    inside the kernel launch)."""
+    from hf_accel.kernels.reshape_and_cache import slot_mapping, slot_mapping_ref
+
+    cache_lens = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE).view(2, 2)
+    args = {"q_len": 2, "block_size": 4, **bad}
+    name = next(iter(bad))
+    for fn in (slot_mapping, slot_mapping_ref):
+        with pytest.raises(ValueError, match=f"{name} must be a host int"):
+            fn(cache_lens, table, args["q_len"], args["block_size"])
+
+
+def test_slot_mapping_with_an_empty_block_table():
+    from hf_accel.kernels.reshape_and_cache import slot_mapping, slot_mapping_ref
+
+    cache_lens = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    table = torch.empty(2, 0, dtype=torch.int32, device=DEVICE)
+    got, want = slot_mapping(cache_lens, table, 2, 4), slot_mapping_ref(cache_lens, table, 2, 4)
+    assert got[0].tolist() == want[0].tolist() == [-1] * 4
+    assert torch.equal(got[1], want[1])
