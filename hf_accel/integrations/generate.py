@@ -36,9 +36,9 @@ from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.call_options import expand_return_sequences, output_cache, passed_cache
 from hf_accel.integrations.generation_config import prepare_generation_config
 from hf_accel.kernels.device import on_device
-from hf_accel.speculative.config import SpeculativeConfig
+from hf_accel.speculative.config import MAX_NGRAM, SpeculativeConfig
 
-_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "max_matching_ngram_size")
 
 # transformers >= 5.2x names the generate/forward cache argument "cache" (past_key_values deprecated).
 CACHE_KWARG = "cache" if "cache" in getattr(_gen_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
@@ -230,7 +230,7 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
                          f"its first 1 .. {layers - 1} layers")
     if early and layers is not None and int(early) >= layers:
         return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"
-    if assistant is not None and assistant is not model:
+    if assistant is not None:  # the model itself too: transformers' assisted loop takes it, hf-accel does not
         from hf_accel.speculative.config import check_draft
 
         try:
@@ -243,7 +243,13 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
         elif lookup:
             if int(lookup) > 32:
                 log_once("lookup-cap", f"hf-accel: prompt_lookup_num_tokens={lookup} drafts at most 32 tokens here")
-            config = SpeculativeConfig(method="prompt_lookup", num_draft_tokens=min(int(lookup), 32))
+            ngram = option("max_matching_ngram_size")  # transformers' longest n-gram matched (its default: 2)
+            if ngram is not None and (isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 1):
+                return None, kwargs, f"max_matching_ngram_size={ngram!r} is not an int >= 1"
+            if ngram is not None and ngram > MAX_NGRAM:
+                log_once("ngram-cap", f"hf-accel: max_matching_ngram_size={ngram} matches at most {MAX_NGRAM}-grams here")
+            config = SpeculativeConfig(method="prompt_lookup", num_draft_tokens=min(int(lookup), 32),
+                                       **({} if ngram is None else {"max_ngram": min(ngram, MAX_NGRAM)}))
         else:
             config = SpeculativeConfig(method="early_exit", exit_layer=int(early))
     except ValueError as e:
@@ -259,6 +265,7 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
         gc = copy.deepcopy(rest["generation_config"])
         gc.prompt_lookup_num_tokens = None
         gc.assistant_early_exit = None
+        gc.max_matching_ngram_size = None
         rest["generation_config"] = gc
     return config, rest, None
 
@@ -282,6 +289,7 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
             if speculative is not None:  # the assisted options that asked for it (transformers may re-apply
                 gc.prompt_lookup_num_tokens = None  # the model's own generation config's values)
                 gc.assistant_early_exit = None
+                gc.max_matching_ngram_size = None
             gc, model_kwargs = expand_return_sequences(gc, model_kwargs)  # sampling, n > 1: n rows per prompt
             with engine.call_lock:  # concurrent calls on one model wait for each other
                 reason = engine.check(gc, model_kwargs)

@@ -187,3 +187,40 @@ def test_an_assistant_model_hf_accel_cannot_draft_with_runs_transformers_assiste
                "(draft model_type 'gpt2' is not supported" in r.getMessage() for r in hf_log.records)
     with pytest.raises(ValueError, match="draft model_type 'gpt2' is not supported"):
         accelerate_model(copy.deepcopy(model), speculative=assistant)
+
+
+def test_the_model_itself_as_assistant_runs_transformers_assisted_loop(tiny, hf_log):
+    """``generate(assistant_model=model)`` (the accelerated model drafting for itself) works as in stock: transformers'
+    assisted loop runs it, logged (it raised "the draft model is the target itself" from inside generate)."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ids, mask = ids[:1], mask[:1]
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=10, assistant_model=model)
+    ours = accelerate_model(copy.deepcopy(model))
+    got = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=10, assistant_model=ours)
+    assert torch.equal(got, stock)
+    assert speculative_stats(ours) is None
+    assert any("the assistant model cannot draft on hf-accel's path" in r.getMessage() and "target itself" in
+               r.getMessage() for r in hf_log.records)
+
+
+@pytest.mark.parametrize("ngram", [1, 2, 4, 20])
+def test_max_matching_ngram_size_sets_the_lookups_longest_ngram(ngram, tiny, hf_log, monkeypatch):
+    """transformers' ``max_matching_ngram_size`` with ``prompt_lookup_num_tokens`` is the lookup's longest n-gram
+    (capped at 16, logged): the call stays on hf-accel's path, also at batch 3 (it fell back to transformers' loop,
+    which refuses batches above 1)."""
+    import hf_accel.speculative.registry as registry
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model))
+    configs = []
+    engine_for = registry.engine_for
+    monkeypatch.setattr(registry, "engine_for", lambda m, e, cfg: configs.append(cfg) or engine_for(m, e, cfg))
+    got = greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, prompt_lookup_num_tokens=4,
+                 max_matching_ngram_size=ngram)
+    assert torch.equal(got, want)
+    assert speculative_stats(ours) is not None
+    assert [c.max_ngram for c in configs] == [min(ngram, 16)] and configs[0].num_draft_tokens == 4
+    assert any("matches at most 16-grams" in r.getMessage() for r in hf_log.records) == (ngram > 16)
