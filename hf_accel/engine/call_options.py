@@ -44,15 +44,17 @@ _PREPARED_LOOP_KWARGS = frozenset({"logits_processor", "stopping_criteria", "pre
 
 
 def eos_ids(eos) -> list[int]:
-    """A generation config's ``eos_token_id`` as a list of Python ints: None, an int of any kind (numpy, a
-    one-element tensor), or a list / tuple / tensor of them, as transformers accepts them."""
+    """A generation config's ``eos_token_id`` as a list of distinct Python ints (first occurrence order): None, an int
+    of any kind (numpy, a one-element tensor), or a list / tuple / tensor of them, as transformers accepts them."""
     if eos is None:
         return []
     if isinstance(eos, torch.Tensor):
-        return [int(x) for x in eos.flatten().tolist()]
-    if isinstance(eos, numbers.Integral):
-        return [int(eos)]
-    return [int(x) for x in eos]
+        ids = [int(x) for x in eos.flatten().tolist()]
+    elif isinstance(eos, numbers.Integral):
+        ids = [int(eos)]
+    else:
+        ids = [int(x) for x in eos]
+    return list(dict.fromkeys(ids))  # each id once, in the given order (the first is the default pad id)
 
 
 def call_inputs(gc, model_kwargs, input_ids, vocab_size: int | None = None):

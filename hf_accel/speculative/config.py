@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,10 @@ class SpeculativeConfig:
             raise ValueError("draft_model is required by method 'draft_model' and only by it")
         if self.num_draft_tokens is None:
             self.num_draft_tokens = _DEFAULT_DRAFT_TOKENS[self.method]
+        for name in ("num_draft_tokens", "exit_layer", "max_ngram", "min_ngram"):  # numpy ints as Python ints
+            value = getattr(self, name)
+            if type(value).__module__ == "numpy" and isinstance(value, numbers.Integral):
+                setattr(self, name, int(value))
         if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) or not (
                 1 <= self.num_draft_tokens <= 32):
             raise ValueError(f"num_draft_tokens must be an int in [1, 32], got {self.num_draft_tokens!r}")

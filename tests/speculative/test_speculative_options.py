@@ -85,3 +85,29 @@ def test_exit_layer_is_refused_with_other_methods():
     with pytest.raises(ValueError, match="exit_layer applies to method 'early_exit' only, not 'prompt_lookup'"):
         SpeculativeConfig("prompt_lookup", exit_layer=5)
     assert SpeculativeConfig("early_exit", exit_layer=5).exit_layer == 5
+
+
+def test_numpy_ints_are_taken_as_ints():
+    import numpy as np
+
+    cfg = SpeculativeConfig("prompt_lookup", num_draft_tokens=np.int64(3), max_ngram=np.int32(4), min_ngram=np.int8(2))
+    assert (cfg.num_draft_tokens, cfg.max_ngram, cfg.min_ngram) == (3, 4, 2)
+    assert all(type(v) is int for v in (cfg.num_draft_tokens, cfg.max_ngram, cfg.min_ngram))
+    assert type(SpeculativeConfig("early_exit", exit_layer=np.int64(1)).exit_layer) is int
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeConfig("prompt_lookup", num_draft_tokens=np.float64(3))
+
+
+def test_repeated_eos_ids_count_once(tiny, hf_log):
+    """Nine copies of one EOS id are one EOS id: the call decodes speculatively (it fell back with "more than 8 EOS
+    ids"), with stock's tokens."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    free = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 5])
+    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=[eos] * 9)
+    ours = accelerate_model(copy.deepcopy(model), speculative="prompt_lookup")
+    got = greedy(ours, ids, mask, tiny.PAD, eos_token_id=[eos] * 9)
+    assert torch.equal(got, want)
+    assert speculative_stats(ours) is not None
+    assert not any("more than 8 EOS ids" in r.getMessage() for r in hf_log.records)
