@@ -511,15 +511,33 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
 
 def _loop_on_passed(model, original_generate, args, kwargs):
     """transformers' loop on the call's own cache; a PagedCache the caller passed is named by :func:`cache_in_use`
-    while it runs, and its ``memory_stats()`` become :func:`last_cache_stats` (as for the PagedCache generate makes)."""
+    while it runs, and its ``memory_stats()`` become :func:`last_cache_stats` (as for the PagedCache generate makes).
+    A call that raises (a streamer's KeyboardInterrupt, say) leaves that cache as it was passed, as the fast path
+    does: the next turn, or a retry of this one, then continues from the tokens before this call."""
     passed = passed_cache(kwargs)
     if not isinstance(passed, PagedCache):
         return original_generate(*args, **kwargs)
+    start = passed.get_seq_length()
     try:
         with _in_use(model, passed):
             return original_generate(*args, **kwargs)
+    except BaseException:
+        _roll_back(passed, start)
+        raise
     finally:
         model._hf_accel_last_cache_stats = passed.memory_stats()
+
+
+def _roll_back(cache: PagedCache, length: int) -> None:
+    """``cache`` back to its first ``length`` tokens after a failed call (a partial step included); never raises
+    (the call's own error is the one to see)."""
+    try:
+        if length == 0:
+            cache.release()
+        elif max(layer.length for layer in cache.layers) > length:
+            cache.crop(length)
+    except Exception:  # pragma: no cover - the cache then says what is wrong at its next use
+        log_once("roll-back-failed", "hf-accel: the passed PagedCache could not be rolled back after the failed call")
 
 
 def install(model, block_size: int, fast_decode: bool = True, cuda_graphs: bool = True,

@@ -248,6 +248,46 @@ def test_a_passed_cache_as_long_as_the_input_is_refused(fast_decode, extra, tiny
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("fast_decode", [True, False], ids=["fast-path", "transformers-loop"])
+def test_an_interrupted_turn_leaves_the_passed_cache_as_it_was(fast_decode, tiny):
+    """A streamer that raises (KeyboardInterrupt) in the middle of a turn continuing a passed PagedCache: the cache
+    holds what it held before the turn, on transformers' loop as on the fast path (the loop used to leave the
+    interrupted turn's K/V in it, and the next turn's tokens were silently wrong), and the next turn equals stock."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Interrupt(BaseStreamer):
+        def __init__(self):
+            self.puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 4:
+                raise KeyboardInterrupt
+
+        def end(self):
+            pass
+
+    stock = tiny.model("llama", seed=98)
+    model = accelerate_model(copy.deepcopy(stock), fast_decode=fast_decode)
+    ids = _tokens(99, 1, 8)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=tiny.PAD, eos_token_id=None)
+    name = tiny.cache_kwarg(model)
+    with torch.no_grad():
+        first = model.generate(input_ids=ids, return_dict_in_generate=True, **kw)
+    cache = output_cache(first)
+    held = cache.get_seq_length()
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model.generate(input_ids=torch.cat([first.sequences, _tokens(100, 1, 3)], 1), streamer=Interrupt(),
+                       **{name: cache}, **kw)
+    assert cache.get_seq_length() == held
+    assert {layer.length for layer in cache.layers} == {held}
+    ids3 = torch.cat([first.sequences, _tokens(101, 1, 9)], 1)
+    with torch.no_grad():
+        got = model.generate(input_ids=ids3, **{name: cache}, **kw)
+        want = stock.generate(input_ids=ids3, **kw)
+    assert torch.equal(got, want)
+
+
 def test_a_dynamic_cache_still_runs_transformers_loop(tiny, hf_log, fast_calls):
     stock = tiny.model("llama", seed=93)
     ids, mask = tiny.batch(seed=94)
