@@ -453,6 +453,7 @@ class DecodeStep:
             kwargs = dict(causal=True, sm_scale=attn.scaling)
             if on_cuda:
                 kwargs["num_stages"] = switches.DECODE_ATTENTION_STAGES
+                kwargs["check_blocks"] = False  # the block manager's tables: no device read per layer
                 if t == self.q_len:
                     kwargs["num_splits"] = self.num_splits
             o = attend(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table, seq_lens, max_seq,

@@ -215,3 +215,23 @@ def test_captured_graphs_follow_replaced_weights(how):
             m.model.layers[0].post_attention_layernorm.variance_epsilon = 0.5
     stock = model.generate(**kwargs)
     assert torch.equal(ours.generate(**kwargs), stock)
+
+
+@pytest.mark.parametrize("fast_decode", [False, True], ids=["transformers-loop", "eager-module-steps"])
+def test_decode_steps_do_not_read_block_ids_back_to_the_host(fast_decode, monkeypatch):
+    """The paged kernel's host check of block ids (a device-to-host read) is for callers' own tables: the decode
+    steps on the block manager's tables skip it, on transformers' loop (hf-accel's attention function) and in the
+    fast path's eager module steps, as in its fused CUDA-graph step."""
+    import hf_accel.kernels.paged_attention as pa
+
+    model = _tiny("llama")
+    calls = []
+    check = pa._check_block_ids
+    monkeypatch.setattr(pa, "_check_block_ids", lambda *a: calls.append(a) or check(*a))
+    ids = torch.randint(8, 256, (2, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    ref = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    hf_accel.accelerate_model(model, fast_decode=fast_decode, cuda_graphs=False)
+    if fast_decode:
+        model._hf_accel_engine.fused = False  # the module step (eager), not the fused one
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), ref)
+    assert calls == []
