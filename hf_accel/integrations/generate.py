@@ -126,11 +126,14 @@ def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=Non
     return None
 
 
-def _check_passed_length(passed, input_ids) -> None:
-    """ValueError for a passed PagedCache that holds as many tokens as ``input_ids`` or more: generate takes the
-    whole conversation so far plus the new tokens, and feeds the model the ones past the cache (none here;
-    transformers' loop fails on the empty slice with a reshape error)."""
+def _check_passed_length(passed, input_ids, attention_mask) -> None:
+    """ValueError for a passed PagedCache that holds as many tokens as ``input_ids`` or more, where ``input_ids``
+    is the whole conversation (no ``attention_mask``, or one as wide as ``input_ids``): generate feeds the model the
+    tokens past the cache (none here; transformers' loop fails on the empty slice with a reshape error). With a
+    wider mask, ``input_ids`` may hold only the new tokens (transformers' other continuation form): not checked."""
     if not isinstance(passed, PagedCache) or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != input_ids.shape[1]:
         return
     cached = passed.get_seq_length()
     if cached >= input_ids.shape[1]:
@@ -460,7 +463,7 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
     prepared = _prepared_or_none(model, args, kwargs)
     if prepared is None:  # transformers' own loop raises why
         return original_generate(*args, **kwargs)
-    _check_passed_length(passed_cache(kwargs), _input_ids(args, kwargs))
+    _check_passed_length(passed_cache(kwargs), _input_ids(args, kwargs), kwargs.get("attention_mask"))
     gc = prepared[0]
     if call_spec is None and assisted_reason is None and engine is not None and speculative is not None:
         reason = _skip_reason(model, args, kwargs, engine=engine, gc=gc)

@@ -288,6 +288,29 @@ def test_an_interrupted_turn_leaves_the_passed_cache_as_it_was(fast_decode, tiny
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("fast_decode", [True, False], ids=["fast-path", "transformers-loop"])
+def test_only_the_new_tokens_with_the_whole_mask_continue_the_cache(fast_decode, tiny):
+    """transformers' other continuation form: input_ids holds only the new tokens and attention_mask the whole
+    conversation. It continues a passed PagedCache as stock continues its DynamicCache (it was refused by the
+    length check meant for input_ids holding the whole conversation)."""
+    stock = tiny.model("llama", seed=102)
+    model = accelerate_model(copy.deepcopy(stock), fast_decode=fast_decode)
+    ids = _tokens(103, 1, 8)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=tiny.PAD, eos_token_id=None)
+    name = tiny.cache_kwarg(model)
+    with torch.no_grad():
+        first = model.generate(input_ids=ids, return_dict_in_generate=True, **kw)
+        stock_first = stock.generate(input_ids=ids, return_dict_in_generate=True, **kw)
+    cache, stock_cache = output_cache(first), output_cache(stock_first)
+    held = cache.get_seq_length()
+    full = torch.cat([first.sequences, _tokens(104, 1, 3)], 1)
+    with torch.no_grad():
+        got = model.generate(input_ids=full[:, held:], attention_mask=torch.ones_like(full), **{name: cache}, **kw)
+        want = stock.generate(input_ids=full[:, held:], attention_mask=torch.ones_like(full),
+                              **{name: stock_cache}, **kw)
+    assert torch.equal(got, want)
+
+
 def test_a_dynamic_cache_still_runs_transformers_loop(tiny, hf_log, fast_calls):
     stock = tiny.model("llama", seed=93)
     ids, mask = tiny.batch(seed=94)
