@@ -209,6 +209,9 @@ def test_out_of_blocks_in_decode_leaves_cache_unchanged(tiny):
 
 @pytest.mark.parametrize("case", ["prefill", "decode"])
 def test_out_of_blocks_in_generate(case, tiny):
+    """A passed PagedCache too small for the call (transformers' loop): OutOfBlocksError naming the blocks needed and
+    free; the cache is left as the call found it (empty here: the prefill's K/V are rolled back too, as on the fast
+    path, which writes a passed cache only when the call ends), consistent and usable."""
     model = accelerate(tiny.model("qwen2", seed=9))
     ids, mask = tiny.batch(seed=9, lengths=(11, 6, 3) if case == "prefill" else (8, 5, 2))
     cache = PagedCache(model.config, num_blocks=4 if case == "prefill" else 6, block_size=4)
@@ -219,10 +222,7 @@ def test_out_of_blocks_in_generate(case, tiny):
     msg = str(e.value)
     assert f"needed {needed} more block(s)" in msg and f"{available} free of {cache.manager.num_blocks}" in msg
     stats = cache.memory_stats()
-    if case == "prefill":
-        assert cache.get_seq_length() == 0 and stats["blocks_allocated"] == 0
-    else:
-        assert cache.get_seq_length() == 8 and stats["blocks_allocated"] == 6 and stats["tokens_stored"] == 24
+    assert cache.get_seq_length() == 0 and stats["blocks_allocated"] == 0 and stats["tokens_stored"] == 0
     cache.manager.check()
     cache.release()
     assert cache.memory_stats()["blocks_allocated"] == 0
