@@ -18,8 +18,8 @@ _EXPORTS = {
     "GenerationStats": "hf_accel.integrations.measure",
     "TimingStreamer": "hf_accel.integrations.measure",
     "measure_generate": "hf_accel.integrations.measure",
-    "speculative_stats": "hf_accel.integrations.generate",
-    "cache_in_use": "hf_accel.integrations.generate",
+    "speculative_stats": "hf_accel.integrations.call_state",
+    "cache_in_use": "hf_accel.integrations.call_state",
     "SUPPORTED_MODEL_TYPES": "hf_accel.integrations.patch",
     "accelerate_model": "hf_accel.integrations.patch",
     "is_accelerated": "hf_accel.integrations.patch",
@@ -32,7 +32,7 @@ _SUBMODULES = ("cache", "conversion", "engine", "integrations", "kernels", "mode
 
 if TYPE_CHECKING:
     from hf_accel.conversion import convert_to_gqa, expand_kv_heads
-    from hf_accel.integrations.generate import cache_in_use, speculative_stats
+    from hf_accel.integrations.call_state import cache_in_use, speculative_stats
     from hf_accel.integrations.measure import GenerationStats, TimingStreamer, measure_generate
     from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, accelerate_model, is_accelerated, revert_model
     from hf_accel.speculative import SpeculativeConfig

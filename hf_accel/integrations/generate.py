@@ -20,12 +20,10 @@ apply, transformers' own assisted generation runs with the caller's arguments.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
 import math
-import threading
 
 import torch
 from transformers.generation import utils as _gen_utils
@@ -34,11 +32,13 @@ from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.call_options import expand_return_sequences, output_cache, passed_cache
+from hf_accel.integrations.assisted import _ASSISTED, assisted_config
+# cache_in_use, last_cache_stats and speculative_stats are also read from this module (re-exported)
+from hf_accel.integrations.call_state import _in_use, cache_in_use, last_cache_stats, speculative_stats  # noqa: F401
 from hf_accel.integrations.generation_config import prepare_generation_config
 from hf_accel.kernels.device import on_device
-from hf_accel.speculative.config import MAX_NGRAM, SpeculativeConfig
+from hf_accel.speculative.config import SpeculativeConfig
 
-_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "max_matching_ngram_size")
 
 # transformers >= 5.2x names the generate/forward cache argument "cache" (past_key_values deprecated).
 CACHE_KWARG = "cache" if "cache" in getattr(_gen_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
@@ -181,96 +181,6 @@ def _blocks_needed(gc, input_ids: torch.Tensor, block_size: int) -> int:
     rows = batch * max(gc.num_return_sequences or 1, gc.num_beams or 1)
     # lengths as transformers' loop reads them: it stops once the length reaches max_length (3.5 new: 4 tokens)
     return int(rows) * math.ceil((prompt_len + math.ceil(max_new) + 1) / block_size)
-
-
-def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str | None]:
-    """transformers' assisted-generation arguments of a call as a :class:`SpeculativeConfig`.
-
-    Returns ``(config, kwargs without those arguments, reason)``: config None and kwargs unchanged when
-    the call asks for none; ``reason`` set when it asks for a kind hf-accel does not run (then the call
-    is left to transformers), also for an ``assistant_model`` that
-    :func:`~hf_accel.speculative.config.check_draft` refuses (another architecture, vocabulary or device,
-    training mode, ...: transformers' own assisted loop runs it, or raises its own error).
-
-    Raises:
-        ValueError: an ``assistant_early_exit`` int below 1 (0 is not "no early exit": transformers' loop would run a
-            draft of 0 layers) or above the model's layer count; a ``prompt_lookup_num_tokens`` int below 1 (stock
-            transformers refuses it too, with a less specific message).
-    """
-    configs = [c for c in (kwargs.get("generation_config"), model.generation_config) if c is not None]
-
-    def option(name):  # as transformers merges them: the call's kwarg, the caller's config, the model's config
-        value = kwargs.get(name)
-        for config in configs:
-            if value is None:
-                value = getattr(config, name, None)
-        return value
-
-    assistant = kwargs.get("assistant_model")
-    lookup = option("prompt_lookup_num_tokens")
-    if isinstance(lookup, int) and not isinstance(lookup, bool) and lookup < 1:
-        # 0 would otherwise read as "not asked for" and run without it, where transformers raises
-        raise ValueError(f"prompt_lookup_num_tokens must be a positive number of draft tokens, got {lookup}")
-    early = option("assistant_early_exit")
-    if isinstance(early, int) and not isinstance(early, bool) and early < 1:
-        # 0 would otherwise read as "not asked for" and reach transformers' early-exit loop, which sets the model
-        # config's layer count to 0 for its draft (the paged cache of such a config cannot be built)
-        raise ValueError(f"assistant_early_exit must be a positive number of layers, got {early}")
-    if assistant is None and not lookup and not early:
-        return None, kwargs, None
-    if kwargs.get("assistant_tokenizer") is not None or kwargs.get("tokenizer") is not None:
-        return None, kwargs, "assisted generation with a draft tokenizer (universal assisted decoding)"
-    if sum(x is not None and x is not False and x != 0 for x in (assistant, lookup, early)) > 1:
-        return None, kwargs, "more than one kind of assisted generation in one call"
-    for name, value in (("prompt_lookup_num_tokens", lookup), ("assistant_early_exit", early)):
-        if value and (isinstance(value, bool) or not isinstance(value, int)):
-            return None, kwargs, f"{name}={value!r} is not an int"
-    layers = getattr(model.config, "num_hidden_layers", None)
-    if early and isinstance(early, int) and not isinstance(early, bool) and layers is not None and early > layers:
-        # transformers' loop would set the model config to that many layers for its draft, a cache of more layers
-        # than the model runs would fail the draft's call, and the config would stay changed
-        raise ValueError(f"assistant_early_exit={early} is more than the model's {layers} layers: the draft is "
-                         f"its first 1 .. {layers - 1} layers")
-    if early and layers is not None and int(early) >= layers:
-        return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"
-    if assistant is not None:  # the model itself too: transformers' assisted loop takes it, hf-accel does not
-        from hf_accel.speculative.config import check_draft
-
-        try:
-            check_draft(model, assistant)
-        except ValueError as e:  # transformers' assisted loop takes what hf-accel's drafting does not (a GPT-2
-            return None, kwargs, f"the assistant model cannot draft on hf-accel's path ({e})"  # draft, ...)
-    try:
-        if assistant is not None:
-            config = SpeculativeConfig(method="draft_model", draft_model=assistant)
-        elif lookup:
-            if int(lookup) > 32:
-                log_once("lookup-cap", f"hf-accel: prompt_lookup_num_tokens={lookup} drafts at most 32 tokens here")
-            ngram = option("max_matching_ngram_size")  # transformers' longest n-gram matched (its default: 2)
-            if ngram is not None and (isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 1):
-                return None, kwargs, f"max_matching_ngram_size={ngram!r} is not an int >= 1"
-            if ngram is not None and ngram > MAX_NGRAM:
-                log_once("ngram-cap", f"hf-accel: max_matching_ngram_size={ngram} matches at most {MAX_NGRAM}-grams here")
-            config = SpeculativeConfig(method="prompt_lookup", num_draft_tokens=min(int(lookup), 32),
-                                       **({} if ngram is None else {"max_ngram": min(ngram, MAX_NGRAM)}))
-        else:
-            config = SpeculativeConfig(method="early_exit", exit_layer=int(early))
-    except ValueError as e:
-        return None, kwargs, f"assisted generation options not understood ({e})"
-    rest = {k: v for k, v in kwargs.items() if k not in _ASSISTED}
-    import copy
-
-    # A caller's generation config may carry the options too: pass a copy without them. (The model's own
-    # generation config is not passed along: transformers would warn about a generation_config given with
-    # generation kwargs. Its options are ignored by _skip_reason(assisted_handled=True) and cleared by
-    # _try_fast after transformers re-applies them.)
-    if rest.get("generation_config") is not None:
-        gc = copy.deepcopy(rest["generation_config"])
-        gc.prompt_lookup_num_tokens = None
-        gc.assistant_early_exit = None
-        gc.max_matching_ngram_size = None
-        rest["generation_config"] = gc
-    return config, rest, None
 
 
 def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None = None, prepared=None,
@@ -633,83 +543,3 @@ def uninstall(model) -> None:
     for name in ("_hf_accel_spec_stats", "_hf_accel_last_cache_stats", "_hf_accel_generation_configs",
                  "_hf_accel_in_use"):
         model.__dict__.pop(name, None)
-
-
-def last_cache_stats(model) -> dict | None:
-    """``PagedCache.memory_stats()`` of the model's last paged ``generate`` call (taken before the release)."""
-    return getattr(model, "_hf_accel_last_cache_stats", None)
-
-
-@contextlib.contextmanager
-def _in_use(model, source):
-    """While the body runs, :func:`cache_in_use` answers ``source``'s cache for this thread's call: a FastEngine
-    (its ``cache``, made or reused by the call's prefill) or a PagedCache. One entry per calling thread (calls on
-    transformers' loop may run side by side)."""
-    calls = model.__dict__.setdefault("_hf_accel_in_use", {})
-    me = threading.get_ident()
-    calls[me] = source
-    try:
-        yield
-    finally:
-        calls.pop(me, None)
-
-
-def cache_in_use(model) -> PagedCache | None:
-    """The KV cache that ``model``'s ``generate`` call in progress writes on hf-accel's path, to watch its memory
-    while the call runs (``memory_stats()`` from a streamer's ``put``, say): the fast decode path's PagedCache (it
-    reserves the blocks of the whole answer after the prefill; None before the prefill), or the PagedCache
-    transformers' loop runs on (one generate sized for the call, or one the caller passed). From the thread
-    running the call (a streamer's ``put``) it is that call's cache; from another thread, the cache of the one
-    call running (None while several run at once). None between calls, for a call on transformers' own cache
-    (beam search, a DynamicCache the caller passed, ...) and for a model never accelerated; never raises. Read it
-    only: the running call owns it (it is released, or reused by the next call, when the call returns).
-
-    Args:
-        model: the model ``generate`` was called on (a transformers model, or a peft ``PeftModel`` wrapping one).
-    """
-    from hf_accel.engine.fast_generate import FastEngine
-    from hf_accel.integrations.patch import _unwrap_peft
-
-    try:
-        hf_model, _ = _unwrap_peft(model)
-        calls = dict(vars(hf_model).get("_hf_accel_in_use") or {})
-    except Exception:  # any object: None
-        return None
-    source = calls.get(threading.get_ident())
-    if source is None and len(calls) == 1:
-        source = next(iter(calls.values()))
-    if isinstance(source, FastEngine):
-        cache = source.cache
-        return cache if cache is not None and cache.seq_ids else None  # a released cache: before this call's prefill
-    return source if isinstance(source, PagedCache) else None
-
-
-def speculative_stats(model) -> dict | None:
-    """Speculative-decoding counters of the model's last ``generate`` call, or None if it did not decode
-    speculatively (also for a model never accelerated; never raises).
-
-    Args:
-        model: the model ``generate`` was called on (a transformers model, or a peft ``PeftModel`` wrapping one).
-
-    Returns:
-        A new dict (changing it changes nothing), or None.
-
-    Keys: ``method``; ``num_draft_tokens`` (the largest k); ``match_gated`` (prompt lookup choosing each
-    round from its own matches); ``verify_steps`` (verify passes with k > 0, also those in which no row had a
-    draft to verify, e.g. prompt lookup without a match at a fixed k) and ``backed_off_steps`` (plain
-    steps chosen by the adaptive k); ``draft_lengths`` (steps per k); ``draft_tokens`` / ``accepted_tokens``
-    (drafts proposed / accepted and committed, summed over rows: drafts past the token budget or an EOS
-    are not counted);
-    ``acceptance_rate`` = accepted / proposed; ``mean_accepted_per_step`` (accepted drafts per row and
-    verify step) and ``mean_tokens_per_step`` (tokens committed per row and verify step, the bonus or
-    correction token included); ``round_ms`` (measured time per round by k, from one round's completion to
-    the next one's, so the host's turnaround between rounds is included; recent rounds weigh more, as
-    the adaptive k uses them; the estimates are kept from call to call for calls of the same shape, so k
-    values this call did not run can appear). The keys of ``draft_lengths`` and ``round_ms`` are the k values as strings.
-    ``acceptance_rate`` is None when nothing was drafted; the two per-step means are None when no verify step
-    ran (a verify step in which no row had a draft counts: 0 accepted, 1 token per row)."""
-    from hf_accel.integrations.patch import _unwrap_peft
-
-    hf_model, _ = _unwrap_peft(model)
-    stats = getattr(hf_model, "_hf_accel_spec_stats", None)
-    return dict(stats) if stats else None
