@@ -6,6 +6,7 @@ speculative path (also at batch sizes above 1, where transformers' assisted loop
 from __future__ import annotations
 
 import copy
+import numbers
 
 from hf_accel._logging import log_once
 from hf_accel.speculative.config import MAX_NGRAM, SpeculativeConfig
@@ -35,6 +36,8 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
         for config in configs:
             if value is None:
                 value = getattr(config, name, None)
+        if type(value).__module__ == "numpy" and isinstance(value, numbers.Integral):
+            value = int(value)  # numpy ints as transformers takes them
         return value
 
     assistant = kwargs.get("assistant_model")

@@ -438,7 +438,10 @@ def _loop_on_passed(model, original_generate, args, kwargs):
         _roll_back(passed, start)
         raise
     finally:
-        model._hf_accel_last_cache_stats = passed.memory_stats()
+        try:
+            model._hf_accel_last_cache_stats = passed.memory_stats()
+        except Exception:  # pragma: no cover - never hide the call's own outcome behind the stats
+            model._hf_accel_last_cache_stats = None
 
 
 def _roll_back(cache: PagedCache, length: int) -> None:

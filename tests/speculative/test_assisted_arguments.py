@@ -224,3 +224,18 @@ def test_max_matching_ngram_size_sets_the_lookups_longest_ngram(ngram, tiny, hf_
     assert speculative_stats(ours) is not None
     assert [c.max_ngram for c in configs] == [min(ngram, 16)] and configs[0].num_draft_tokens == 4
     assert any("matches at most 16-grams" in r.getMessage() for r in hf_log.records) == (ngram > 16)
+
+
+def test_numpy_int_assisted_arguments_take_the_speculative_path(tiny):
+    """``prompt_lookup_num_tokens`` / ``max_matching_ngram_size`` as numpy ints (transformers takes them) decode on
+    hf-accel's speculative path (they were handed to transformers' loop as "not an int")."""
+    import numpy as np
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    want = greedy(model, ids, mask, tiny.PAD, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model))
+    got = greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, prompt_lookup_num_tokens=np.int64(4),
+                 max_matching_ngram_size=np.int32(2))
+    assert torch.equal(got, want)
+    assert speculative_stats(ours) is not None and speculative_stats(ours)["num_draft_tokens"] == 4
