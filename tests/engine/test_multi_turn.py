@@ -60,6 +60,17 @@ def _turns(model, cache_kwarg, ids, mask, pad, eos, new_per_turn=(7, 4), max_new
     return outs
 
 
+def _first_turn(tiny, seed, fast_decode, max_new_tokens):
+    """A one-row first turn on an accelerated copy of a tiny llama: ``(stock, model, greedy kwargs, the cache
+    argument's name, the turn's output with its cache)``."""
+    stock = tiny.model("llama", seed=seed)
+    model = accelerate_model(copy.deepcopy(stock), fast_decode=fast_decode)
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tiny.PAD, eos_token_id=None)
+    with torch.no_grad():
+        first = model.generate(input_ids=_tokens(seed + 1, 1, 8), return_dict_in_generate=True, **kw)
+    return stock, model, kw, tiny.cache_kwarg(model), first
+
+
 def _reference_kv(model, sequences, mask):
     """K/V [batch, kv_heads, len, head_dim] per layer of a fresh forward of a stock copy over ``sequences``
     (the positions transformers' loop leaves in its cache)."""
@@ -267,13 +278,7 @@ def test_an_interrupted_turn_leaves_the_passed_cache_as_it_was(fast_decode, tiny
         def end(self):
             pass
 
-    stock = tiny.model("llama", seed=98)
-    model = accelerate_model(copy.deepcopy(stock), fast_decode=fast_decode)
-    ids = _tokens(99, 1, 8)
-    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=tiny.PAD, eos_token_id=None)
-    name = tiny.cache_kwarg(model)
-    with torch.no_grad():
-        first = model.generate(input_ids=ids, return_dict_in_generate=True, **kw)
+    stock, model, kw, name, first = _first_turn(tiny, 98, fast_decode, 5)
     cache = output_cache(first)
     held = cache.get_seq_length()
     with pytest.raises(KeyboardInterrupt), torch.no_grad():
@@ -293,14 +298,9 @@ def test_only_the_new_tokens_with_the_whole_mask_continue_the_cache(fast_decode,
     """transformers' other continuation form: input_ids holds only the new tokens and attention_mask the whole
     conversation. It continues a passed PagedCache as stock continues its DynamicCache (it was refused by the
     length check meant for input_ids holding the whole conversation)."""
-    stock = tiny.model("llama", seed=102)
-    model = accelerate_model(copy.deepcopy(stock), fast_decode=fast_decode)
-    ids = _tokens(103, 1, 8)
-    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=tiny.PAD, eos_token_id=None)
-    name = tiny.cache_kwarg(model)
+    stock, model, kw, name, first = _first_turn(tiny, 102, fast_decode, 4)
     with torch.no_grad():
-        first = model.generate(input_ids=ids, return_dict_in_generate=True, **kw)
-        stock_first = stock.generate(input_ids=ids, return_dict_in_generate=True, **kw)
+        stock_first = stock.generate(input_ids=_tokens(103, 1, 8), return_dict_in_generate=True, **kw)
     cache, stock_cache = output_cache(first), output_cache(stock_first)
     held = cache.get_seq_length()
     full = torch.cat([first.sequences, _tokens(104, 1, 3)], 1)
