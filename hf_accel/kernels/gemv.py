@@ -35,7 +35,7 @@ import triton.language as tl
 
 from hf_accel.kernels.device import check_launch_device
 
-from hf_accel.kernels.fused_linear import check_linear_args, check_rope_args
+from hf_accel.kernels.linear_args import check_linear_args, check_rope_args
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
