@@ -21,7 +21,6 @@ each token on the host: one sync per token.
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -32,13 +31,14 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
 )
 
+from hf_accel.cache.kv_copy import copy_kv
 from hf_accel.cache.paged_cache import PagedCache
+from hf_accel.engine.call_lock import CallLock
 from hf_accel.engine.call_options import call_inputs, passed_cache, repetition_penalty, sampling_warpers
 from hf_accel.engine.decode_step import DecodeStep
 from hf_accel.engine.eligibility import CallChecks
 from hf_accel.engine.merged_weights import merge_projections, projections_share_storage, unmerge_projections
 from hf_accel.engine.weight_snapshot import weight_snapshot
-from hf_accel.kernels.reshape_and_cache import slot_mapping_ref
 
 
 #: Decode steps in CUDA graphs (no streamer): the host reads each step's end-of-sequence flags this many steps
@@ -112,32 +112,6 @@ class _EosWatch:
         return not self.flags_np[back, :n].any()
 
 
-def _cache_slots(cache: PagedCache, seqs: list[int], start: int, end: int) -> torch.Tensor:
-    """Pool slots (int32, CPU) of token positions ``start .. end - 1`` of each sequence in ``seqs``, row after row."""
-    tables = [cache.manager.block_table(s) for s in seqs]
-    table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
-    for r, t in enumerate(tables):
-        table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    starts = torch.full((len(tables),), start, dtype=torch.int32)
-    return slot_mapping_ref(starts, table, end - start, cache.block_size)[0]
-
-
-def copy_kv(src: PagedCache, src_seqs: list[int], dst: PagedCache, dst_seqs: list[int], start: int, end: int) -> None:
-    """Copy the K/V of token positions ``start .. end - 1`` of sequence ``src_seqs[r]`` of ``src`` into the same
-    positions of ``dst_seqs[r]`` of ``dst``, in every layer. Both caches' blocks must be allocated for those positions,
-    with the same layer count, K/V head count, head dim and dtype, ``len(src_seqs) == len(dst_seqs)`` and both pools on
-    one device; their block sizes may differ. One gather and one scatter per pool."""
-    if end <= start:
-        return
-    device = src.layers[0].keys.device
-    src_slots = _cache_slots(src, src_seqs, start, end).to(device, torch.long)
-    dst_slots = _cache_slots(dst, dst_seqs, start, end).to(device, torch.long)
-    for a, b in zip(src.layers, dst.layers):
-        for name in ("keys", "values"):
-            pool_a, pool_b = getattr(a, name), getattr(b, name)
-            pool_b.view(-1, *pool_b.shape[2:])[dst_slots] = pool_a.view(-1, *pool_a.shape[2:])[src_slots]
-
-
 def _bucket(n: int, minimum: int = 1) -> int:
     p = max(minimum, 1)
     while p < n:
@@ -157,36 +131,6 @@ def prefill_bucket(n: int) -> int:
     if PREFILL_HALF_STEPS and p >= 32 and 3 * p // 4 >= n:
         return 3 * p // 4
     return p
-
-
-class CallLock:
-    """One call at a time on an engine's state (its persistent cache, buffers and captured graphs).
-
-    ``with lock:`` waits while another thread holds it, so concurrent ``generate`` calls on one model run
-    one after the other. A nested call from the thread that holds it (a streamer calling ``generate`` on
-    the same model) would overwrite the running call's cache: it raises RuntimeError instead."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-
-    def __enter__(self):
-        if self._owner == threading.get_ident():
-            raise RuntimeError("hf-accel: generate was called on a model whose generate is already running in "
-                               "this thread (from a streamer or a callback?); the running call owns the model's "
-                               "cache. Call it after the running generate returns, or on another model instance.")
-        self._lock.acquire()
-        self._owner = threading.get_ident()
-        return self
-
-    def __exit__(self, *exc):
-        self._owner = None
-        self._lock.release()
-        return False
-
-    def held_here(self) -> bool:
-        """Whether the calling thread holds the lock (its ``generate`` call is running)."""
-        return self._owner == threading.get_ident()
 
 
 class FastEngine(CallChecks):
