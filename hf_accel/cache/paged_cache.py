@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_accel._logging import log_once
 from hf_accel.cache.block_manager import BlockManager, OutOfBlocksError
-from hf_accel.kernels.paged_attention import gather_kv
+from hf_accel.kernels.paged_attention_torch import gather_kv
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 
 _active = threading.local()

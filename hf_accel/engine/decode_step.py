@@ -38,7 +38,8 @@ from hf_accel.kernels.argmax import greedy_tail, scratch_for
 from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope
 from hf_accel.kernels.fused_linear_tiles import max_rows, split_k_for, whole_k_fits
 from hf_accel.kernels.gemv import gemv, gemv_rope
-from hf_accel.kernels.paged_attention import paged_attention, paged_attention_sdpa
+from hf_accel.kernels.paged_attention import paged_attention
+from hf_accel.kernels.paged_attention_torch import paged_attention_sdpa
 from hf_accel.kernels.prefill import prefill_attention
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from hf_accel.kernels.reshape_and_cache import slot_mapping as slot_mapping_kernel

@@ -26,7 +26,8 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from hf_accel._logging import log_once, logger
 from hf_accel.cache.paged_cache import active_step
 from hf_accel.kernels.attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, allowed_mask, attention, attention_sdpa
-from hf_accel.kernels.paged_attention import paged_attention, paged_attention_sdpa
+from hf_accel.kernels.paged_attention import paged_attention
+from hf_accel.kernels.paged_attention_torch import paged_attention_sdpa
 from hf_accel.kernels.prefill import prefill_attention
 
 ATTN_NAME = "hf_accel"

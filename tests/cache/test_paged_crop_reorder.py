@@ -17,7 +17,7 @@ import hf_accel.cache.paged_cache as paged_cache_mod
 import hf_accel.integrations.attention as hf_attn
 from hf_accel.cache import PagedCache
 from hf_accel.integrations.generate import CACHE_KWARG
-from hf_accel.kernels.paged_attention import gather_kv
+from hf_accel.kernels.paged_attention_torch import gather_kv
 
 
 # --- crop ------------------------------------------------------------------------------------------

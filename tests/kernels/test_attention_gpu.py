@@ -59,7 +59,8 @@ PAGED_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", PAGED_CASES)
 def test_paged_attention_cuda_matches_reference(case, dtype):
-    from hf_accel.kernels.paged_attention import paged_attention, paged_attention_ref
+    from hf_accel.kernels.paged_attention import paged_attention
+    from hf_accel.kernels.paged_attention_torch import paged_attention_ref
 
     b, h, hkv, lq, lens, d, bs, splits = case
     g = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import hf_accel.kernels.paged_attention as pa
-from hf_accel.kernels.paged_attention import gather_kv, paged_attention, paged_attention_ref
+import hf_accel.kernels.paged_attention_torch as pat
+from hf_accel.kernels.paged_attention import paged_attention
+from hf_accel.kernels.paged_attention_torch import gather_kv, paged_attention_ref
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -513,7 +515,7 @@ def test_sdpa_path_matches_reference(seq_lens, heads, q_len, masked):
     q, kc, vc, table, lens, max_len = case.args()
     mask = _left_pad_mask(seq_lens, [min(3, n - q_len) for n in seq_lens]) if masked else None
     ref = paged_attention_ref(q, kc, vc, table, lens, max_len, mask)
-    got = pa.paged_attention_sdpa(q.cpu(), kc.cpu(), vc.cpu(), table.cpu(), lens.cpu(), max_len,
+    got = pat.paged_attention_sdpa(q.cpu(), kc.cpu(), vc.cpu(), table.cpu(), lens.cpu(), max_len,
                                   None if mask is None else mask.cpu())
     assert got.shape == ref.shape and torch.isfinite(got).all()
     torch.testing.assert_close(got, ref.cpu(), rtol=1e-10, atol=1e-10)
@@ -528,16 +530,16 @@ def test_sdpa_path_one_row_in_consecutive_blocks_reads_a_view(monkeypatch):
     table = torch.tensor([[1, 2, 3, 0]], dtype=torch.int32)
     lens = torch.tensor([10], dtype=torch.int32)
     gathered = []
-    real_gather = pa._gather_rows
+    real_gather = pat._gather_rows
 
     def spy(cache, block_table, length):
         out = real_gather(cache, block_table, length)
         gathered.append(out.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr())
         return out
-    monkeypatch.setattr(pa, "_gather_rows", spy)
-    got = pa.paged_attention_sdpa(q, kc, vc, table, lens, 10)
+    monkeypatch.setattr(pat, "_gather_rows", spy)
+    got = pat.paged_attention_sdpa(q, kc, vc, table, lens, 10)
     torch.testing.assert_close(got, paged_attention_ref(q, kc, vc, table, lens, 10), rtol=1e-12, atol=1e-12)
     assert gathered == [True, True]
     none = torch.zeros(1, 10, dtype=torch.bool)
-    assert torch.equal(pa.paged_attention_sdpa(q, kc, vc, table, lens, 10, none), torch.zeros(1, 1, 4, 8,
+    assert torch.equal(pat.paged_attention_sdpa(q, kc, vc, table, lens, 10, none), torch.zeros(1, 1, 4, 8,
                                                                                               dtype=torch.float64))
