@@ -1,0 +1,66 @@
+"""Which models the fused decode step (:class:`~hf_accel.engine.decode_step.DecodeStep` with ``fused``) can run, and
+whether its small-batch matmuls can be :func:`~hf_accel.kernels.fused_linear.fused_linear` / ``gemv`` calls: each
+check returns the reason it cannot (a short phrase for the log), or None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_accel.engine import step_switches as switches
+
+
+def _silu_types() -> set:
+    from transformers.activations import ACT2FN
+
+    return {torch.nn.SiLU, type(ACT2FN["silu"])}
+
+
+_SILU_TYPES = _silu_types()
+
+
+def fused_supported(model) -> str | None:
+    """Why the fused step cannot run this model (None if it can): it needs RMSNorms with ``weight`` and
+    ``variance_epsilon``, plain ``nn.Linear`` projections, a SiLU-gated MLP (``hidden_act`` and each layer's
+    ``act_fn``) and an even head_dim."""
+    inner = model.model
+    if getattr(model.config, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(model.config, 'hidden_act', None)!r}"
+    acts = {type(getattr(ly.mlp, "act_fn", None)) for ly in model.model.layers}
+    if not acts <= _SILU_TYPES:  # an act_fn replaced on a layer: the fused kernels compute SiLU
+        return f"an MLP activation that is not SiLU ({', '.join(sorted(t.__name__ for t in acts - _SILU_TYPES))})"
+    norms = [inner.norm] + [n for ly in inner.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)]
+    if any(not hasattr(n, "variance_epsilon") or getattr(n, "weight", None) is None for n in norms):
+        return "a norm that is not an RMSNorm with weight and variance_epsilon"
+    for ly in inner.layers:
+        attn, mlp = ly.self_attn, ly.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None),
+                   getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None)]
+        if any(type(m) is not torch.nn.Linear for m in linears):
+            return "a projection that is not a plain nn.Linear (e.g. an unmerged adapter or a quantized layer)"
+        if getattr(attn, "q_norm", None) is not None and not hasattr(attn.q_norm, "variance_epsilon"):
+            return "a q_norm that is not an RMSNorm"
+    if inner.layers[0].self_attn.head_dim % 2:
+        return "odd head_dim"
+    return None
+
+
+def fused_linear_supported(model, merged, check_hidden: bool = True) -> str | None:
+    """Why the fused step cannot use :func:`fused_linear` (or, with ``check_hidden=False``, :func:`gemv`)
+    for this model (None if it can): it needs the merged projections, a hidden size <=
+    :data:`~hf_accel.engine.step_switches.FUSED_LINEAR_MAX_HIDDEN` (fused_linear only), plain ``nn.Linear``
+    o_proj / down_proj and norms in
+    the model's dtype."""
+    if merged is None:
+        return "projections not merged"
+    if check_hidden and model.config.hidden_size > switches.FUSED_LINEAR_MAX_HIDDEN:
+        return f"hidden size {model.config.hidden_size} > {switches.FUSED_LINEAR_MAX_HIDDEN} (cuBLAS is faster there)"
+    inner = model.model
+    dtype = inner.embed_tokens.weight.dtype
+    linears = [m for ly in inner.layers for m in (ly.self_attn.o_proj, ly.mlp.down_proj)]
+    if any(type(m) is not torch.nn.Linear or m.weight.dtype != dtype for m in linears):
+        return "an o_proj or down_proj that is not a plain nn.Linear in the model dtype"
+    norms = [inner.norm] + [n for ly in inner.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)]
+    if any(n.weight.dtype != dtype for n in norms):
+        return "a norm weight in another dtype than the model"
+    return None
