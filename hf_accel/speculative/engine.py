@@ -29,7 +29,7 @@ The host then waits for each round before launching the next (no round in flight
 
 *A draft model while backed off.* Plain rounds do not run the draft model: its paged cache lags behind
 the committed tokens and is caught up by one forward over a fixed window of the last committed tokens
-right before the next round that drafts (:meth:`SpeculativeEngine._catch_up_inputs` says why the window
+right before the next round that drafts (:func:`~.draft_window.catch_up_inputs` says why the window
 is exact).
 """
 
@@ -54,6 +54,7 @@ from hf_accel.speculative.config import _NO_DRAFT_STEP, SpeculativeConfig, check
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.speculative.verify import rejection_sample, sample
 from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates
+from hf_accel.speculative.draft_window import catch_up_inputs, catch_up_width, refeed_inputs
 from hf_accel.speculative.state import RoundState
 
 #: A round's verify inputs (last committed token + drafts, positions, cache lengths) from one
@@ -209,7 +210,7 @@ class SpeculativeEngine:
                                               ctx["key_mask"], k, ctx["warp"], ctx["do_sample"])
             valid = torch.ones_like(drafts, dtype=torch.bool)
         else:  # draft model: re-feed the last two committed tokens (fills the gap after k accepted drafts)
-            ids2, pos2, lens2 = self._refeed_inputs(st)
+            ids2, pos2, lens2 = refeed_inputs(st)
             drafts, draft_probs = draft_chain(ctx["draft2"], ids2, pos2, lens2, ctx["draft_block_table"],
                                               ctx["draft_key_mask"], k, ctx["warp"], ctx["do_sample"],
                                               next_step=ctx["draft1"])
@@ -250,50 +251,10 @@ class SpeculativeEngine:
         counts.zero_()
         counts.scatter_add_(0, st.ngram, st.active.long())
 
-    @staticmethod
-    def _window_inputs(st: RoundState, width: int, end: torch.Tensor):
-        """Draft-model input over the ``width`` committed tokens before index ``end`` [b] of each row: ids [b,
-        width] int64, their rotary positions [b, width] int64 and the cache length before them [b] int32.
-
-        The window starts at ``end - width`` clamped at 0; a row with fewer tokens then also feeds tokens at
-        and past ``end`` (pad past its length), whose K/V land in slots past the row's length, masked out
-        and overwritten before they are read, like rejected drafts. Positions in the left padding are
-        clamped at 0 (masked keys). Rows of the batch bucket that hold no sequence have length 1."""
-        first = (end - width).clamp(min=0)
-        idx = first[:, None] + torch.arange(width, device=end.device)
-        pos = (idx - st.starts[:, None]).clamp(min=0)
-        return st.tokens.gather(1, idx), pos, first.to(torch.int32)
-
-    @classmethod
-    def _refeed_inputs(cls, st: RoundState):
-        """The draft model's first input of a round: the last two committed tokens [b, 2], their positions and
-        the cache length before them. Its cache then holds every committed token but the newest, whatever
-        the last round accepted: a round that drafted accepts n of k drafts and commits n + 1 tokens, and
-        its draft steps wrote K/V of all but the last draft, so at least the committed tokens but the two
-        newest are in the draft's cache after the round."""
-        return cls._window_inputs(st, 2, st.lengths)
-
-    @staticmethod
-    def catch_up_width(max_plain_run: int) -> int:
-        """Width of :meth:`_catch_up_inputs`' window: ``max_plain_run + 1``."""
-        return max_plain_run + 1
-
-    @classmethod
-    def _catch_up_inputs(cls, st: RoundState, width: int):
-        """Catch-up input of a draft model whose cache lagged through plain rounds: the ``width`` committed
-        tokens before the newest (ids [b, width] int64, positions, cache length before them [b] int32).
-
-        Exact for every row, whatever its own gap: after a round that drafted (or after the prefill), the
-        draft's cache holds at least the committed tokens but the two newest (see :meth:`_refeed_inputs`);
-        each of the at most ``R = max_plain_run`` plain rounds since commits at most one token per row, so
-        at most the ``R + 2`` newest tokens are missing. The window (``R + 1`` tokens ending at the
-        newest-but-one) covers all but the newest, which the next round's re-feed writes. Rewriting K/V of
-        tokens already cached, at the same positions, writes the same values."""
-        return cls._window_inputs(st, width, st.lengths - 1)
-
     def _catch_up_draft(self, st: RoundState, ctx) -> None:
-        """One draft-model forward over :meth:`_catch_up_inputs` (device work only; writes the draft's cache)."""
-        ids, pos, lens = self._catch_up_inputs(st, ctx["catch_up_width"])
+        """One draft-model forward over :func:`~.draft_window.catch_up_inputs` (device work only; writes the
+        draft's cache)."""
+        ids, pos, lens = catch_up_inputs(st, ctx["catch_up_width"])
         ctx["draft_catch_up"].forward_tokens(ids, pos, lens, ctx["draft_block_table"], ctx["draft_key_mask"],
                                              last_only=True)
 
@@ -379,7 +340,7 @@ class SpeculativeEngine:
         lookahead = k_max + 1
         # a draft model that may back off catches up over a window of this width (its positions and slots
         # must fit in every row's reserved blocks, for short generations too)
-        width = self.catch_up_width(_KChooser.max_plain_run)
+        width = catch_up_width(_KChooser.max_plain_run)
         catch_up = cfg.method == "draft_model"
         if catch_up:
             lookahead = max(lookahead, width - prompt_len - max_new)

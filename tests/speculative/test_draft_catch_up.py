@@ -20,6 +20,7 @@ import pytest
 from hf_accel import SpeculativeConfig, accelerate_model, speculative_stats
 from hf_accel.engine.decode_step import DecodeStep
 from hf_accel.speculative.draft_length import _PLAIN_BURST, _KChooser
+from hf_accel.speculative.draft_window import catch_up_width
 from hf_accel.speculative.engine import SpeculativeEngine
 
 LAYERS = 4
@@ -101,7 +102,7 @@ def mid_eos(model, ids, mask, pad) -> int:
 
 
 def window() -> int:
-    return SpeculativeEngine.catch_up_width(_KChooser.max_plain_run)
+    return catch_up_width(_KChooser.max_plain_run)
 
 
 def force_schedule(monkeypatch, schedule):
