@@ -9,7 +9,9 @@ KV-cache memory of each over the generation.
 The UI is built so that every hf-accel feature is one entry of ``FEATURES`` (``features.py``): a toggle
 appears only for features the installed package has.
 
-Only the public API is used: ``hf_accel``, ``hf_accel.models`` and, when present, ``hf_accel.conversion``.
+Only the public API is used: ``hf_accel``, ``hf_accel.models``, ``hf_accel.cache`` (the block-size limit),
+``hf_accel.demo_launch`` (the command-line options shared with ``hf-accel demo``) and, when present,
+``hf_accel.conversion``.
 
 This file is the entry point (command line and launch). The demo's other modules sit next to it in
 ``demo/`` and are imported by their own names: this file puts its folder on ``sys.path``, so that works

@@ -391,7 +391,8 @@ def accelerate_model(
             ``fast_decode``, ``cuda_graphs`` or ``merge_lora`` is not a bool (numpy's bool is taken), or
             ``speculative`` is not a config, method name or model.
         ValueError: the model type is not supported (the message lists the supported ones), a
-            PeftModel is given with ``merge_lora=False``, the model was accelerated before with other options
+            PeftModel is given with ``merge_lora=False``, with its adapters disabled, or with LoRA on a weight another
+            module shares (tied embeddings), the model was accelerated before with other options
             (:func:`revert_model` first), or ``block_size`` is not an int in [1, 1024].
         NotImplementedError: a PeftModel with non-LoRA adapters.
         ValueError: also for ``speculative`` without ``fast_decode``/``paged_cache`` or on a model without

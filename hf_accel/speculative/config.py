@@ -26,8 +26,8 @@ class SpeculativeConfig:
         draft_model: the draft for ``"draft_model"``: a transformers causal LM of a type hf-accel
             supports, on the target's device, with the target's ``vocab_size``. It is accelerated too.
         num_draft_tokens: the largest number of tokens drafted per verify step (k), 1 to 32. Default 15 for prompt
-            lookup: drafting is free, and verifying 17 tokens of SmolLM2 at bs1 on an H200 took 1.007 ms
-            against 0.967 ms for one (``profile_speculative_round-20261201.json``); 15 drafts + 1 make the 16
+            lookup: drafting is free, and verifying 17 tokens of SmolLM2 at bs1 on an H200 took 1.017 ms
+            against 0.981 ms for one (``profile_speculative_round-20261201.json``); 15 drafts + 1 make the 16
             token rows of one row block of the fused small-batch matmuls (up to
             :data:`hf_accel.engine.step_switches.FUSED_LINEAR_MAX_ROWS` rows run there). 31 drafts did not
             separate from 15 on the H200 (``bench_speculative-bs1-5pass-k31-20261203-3da9682.json``). 4 for
@@ -96,7 +96,7 @@ class SpeculativeConfig:
     def from_arg(cls, arg) -> "SpeculativeConfig":
         """``speculative=`` of ``accelerate_model``: a config, a method name, or a draft model. A config is
         copied (and so validated again): fields changed after construction are checked, and changes made
-        after ``accelerate_model`` do not reach the accelerated model (accelerate it again to apply them).
+        after ``accelerate_model`` do not reach the accelerated model (``revert_model`` and accelerate it again to apply them).
 
         Raises:
             TypeError: anything else. ValueError: a config whose fields were set to invalid values.
