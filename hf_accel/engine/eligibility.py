@@ -7,7 +7,10 @@ loop instead: that loop still runs on hf-accel's attention kernels and paged cac
 
 from __future__ import annotations
 
+import functools
 import numbers
+import os
+import sys
 
 import torch
 from torch.nn.modules import module as torch_module
@@ -67,16 +70,70 @@ def model_reason(model) -> str | None:
     return None
 
 
+_LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+
+
 def _layer_class_forwards(model) -> tuple:
-    """The ``forward`` functions of the classes of the first decoder layer, its attention, MLP and norms (a patch
-    on a class replaces them for every instance; the fast path runs those modules' math itself)."""
+    """The distinct (class, ``forward``) pairs of the decoder layers, their attention, MLP and norms and the final norm,
+    in first-seen order (a patch on a class replaces the forward for every instance, a class set on one module only
+    for it; the fast path runs those modules' math itself). Reads the module dicts directly: it runs on every call."""
     try:
-        layer = model.model.layers[0]
-        modules = (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm,
-                   model.model.norm)
-    except (AttributeError, IndexError, TypeError):
+        inner = model.model
+        classes = {type(inner.norm): None}
+        for layer in inner.layers._modules.values():
+            classes[type(layer)] = None
+            parts = layer._modules
+            for name in _LAYER_PARTS:
+                classes[type(parts[name])] = None
+    except (AttributeError, KeyError, TypeError):
         return ()
-    return tuple((type(module), getattr(type(module), "forward", None)) for module in modules)
+    return tuple((cls, getattr(cls, "forward", None)) for cls in classes)
+
+
+#: Packages whose decorators may wrap a layer class's ``forward`` as transformers defines it (transformers' own
+#: deprecation and output-capturing wrappers, the ``kernels`` hub layer wrapper transformers applies, torch's
+#: ``no_grad``): a wrapper from anywhere else is a patch.
+_WRAPPER_PACKAGES = ("transformers", "kernels", "torch")
+
+
+def _package_dirs() -> tuple[str, ...]:
+    dirs = []
+    for name in _WRAPPER_PACKAGES:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(os.path.realpath(path)) + os.sep)
+    return tuple(dirs)
+
+
+@functools.lru_cache(maxsize=256)
+def _own_forward(cls, forward) -> bool:
+    """Whether ``forward`` (``cls.forward``) is the function transformers (or the model's own remote code) defines for
+    ``cls`` or a class it inherits from: defined in that class's module file, wrapped only by decorators of
+    :data:`_WRAPPER_PACKAGES`. False for a patch on the class (a function from elsewhere, or a wrapper around the
+    original from elsewhere) and for a subclass outside transformers that overrides ``forward``."""
+    definer = next((c for c in cls.__mro__ if "forward" in vars(c)), None)
+    if definer is None or not definer.__module__.startswith(("transformers.", "transformers_modules.")):
+        return False
+    module_file = getattr(sys.modules.get(definer.__module__), "__file__", None)
+    files, fn = [], forward
+    while fn is not None and len(files) < 16:
+        code = getattr(fn, "__code__", None)
+        if code is None:  # a partial or a callable object
+            return False
+        files.append(os.path.realpath(code.co_filename))
+        fn = getattr(fn, "__wrapped__", None)
+    if module_file is None or files[-1] != os.path.realpath(module_file):
+        return False
+    roots = _package_dirs()
+    return all(path.startswith(roots) for path in files[:-1])
+
+
+def replaced_forwards(model) -> list[str]:
+    """Names of the classes among :func:`_layer_class_forwards`' whose ``forward`` is not transformers' own
+    (:func:`_own_forward`): the fast path runs those modules' math itself and would skip the replacement."""
+    return sorted({cls.__name__ for cls, fn in _layer_class_forwards(model)
+                   if fn is not None and not _own_forward(cls, fn)})
 
 
 def hooked_modules(model) -> list[str]:
@@ -143,7 +200,9 @@ class CallChecks:
                getattr(m.config, "_attn_implementation", None), _layer_class_forwards(m),
                len(torch_module._global_forward_hooks) + len(torch_module._global_forward_pre_hooks), weights)
         cached = getattr(self, "_reason_cache", None)
-        if cached is not None and cached[0] == key and cached[1] is None:
+        # the key does not cover hooks or forwards replaced on submodules: the snapshot does, so a None answer is
+        # reused only while one exists (after a release, e.g. by state_dict(), the full check runs again)
+        if cached is not None and cached[0] == key and cached[1] is None and self.snapshot is not None:
             return None
         if cached is not None and cached[0][-1] != weights:
             self.release()
@@ -156,14 +215,10 @@ class CallChecks:
         attn = getattr(m.config, "_attn_implementation", None)
         if attn != ATTN_NAME:  # set_attn_implementation(...) after accelerate_model: the fast path runs hf-accel's
             return f"the attention implementation is {attn!r} (set after accelerate_model), not hf-accel's"
-        forwards = _layer_class_forwards(m)
-        known = getattr(self, "_class_forwards", None)
-        if known is None:
-            self._class_forwards = known = forwards  # as the classes were when the fast path first ran
-        changed = sorted({cls.__name__ for (cls, f), (_, k) in zip(forwards, known) if f is not k})
-        if changed:  # a class-level patch of a layer's forward, which the fast path would not run
-            return (f"the forward of {', '.join(changed)} was replaced on the class after the fast path was set up "
-                    "(the fast path runs the layers itself and would skip it)")
+        changed = replaced_forwards(m)
+        if changed:  # a class-level patch of a layer's forward (or a subclass's own), which the fast path would not run
+            return (f"the forward of {', '.join(changed)} is not transformers' own (replaced on the class, or "
+                    "overridden by a subclass; the fast path runs the layers itself and would skip it)")
         return model_reason(m)
 
     def check(self, gc, model_kwargs, prepared_loop: bool = False) -> str | None:

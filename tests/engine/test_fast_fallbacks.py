@@ -220,7 +220,7 @@ def test_attention_set_or_patched_after_accelerating_turns_the_fast_path_off(tin
         stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
         assert not torch.equal(stock, plain)
         assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
-        assert not decode_steps and _messages(hf_log, "the forward of LlamaMLP was replaced on the class")
+        assert not decode_steps and _messages(hf_log, "the forward of LlamaMLP is not transformers' own")
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), plain) and decode_steps
 
 
@@ -366,3 +366,89 @@ def test_inputs_keyword_takes_the_fast_path(tiny, decode_steps, hf_log):
     assert torch.equal(out, stock)
     assert decode_steps and _messages(hf_log, FAST_MSG)
     assert not _messages(hf_log, "keeps transformers' cache")
+
+
+def test_a_layer_forward_patched_before_the_first_call_or_a_subclass_override_turns_the_fast_path_off(
+        tiny, hf_log, decode_steps):
+    """A layer class's forward patched before accelerate_model or before the first generate (a wrapper with
+    ``functools.wraps`` included), or a module whose subclass overrides forward: the fast path took the forwards it
+    first saw as the baseline and ran its own layer math (other tokens, no log). Now any forward that is not the one
+    transformers defines runs transformers' loop, with stock's tokens and the reason logged; a subclass that does not
+    override forward keeps the fast path."""
+    import functools
+
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaMLP.forward
+
+    @functools.wraps(original)
+    def halved(self, x):
+        return original(self, x) * 0.5
+
+    ids, mask = tiny.batch(seed=9)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling_llama.LlamaMLP, "forward", halved)
+        model = tiny.model("llama", seed=8)
+        stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
+        decode_steps.clear()
+        ours = _accelerated(model)
+        assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
+        assert not decode_steps and _messages(hf_log, "the forward of LlamaMLP is not transformers' own")
+
+    class Overriding(modeling_llama.LlamaMLP):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+
+    class Inheriting(modeling_llama.LlamaMLP):
+        pass
+
+    model = tiny.model("llama", seed=8)
+    plain = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
+    model.model.layers[1].mlp.__class__ = Overriding
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
+    assert not torch.equal(stock, plain)
+    ours = _accelerated(model)
+    decode_steps.clear()
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
+    assert not decode_steps and _messages(hf_log, "the forward of Overriding is not transformers' own")
+    for layer in ours.model.layers:
+        layer.mlp.__class__ = Inheriting
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), plain) and decode_steps
+
+
+@pytest.mark.parametrize("release", ["load_state_dict", "state_dict_fused"])
+def test_a_hook_added_after_the_engine_let_its_steps_go_is_run(release, tiny, hf_log, decode_steps):
+    """``load_state_dict``, and ``state_dict()`` of a model whose projections the fused step merged, let the fast
+    path's steps go; a forward hook registered after that was skipped on every later call (the model check's cached
+    answer does not cover hooks, and no step snapshot was left to notice them). Now the full check runs while no
+    steps exist: the hook runs on every step, the tokens are stock's and the reason is logged."""
+    model = tiny.model("llama", seed=3)
+    ids, mask = tiny.batch(seed=4)
+    stock_model = copy.deepcopy(model)
+    ours = _accelerated(model, fused=release == "state_dict_fused")
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6),
+                       _generate(stock_model, ids, mask, tiny.PAD, max_new_tokens=6)) and decode_steps
+    engine = ours._hf_accel_engine
+    assert engine.steps
+    if release == "load_state_dict":
+        ours.load_state_dict({k: v.clone() for k, v in stock_model.state_dict().items()})
+    else:
+        assert engine.merged
+        ours.state_dict()
+    assert not engine.steps and engine.snapshot is None
+    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 5
+    calls = []
+
+    def hook(module, args, out):
+        calls.append(1)
+        return (out[0] + steer, *out[1:]) if isinstance(out, tuple) else out + steer
+
+    for m in (ours, stock_model):
+        m.model.layers[0].register_forward_hook(hook)
+    stock = _generate(stock_model, ids, mask, tiny.PAD, max_new_tokens=6)
+    stock_calls = len(calls)
+    calls.clear()
+    decode_steps.clear()
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6), stock)
+    assert len(calls) == stock_calls > 1 and not decode_steps
+    assert _messages(hf_log, "forward hooks or a replaced forward on model.layers.0")
