@@ -96,6 +96,45 @@ def _norms(tensors) -> list[float]:
         return torch.stack([n.to(tensors[0].device) for n in norms]).tolist()
 
 
+def _base_probes(saved) -> list:
+    """Per merged base tensor (in :func:`_lora_base_weights` order) two fixed random vectors ``(r, s)``: ``r`` of its
+    columns (the tensor's dtype), ``s`` of its rows (float32), for the bilinear form ``s . (W r)`` that
+    :func:`_base_fingerprints` adds to the norm (a sign flip or reordered rows keep the norm, not the form)."""
+    generator = torch.Generator().manual_seed(1)
+    probes = []
+    for _, params in saved:
+        for value in params.values():
+            rows = value.shape[0] if value.dim() > 1 else 1
+            cols = value.numel() // max(rows, 1)
+            probes.append((torch.randn(cols, generator=generator).to(value.device, value.dtype),
+                           torch.randn(rows, generator=generator).to(value.device)))
+    return probes
+
+
+def _base_fingerprints(tensors, probes) -> list[tuple[float, float]]:
+    """(float32 norm, ``s . (W r)``) of each merged base tensor (:func:`_base_probes`), two host syncs; the form is
+    NaN (never equal) for a tensor whose size, dtype or device no longer matches its probes (replaced)."""
+    tensors = [t.detach() for t in tensors]
+    norms = _norms(tensors)
+    if not tensors:
+        return []
+    forms = []
+    with torch.no_grad():
+        for t, (r, s) in zip(tensors, probes):
+            if t.numel() != r.numel() * s.numel() or t.dtype != r.dtype or t.device != r.device:
+                forms.append(torch.tensor(float("nan"), device=tensors[0].device))
+            else:
+                forms.append(torch.dot(s, torch.mv(t.reshape(s.numel(), r.numel()), r).float()))
+        values = torch.stack([f.to(tensors[0].device) for f in forms]).tolist()
+    return list(zip(norms, values))
+
+
+def _lora_layers(peft_model) -> list:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+
+
 def _lora_parameters(peft_model):
     """The LoRA parameters of a PeftModel (named ``lora_*``: A, B, embedding A/B, DoRA magnitudes), in module order."""
     return [p for n, p in peft_model.named_parameters() if "lora_" in n]
@@ -129,14 +168,12 @@ def _lora_fingerprints(peft_model, probes) -> list[float] | None:
     return _norms(summed)
 
 
-def _lora_values(peft_model, saved, probes) -> tuple:
+def _lora_values(peft_model, saved, probes, base_probes) -> tuple:
     """What the merged weights depend on: the fingerprints of the LoRA parameters (:func:`_lora_fingerprints`),
-    their scalings, and the norms of the merged base weights."""
-    from peft.tuners.lora import LoraLayer
-
+    their scalings, and the fingerprints of the merged base weights (:func:`_base_fingerprints`)."""
     lora = _lora_fingerprints(peft_model, probes)
-    scalings = tuple(tuple(sorted(m.scaling.items())) for m in peft_model.modules() if isinstance(m, LoraLayer))
-    return lora, scalings, _norms(getattr(b, k) for b, params in saved for k in params)
+    scalings = tuple(tuple(sorted(m.scaling.items())) for m in _lora_layers(peft_model))
+    return lora, scalings, _base_fingerprints([getattr(b, k) for b, params in saved for k in params], base_probes)
 
 
 def lora_change(model) -> str | None:
@@ -149,7 +186,10 @@ def lora_change(model) -> str | None:
     state = getattr(hf_model, _STATE_ATTR, None)
     if state is None or not state.get("lora_merged") or state.get("lora_peft") is None:
         return None
-    lora, scalings, base = _lora_values(state["lora_peft"], state["lora_base_weights"], state["lora_probes"])
+    peft_model, saved = state["lora_peft"], state["lora_base_weights"]
+    if [id(m.get_base_layer()) for m in _lora_layers(peft_model)] != [id(b) for b, _ in saved]:
+        return "a LoRA layer or its base layer was replaced"
+    lora, scalings, base = _lora_values(peft_model, saved, state["lora_probes"], state["lora_base_probes"])
     if lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1]:
         return "LoRA weights or scalings changed"
     if base != state["lora_values"][2]:
@@ -191,7 +231,9 @@ def _guard_peft(peft_model, state: dict) -> None:
     state["peft_guards"] = (attrs, hooks)
     state["lora_peft"] = peft_model
     state["lora_probes"] = _lora_probes(peft_model)
-    state["lora_values"] = _lora_values(peft_model, state["lora_base_weights"], state["lora_probes"])
+    state["lora_base_probes"] = _base_probes(state["lora_base_weights"])
+    state["lora_values"] = _lora_values(peft_model, state["lora_base_weights"], state["lora_probes"],
+                                        state["lora_base_probes"])
 
 
 def _revert_for(peft_model, what: str) -> None:
@@ -241,15 +283,16 @@ def _peft_state_dict(peft_model, module, state_dict, prefix, local_metadata):
     state = getattr(peft_model.get_base_model(), _STATE_ATTR, None)
     if state is None or not state.get("lora_merged") or state.get("lora_values") is None:
         return
-    lora, scalings, _ = _lora_values(peft_model, [], state["lora_probes"])
-    params, stored, offset = None, [], 0
-    for base, saved in state["lora_base_weights"]:  # this layer's norms at the merge (flattened in this order)
+    lora, scalings, _ = _lora_values(peft_model, [], state["lora_probes"], [])
+    params, stored, probes, offset = None, [], [], 0
+    for base, saved in state["lora_base_weights"]:  # this layer's fingerprints at the merge (flattened in this order)
         if base is module:
             params, stored = saved, state["lora_values"][2][offset: offset + len(saved)]
+            probes = state["lora_base_probes"][offset: offset + len(saved)]
             break
         offset += len(saved)
     changed = (lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1] or params is None
-               or _norms(getattr(module, k) for k in params) != stored)
+               or _base_fingerprints([getattr(module, k) for k in params], probes) != stored)
     if changed:
         _revert_for(peft_model, "state_dict() after weights changed while merged")
         return
@@ -551,9 +594,15 @@ def _restore(hf_model, peft_model, state: dict) -> None:
         edited = set()
         if state.get("lora_values") is not None:
             keys = [(id(b), k) for b, params in saved for k in params]
-            now = _norms(getattr(b, k) for b, params in saved for k in params)
+            now = _base_fingerprints([getattr(b, k) for b, params in saved for k in params], state["lora_base_probes"])
             edited = {key for key, before, after in zip(keys, state["lora_values"][2], now) if before != after}
+        saved_bases = {id(b) for b, _ in saved}
         if peft_model is not None and state.get("lora_merged"):
+            # a LoRA layer whose base layer was replaced meanwhile: the new base holds no merged delta (peft's unmerge
+            # would subtract it from the new weights); its flags are cleared instead
+            for layer in _lora_layers(peft_model):
+                if id(layer.get_base_layer()) not in saved_bases:
+                    layer.merged_adapters.clear()
             peft_model.unmerge_adapter()
         with torch.no_grad():  # also after peft's unload(), which keeps these very base layers
             for base, params in saved:
@@ -563,7 +612,7 @@ def _restore(hf_model, peft_model, state: dict) -> None:
         # Adapters the caller had merged before accelerate_model stay merged: the copied-back weights hold them
         # (peft's unmerge above cleared the flags); an edited weight gets them merged again by peft.
         for layer, prior in state.get("lora_prior_merged", ()):
-            if prior and list(layer.merged_adapters) != prior:
+            if prior and list(layer.merged_adapters) != prior and id(layer.get_base_layer()) in saved_bases:
                 base = layer.get_base_layer()
                 if any((id(base), k) in edited for k, _ in base.named_parameters(recurse=False)):
                     layer.merge(adapter_names=prior)

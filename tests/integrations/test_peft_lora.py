@@ -338,3 +338,44 @@ def test_peft_lora_on_a_tied_embedding_is_refused(tiny):
     assert not is_accelerated(peft_model)
     after = peft_model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_peft_base_layer_replaced_while_merged_gives_what_stock_gives(tiny, hf_log):
+    """A LoRA layer's base layer replaced while hf-accel held the adapters merged: the change went unnoticed (the
+    fingerprints read the old, detached base layer) and peft's merged forward ran the new weights without the LoRA
+    delta; the revert then subtracted the delta from the new weights. Now the next call reverts first (logged), the
+    new base layer keeps its weights and gets the delta added by peft, as in the unmerged stock model."""
+    stock, ours = _peft_pair(tiny, seed=30)
+    ids, mask = tiny.batch(seed=31)
+    base = stock.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    torch.manual_seed(32)
+    new = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
+    for m in (stock, ours):
+        m.base_model.model.model.layers[0].self_attn.q_proj.base_layer = copy.deepcopy(new)
+    want = tiny.greedy(stock, ids, mask)
+    assert torch.equal(tiny.greedy(ours, ids, mask), want)
+    assert not is_accelerated(ours) and _reverted_logged(hf_log, "base layer was replaced")
+    assert torch.equal(ours.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, new.weight)
+    for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("edit", ["neg", "rows_reversed"])
+def test_peft_base_edit_that_keeps_the_norm_is_noticed_while_merged(edit, tiny, hf_log):
+    """While merged, a base layer's weight holds W + delta, as after peft's own ``merge_adapter()``; an edit of it
+    that keeps its norm (a sign flip, reordered rows) was not noticed (base weights were fingerprinted by their
+    norm), and revert_model put the unedited weight back. Now the next call reverts first (logged) and the model ends
+    as peft's own merged model does after the same edit and ``unmerge_adapter()``."""
+    stock, ours = _peft_pair(tiny, seed=33)
+    ids, mask = tiny.batch(seed=34)
+    stock.merge_adapter()
+    for m in (stock, ours):
+        weight = m.base_model.model.model.layers[1].self_attn.v_proj.base_layer.weight
+        with torch.no_grad():
+            weight.neg_() if edit == "neg" else weight.copy_(weight.flip(0))
+    want = tiny.greedy(stock, ids, mask)
+    assert torch.equal(tiny.greedy(ours, ids, mask), want)
+    assert not is_accelerated(ours) and _reverted_logged(hf_log, "base weights of LoRA layers changed")
+    stock.unmerge_adapter()
+    for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
