@@ -417,8 +417,11 @@ def accelerate_model(
             ``delete_adapter``, ``load_adapter``, ``merge_adapter`` / ``unmerge_adapter``, ``enable_`` /
             ``disable_adapter_layers``), ``train()``, a forward with autograd on the LoRA parameters and
             ``load_state_dict`` revert hf-accel first (a warning says so): they need the adapters unmerged; LoRA
-            weights, scalings or merged base weights changed otherwise meanwhile revert it at the next call
-            (:func:`lora_change`; a base-weight edit is kept); ``state_dict()`` holds the unmerged weights.
+            weights, scalings or merged base weights changed otherwise meanwhile (or a base layer replaced) revert it
+            at the next call (:func:`lora_change`). Meanwhile a base layer's weight holds W + delta, as after peft's
+            own ``merge_adapter()``: an edit of it is an edit of the merged weight, kept as peft's unmerge keeps it
+            (the delta subtracted afterwards: an added tensor ends in W as stock's, a scaling or a copy does not);
+            edit base weights after :func:`revert_model`. ``state_dict()`` holds the unmerged weights.
         speculative: speculative decoding for every ``generate`` call on the fast path: a
             :class:`~hf_accel.speculative.SpeculativeConfig`, a method name (``"prompt_lookup"``,
             ``"early_exit"``) or a draft model (a smaller causal LM sharing the tokenizer). Greedy output
