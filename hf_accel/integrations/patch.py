@@ -15,6 +15,9 @@ from transformers import GenerationMixin, PreTrainedModel
 from hf_accel._logging import logger
 from hf_accel.integrations import generate as paged_generate
 from hf_accel.integrations.attention import register
+from hf_accel.integrations.lora_fingerprints import (
+    base_fingerprints, base_probes, lora_base_weights, lora_layers, lora_parameters, lora_probes, lora_values,
+)
 
 #: ``config.model_type`` values :func:`accelerate_model` takes (decoder-only models with RoPE, RMSNorm, a SwiGLU MLP
 #: and grouped-query attention as transformers implements them); other types raise ValueError.
@@ -69,113 +72,6 @@ def _unwrap_peft(model):
     return model, None
 
 
-def _lora_base_weights(peft_model) -> list:
-    """Copies of the base weights LoRA merging will change, with the base layers holding them (restored exactly
-    by revert_model, also after peft's ``unload`` has replaced the LoRA layers by those base layers)."""
-    from peft.tuners.lora import LoraLayer
-
-    saved = []
-    for module in peft_model.modules():
-        if isinstance(module, LoraLayer):
-            base = module.get_base_layer()
-            saved.append((base, {k: v.detach().clone() for k, v in base.named_parameters(recurse=False)}))
-    return saved
-
-
-def _norms(tensors) -> list[float]:
-    """float32 L2 norm of each tensor, read with one host sync: what tells whether a weight changed (in place,
-    through ``.data`` or replaced) from the same values in other storage (the fast path's merged projections)."""
-    tensors = [t.detach() for t in tensors]
-    if not tensors:
-        return []
-    with torch.no_grad():
-        try:
-            norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-        except (AttributeError, TypeError, RuntimeError):  # (a torch without it): one kernel per tensor
-            norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-        return torch.stack([n.to(tensors[0].device) for n in norms]).tolist()
-
-
-def _base_probes(saved) -> list:
-    """Per merged base tensor (in :func:`_lora_base_weights` order) two fixed random vectors ``(r, s)``: ``r`` of its
-    columns (the tensor's dtype), ``s`` of its rows (float32), for the bilinear form ``s . (W r)`` that
-    :func:`_base_fingerprints` adds to the norm (a sign flip or reordered rows keep the norm, not the form)."""
-    generator = torch.Generator().manual_seed(1)
-    probes = []
-    for _, params in saved:
-        for value in params.values():
-            rows = value.shape[0] if value.dim() > 1 else 1
-            cols = value.numel() // max(rows, 1)
-            probes.append((torch.randn(cols, generator=generator).to(value.device, value.dtype),
-                           torch.randn(rows, generator=generator).to(value.device)))
-    return probes
-
-
-def _base_fingerprints(tensors, probes) -> list[tuple[float, float]]:
-    """(float32 norm, ``s . (W r)``) of each merged base tensor (:func:`_base_probes`), two host syncs; the form is
-    NaN (never equal) for a tensor whose size, dtype or device no longer matches its probes (replaced)."""
-    tensors = [t.detach() for t in tensors]
-    norms = _norms(tensors)
-    if not tensors:
-        return []
-    forms = []
-    with torch.no_grad():
-        for t, (r, s) in zip(tensors, probes):
-            if t.numel() != r.numel() * s.numel() or t.dtype != r.dtype or t.device != r.device:
-                forms.append(torch.tensor(float("nan"), device=tensors[0].device))
-            else:
-                forms.append(torch.dot(s, torch.mv(t.reshape(s.numel(), r.numel()), r).float()))
-        values = torch.stack([f.to(tensors[0].device) for f in forms]).tolist()
-    return list(zip(norms, values))
-
-
-def _lora_layers(peft_model) -> list:
-    from peft.tuners.lora import LoraLayer
-
-    return [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
-
-
-def _lora_parameters(peft_model):
-    """The LoRA parameters of a PeftModel (named ``lora_*``: A, B, embedding A/B, DoRA magnitudes), in module order."""
-    return [p for n, p in peft_model.named_parameters() if "lora_" in n]
-
-
-def _lora_probes(peft_model) -> list:
-    """One fixed random tensor per LoRA parameter, of its shape, dtype and device, scaled to its RMS: the
-    parameter's fingerprint is the norm of parameter + probe, which (unlike its norm alone) changes when the values
-    change but not their norm (a sign flip, rows swapped)."""
-    generator = torch.Generator().manual_seed(0)
-    probes = []
-    with torch.no_grad():
-        for p in _lora_parameters(peft_model):
-            rms = float(p.detach().float().pow(2).mean().sqrt()) if p.numel() else 0.0
-            probes.append((torch.randn(p.shape, generator=generator) * rms).to(p.device, p.dtype))
-    return probes
-
-
-def _lora_fingerprints(peft_model, probes) -> list[float] | None:
-    """The float32 norm of each LoRA parameter plus its probe (:func:`_lora_probes`), with one host sync; None when
-    the parameters no longer match the probes in number, shape, dtype or device (replaced: changed)."""
-    params = [p.detach() for p in _lora_parameters(peft_model)]
-    if len(params) != len(probes) or any(p.shape != q.shape or p.dtype != q.dtype or p.device != q.device
-                                         for p, q in zip(params, probes)):
-        return None
-    with torch.no_grad():
-        try:
-            summed = torch._foreach_add(params, probes)
-        except (AttributeError, TypeError, RuntimeError):  # (a torch without it): one kernel per tensor
-            summed = [p + q for p, q in zip(params, probes)]
-    return _norms(summed)
-
-
-def _lora_values(peft_model, saved, probes, base_probes) -> tuple:
-    """What the merged weights depend on: the fingerprints of the LoRA parameters (:func:`_lora_fingerprints`),
-    their scalings, and the fingerprints of the merged base weights (:func:`_base_fingerprints`)."""
-    lora = _lora_fingerprints(peft_model, probes)
-    scalings = tuple(tuple(sorted(m.scaling.items())) for m in _lora_layers(peft_model))
-    return lora, scalings, _base_fingerprints([getattr(b, k) for b, params in saved for k in params], base_probes)
-
-
 def lora_change(model) -> str | None:
     """What changed, while hf-accel holds ``model``'s LoRA adapters merged, that the merged weights do not reflect
     (the LoRA weights or scalings, or the merged base weights: written in place, through ``.data`` or replaced with
@@ -187,9 +83,9 @@ def lora_change(model) -> str | None:
     if state is None or not state.get("lora_merged") or state.get("lora_peft") is None:
         return None
     peft_model, saved = state["lora_peft"], state["lora_base_weights"]
-    if [id(m.get_base_layer()) for m in _lora_layers(peft_model)] != [id(b) for b, _ in saved]:
+    if [id(m.get_base_layer()) for m in lora_layers(peft_model)] != [id(b) for b, _ in saved]:
         return "a LoRA layer or its base layer was replaced"
-    lora, scalings, base = _lora_values(peft_model, saved, state["lora_probes"], state["lora_base_probes"])
+    lora, scalings, base = lora_values(peft_model, saved, state["lora_probes"], state["lora_base_probes"])
     if lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1]:
         return "LoRA weights or scalings changed"
     if base != state["lora_values"][2]:
@@ -230,9 +126,9 @@ def _guard_peft(peft_model, state: dict) -> None:
         hooks.append(base.register_state_dict_post_hook(functools.partial(_peft_state_dict, peft_model)))
     state["peft_guards"] = (attrs, hooks)
     state["lora_peft"] = peft_model
-    state["lora_probes"] = _lora_probes(peft_model)
-    state["lora_base_probes"] = _base_probes(state["lora_base_weights"])
-    state["lora_values"] = _lora_values(peft_model, state["lora_base_weights"], state["lora_probes"],
+    state["lora_probes"] = lora_probes(peft_model)
+    state["lora_base_probes"] = base_probes(state["lora_base_weights"])
+    state["lora_values"] = lora_values(peft_model, state["lora_base_weights"], state["lora_probes"],
                                         state["lora_base_probes"])
 
 
@@ -257,7 +153,7 @@ def _peft_train(peft_model, mode: bool = True):
 
 
 def _peft_pre_forward(module, args, kwargs):
-    if torch.is_grad_enabled() and any(p.requires_grad for p in _lora_parameters(module)):
+    if torch.is_grad_enabled() and any(p.requires_grad for p in lora_parameters(module)):
         _revert_for(module, "a forward with autograd")
     else:
         revert_if_lora_changed(module)
@@ -283,7 +179,7 @@ def _peft_state_dict(peft_model, module, state_dict, prefix, local_metadata):
     state = getattr(peft_model.get_base_model(), _STATE_ATTR, None)
     if state is None or not state.get("lora_merged") or state.get("lora_values") is None:
         return
-    lora, scalings, _ = _lora_values(peft_model, [], state["lora_probes"], [])
+    lora, scalings, _ = lora_values(peft_model, [], state["lora_probes"], [])
     params, stored, probes, offset = None, [], [], 0
     for base, saved in state["lora_base_weights"]:  # this layer's fingerprints at the merge (flattened in this order)
         if base is module:
@@ -292,7 +188,7 @@ def _peft_state_dict(peft_model, module, state_dict, prefix, local_metadata):
             break
         offset += len(saved)
     changed = (lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1] or params is None
-               or _base_fingerprints([getattr(module, k) for k in params], probes) != stored)
+               or base_fingerprints([getattr(module, k) for k in params], probes) != stored)
     if changed:
         _revert_for(peft_model, "state_dict() after weights changed while merged")
         return
@@ -512,7 +408,7 @@ def accelerate_model(
     try:
         if peft_model is not None:
             # Merge/unmerge in floating point is not exact: keep the base weights to restore them bit for bit.
-            state["lora_base_weights"] = _lora_base_weights(peft_model)
+            state["lora_base_weights"] = lora_base_weights(peft_model)
             state["lora_prior_merged"] = _merged_adapters(peft_model)  # a caller's own merge_adapter(), kept
             peft_model.merge_adapter()
             state["lora_merged"] = True
@@ -597,13 +493,13 @@ def _restore(hf_model, peft_model, state: dict) -> None:
         edited = set()
         if state.get("lora_values") is not None:
             keys = [(id(b), k) for b, params in saved for k in params]
-            now = _base_fingerprints([getattr(b, k) for b, params in saved for k in params], state["lora_base_probes"])
+            now = base_fingerprints([getattr(b, k) for b, params in saved for k in params], state["lora_base_probes"])
             edited = {key for key, before, after in zip(keys, state["lora_values"][2], now) if before != after}
         saved_bases = {id(b) for b, _ in saved}
         if peft_model is not None and state.get("lora_merged"):
             # a LoRA layer whose base layer was replaced meanwhile: the new base holds no merged delta (peft's unmerge
             # would subtract it from the new weights); its flags are cleared instead
-            for layer in _lora_layers(peft_model):
+            for layer in lora_layers(peft_model):
                 if id(layer.get_base_layer()) not in saved_bases:
                     layer.merged_adapters.clear()
             peft_model.unmerge_adapter()

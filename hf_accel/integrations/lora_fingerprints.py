@@ -1,0 +1,118 @@
+"""What hf-accel remembers of a PeftModel whose LoRA adapters it merged, to notice later changes the merged weights
+would not reflect (:func:`hf_accel.integrations.patch.lora_change`) and to restore the base weights exactly on
+revert: copies of the base weights, and cheap fingerprints (one read of each tensor, a host sync per kind) of the
+LoRA parameters (norm of the parameter plus a fixed random probe) and of the merged base weights (norm and a fixed
+random bilinear form ``s . (W r)``). Both kinds change when values change but their norm does not (a sign flip,
+reordered rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def lora_base_weights(peft_model) -> list:
+    """Copies of the base weights LoRA merging will change, with the base layers holding them (restored exactly
+    by revert_model, also after peft's ``unload`` has replaced the LoRA layers by those base layers)."""
+    from peft.tuners.lora import LoraLayer
+
+    saved = []
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            saved.append((base, {k: v.detach().clone() for k, v in base.named_parameters(recurse=False)}))
+    return saved
+
+
+def _norms(tensors) -> list[float]:
+    """float32 L2 norm of each tensor, read with one host sync: what tells whether a weight changed (in place,
+    through ``.data`` or replaced) from the same values in other storage (the fast path's merged projections)."""
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
+        return []
+    with torch.no_grad():
+        try:
+            norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        except (AttributeError, TypeError, RuntimeError):  # (a torch without it): one kernel per tensor
+            norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+        return torch.stack([n.to(tensors[0].device) for n in norms]).tolist()
+
+
+def base_probes(saved) -> list:
+    """Per merged base tensor (in :func:`lora_base_weights` order) two fixed random vectors ``(r, s)``: ``r`` of its
+    columns (the tensor's dtype), ``s`` of its rows (float32), for the bilinear form ``s . (W r)`` that
+    :func:`base_fingerprints` adds to the norm (a sign flip or reordered rows keep the norm, not the form)."""
+    generator = torch.Generator().manual_seed(1)
+    probes = []
+    for _, params in saved:
+        for value in params.values():
+            rows = value.shape[0] if value.dim() > 1 else 1
+            cols = value.numel() // max(rows, 1)
+            probes.append((torch.randn(cols, generator=generator).to(value.device, value.dtype),
+                           torch.randn(rows, generator=generator).to(value.device)))
+    return probes
+
+
+def base_fingerprints(tensors, probes) -> list[tuple[float, float]]:
+    """(float32 norm, ``s . (W r)``) of each merged base tensor (:func:`base_probes`), two host syncs; the form is
+    NaN (never equal) for a tensor whose size, dtype or device no longer matches its probes (replaced)."""
+    tensors = [t.detach() for t in tensors]
+    norms = _norms(tensors)
+    if not tensors:
+        return []
+    forms = []
+    with torch.no_grad():
+        for t, (r, s) in zip(tensors, probes):
+            if t.numel() != r.numel() * s.numel() or t.dtype != r.dtype or t.device != r.device:
+                forms.append(torch.tensor(float("nan"), device=tensors[0].device))
+            else:
+                forms.append(torch.dot(s, torch.mv(t.reshape(s.numel(), r.numel()), r).float()))
+        values = torch.stack([f.to(tensors[0].device) for f in forms]).tolist()
+    return list(zip(norms, values))
+
+
+def lora_layers(peft_model) -> list:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+
+
+def lora_parameters(peft_model):
+    """The LoRA parameters of a PeftModel (named ``lora_*``: A, B, embedding A/B, DoRA magnitudes), in module order."""
+    return [p for n, p in peft_model.named_parameters() if "lora_" in n]
+
+
+def lora_probes(peft_model) -> list:
+    """One fixed random tensor per LoRA parameter, of its shape, dtype and device, scaled to its RMS: the
+    parameter's fingerprint is the norm of parameter + probe, which (unlike its norm alone) changes when the values
+    change but not their norm (a sign flip, rows swapped)."""
+    generator = torch.Generator().manual_seed(0)
+    probes = []
+    with torch.no_grad():
+        for p in lora_parameters(peft_model):
+            rms = float(p.detach().float().pow(2).mean().sqrt()) if p.numel() else 0.0
+            probes.append((torch.randn(p.shape, generator=generator) * rms).to(p.device, p.dtype))
+    return probes
+
+
+def lora_fingerprints(peft_model, probes) -> list[float] | None:
+    """The float32 norm of each LoRA parameter plus its probe (:func:`lora_probes`), with one host sync; None when
+    the parameters no longer match the probes in number, shape, dtype or device (replaced: changed)."""
+    params = [p.detach() for p in lora_parameters(peft_model)]
+    if len(params) != len(probes) or any(p.shape != q.shape or p.dtype != q.dtype or p.device != q.device
+                                         for p, q in zip(params, probes)):
+        return None
+    with torch.no_grad():
+        try:
+            summed = torch._foreach_add(params, probes)
+        except (AttributeError, TypeError, RuntimeError):  # (a torch without it): one kernel per tensor
+            summed = [p + q for p, q in zip(params, probes)]
+    return _norms(summed)
+
+
+def lora_values(peft_model, saved, probes, base_probes) -> tuple:
+    """What the merged weights depend on: the fingerprints of the LoRA parameters (:func:`lora_fingerprints`),
+    their scalings, and the fingerprints of the merged base weights (:func:`base_fingerprints`)."""
+    lora = lora_fingerprints(peft_model, probes)
+    scalings = tuple(tuple(sorted(m.scaling.items())) for m in lora_layers(peft_model))
+    return lora, scalings, base_fingerprints([getattr(b, k) for b, params in saved for k in params], base_probes)
