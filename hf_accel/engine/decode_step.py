@@ -31,6 +31,7 @@ import functools
 import torch
 import triton
 
+from hf_accel._logging import log_once
 from hf_accel.engine import step_switches as switches
 from hf_accel.engine.fused_support import fused_linear_supported, fused_supported
 from hf_accel.engine.graphs import capture as capture_graph
@@ -128,7 +129,14 @@ class DecodeStep:
         attn0 = model.model.layers[0].self_attn
         self.head_dim = attn0.head_dim
         # fused=None: on CUDA when supported. fused=True on CPU runs the Triton kernels (interpreter; tests).
-        self.fused = (dev.type == "cuda" if fused is None else fused) and fused_supported(model) is None
+        self.fused = dev.type == "cuda" if fused is None else fused
+        if self.fused:
+            reason = fused_supported(model)
+            if reason is not None:  # the module step runs instead: correct, slower
+                log_once(f"fused-step:{reason}",
+                         f"hf-accel: the fused decode step does not take this model ({reason}); the decode step "
+                         "runs the model's own modules with hf-accel's attention and cache")
+                self.fused = False
         self.merged = merged  # list of MergedLayer (fused step only) or None; sets small_linear
         row_blocks = attention_row_blocks(q_len * (self.num_heads // self.num_kv_heads))
         self.num_splits = default_num_splits(batch * self.num_kv_heads * row_blocks, self.capacity, dev)

@@ -66,7 +66,8 @@ def model_reason(model) -> str | None:
         return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
     rope = getattr(model.model.rotary_emb, "rope_type", "default")
     if rope not in _ROPE_OK:
-        return f"rope_type {rope!r} (its frequencies depend on the sequence length)"
+        return (f"rope_type {rope!r} (the fast path computes the rotary tables of "
+                f"{', '.join(sorted(_ROPE_OK))} only)")
     return None
 
 
@@ -305,6 +306,9 @@ class CallChecks:
         if reason:
             return reason
         sw = getattr(self.model.config, "sliding_window", None)
+        layer_types = getattr(self.model.config, "layer_types", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            sw = None  # (qwen2/qwen3: a window no layer uses, as with use_sliding_window=False or max_window_layers)
         if sw is not None and ids.shape[1] + self._max_new(gc, ids.shape[1]) > sw:
             if self.model.config.model_type == "llama":
                 return (f"the sequence would exceed the config's sliding_window ({sw}), which llama's attention "

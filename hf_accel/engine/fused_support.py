@@ -22,7 +22,8 @@ _SILU_TYPES = _silu_types()
 def fused_supported(model) -> str | None:
     """Why the fused step cannot run this model (None if it can): it needs RMSNorms with ``weight`` and
     ``variance_epsilon``, plain ``nn.Linear`` projections, a SiLU-gated MLP (``hidden_act`` and each layer's
-    ``act_fn``) and an even head_dim."""
+    ``act_fn``), an even head_dim, and the embedding, norms, projections and LM head in one dtype (its buffers and
+    kernels take the embedding's)."""
     inner = model.model
     if getattr(model.config, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(model.config, 'hidden_act', None)!r}"
@@ -42,6 +43,16 @@ def fused_supported(model) -> str | None:
             return "a q_norm that is not an RMSNorm"
     if inner.layers[0].self_attn.head_dim % 2:
         return "odd head_dim"
+    weights = [getattr(model.get_input_embeddings(), "weight", None), getattr(model.lm_head, "weight", None)]
+    weights += [n.weight for n in norms]
+    for ly in inner.layers:
+        attn = ly.self_attn
+        weights += [m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, ly.mlp.gate_proj,
+                                       ly.mlp.up_proj, ly.mlp.down_proj)]
+        weights += [getattr(n, "weight", None) for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))]
+    dtypes = {w.dtype for w in weights if isinstance(w, torch.Tensor)}
+    if len(dtypes) > 1:
+        return f"weights in several dtypes ({', '.join(sorted(str(d) for d in dtypes))})"
     return None
 
 

@@ -452,3 +452,18 @@ def test_a_hook_added_after_the_engine_let_its_steps_go_is_run(release, tiny, hf
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6), stock)
     assert len(calls) == stock_calls > 1 and not decode_steps
     assert _messages(hf_log, "forward hooks or a replaced forward on model.layers.0")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_a_sliding_window_no_layer_uses_keeps_the_fast_path(model_type, tiny, hf_log, decode_steps):
+    """qwen2/qwen3 with ``use_sliding_window=True`` but ``max_window_layers`` covering every layer: every layer is
+    full attention (stock applies no window), yet ``config.sliding_window`` is set, and generate left the fast path
+    ("the sequence would exceed the sliding window"). Now the window counts only where a layer uses it."""
+    model = tiny.model(model_type, seed=14, use_sliding_window=True, sliding_window=8, max_window_layers=64)
+    assert set(model.config.layer_types) == {"full_attention"} and model.config.sliding_window == 8
+    ids, mask = tiny.batch(seed=15)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6)
+    ours = _accelerated(model)
+    decode_steps.clear()
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6), stock)
+    assert decode_steps and not _messages(hf_log, "sliding window")

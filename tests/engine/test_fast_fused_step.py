@@ -367,3 +367,29 @@ def test_fused_flag_change_rebuilds_steps(tiny, monkeypatch):
     model._hf_accel_engine.fused = True
     again = _generate(model, ids, mask, tiny.PAD, max_new_tokens=3, eos_token_id=None)
     assert calls and torch.equal(again, first)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mix", ["embedding", "norms", "final_norm", "gelu"])
+def test_a_model_the_fused_step_does_not_take_runs_the_module_step_and_says_why(mix, tiny, decode_steps, hf_log):
+    """A float32 model with its embedding, its norms or only its final norm in bfloat16 (stock runs it): the fused
+    step raised (a dtype mismatch in its kernels or matmuls). A model the fused step does not take at all (gelu MLP)
+    silently ran the module step. Now both run the module step, with stock's tokens and the reason logged once."""
+    overrides = {"hidden_act": "gelu"} if mix == "gelu" else {}
+    model = tiny.model("llama", seed=12, **overrides)
+    if mix == "embedding":
+        model.model.embed_tokens.to(torch.bfloat16)
+    elif mix == "norms":
+        for name, module in model.named_modules():
+            if name.endswith("norm"):
+                module.to(torch.bfloat16)
+    elif mix == "final_norm":
+        model.model.norm.to(torch.bfloat16)
+    ids, mask = tiny.batch(seed=13)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=4)
+    ours = _accelerated(model, fused=True)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), stock)
+    assert decode_steps and not any(decode_steps)
+    reason = "hidden_act 'gelu'" if mix == "gelu" else "weights in several dtypes (torch.bfloat16, torch.float32)"
+    logged = [r.getMessage() for r in hf_log.records if "fused decode step does not take" in r.getMessage()]
+    assert len(logged) == 1 and reason in logged[0], logged
