@@ -416,7 +416,8 @@ def test_a_layer_forward_patched_before_the_first_call_or_a_subclass_override_tu
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), plain) and decode_steps
 
 
-@pytest.mark.parametrize("release", ["load_state_dict", "state_dict_fused"])
+@pytest.mark.parametrize("release", ["load_state_dict",
+                                     pytest.param("state_dict_fused", marks=pytest.mark.interpreter)])
 def test_a_hook_added_after_the_engine_let_its_steps_go_is_run(release, tiny, hf_log, decode_steps):
     """``load_state_dict``, and ``state_dict()`` of a model whose projections the fused step merged, let the fast
     path's steps go; a forward hook registered after that was skipped on every later call (the model check's cached
