@@ -235,3 +235,34 @@ def test_decode_steps_do_not_read_block_ids_back_to_the_host(fast_decode, monkey
         model._hf_accel_engine.fused = False  # the module step (eager), not the fused one
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), ref)
     assert calls == []
+
+
+@pytest.mark.parametrize("release", ["state_dict", "save_pretrained"])
+def test_a_hook_added_after_state_dict_of_the_merged_model_is_run(release, tmp_path):
+    """state_dict() / save_pretrained of a model whose fused step merged its projections let the steps go; a forward
+    hook registered after that was skipped by every later call. Now the hook runs and the tokens are stock's."""
+    import copy
+
+    model = _tiny("llama")
+    stock = copy.deepcopy(model)
+    ids = torch.randint(8, 256, (1, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    hf_accel.accelerate_model(model)
+    model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    engine = model._hf_accel_engine
+    assert engine.merged
+    model.state_dict() if release == "state_dict" else model.save_pretrained(tmp_path)
+    assert not engine.steps
+    steer = torch.randn(128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)) * 5
+    calls = []
+
+    def hook(module, args, out):
+        calls.append(1)
+        return (out[0] + steer, *out[1:]) if isinstance(out, tuple) else out + steer
+
+    for m in (model, stock):
+        m.model.layers[0].register_forward_hook(hook)
+    want = stock.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    stock_calls = len(calls)
+    calls.clear()
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), want)
+    assert len(calls) == stock_calls > 1
