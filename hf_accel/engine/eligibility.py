@@ -52,6 +52,9 @@ def model_reason(model) -> str | None:
         more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
         return (f"forward hooks or a replaced forward on {', '.join(hooked[:3])}{more} (the fast path runs the "
                 "layers itself and would skip them)")
+    head_weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if not isinstance(head_weight, torch.Tensor) or head_weight.dim() != 2:  # the fast path's LM head reads it
+        return f"an LM head without a [vocab, hidden] weight ({type(getattr(model, 'lm_head', None)).__name__})"
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         return "sliding-window layers"

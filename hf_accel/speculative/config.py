@@ -117,6 +117,16 @@ _NO_DRAFT_STEP = ("the draft model was accelerated without fast_decode; it has n
                   "(revert_model(draft) first, or accelerate it with paged_cache=True, fast_decode=True)")
 
 
+def head_rows_reason(target, draft) -> str | None:
+    """Why the draft's next-token distributions cannot be compared with the target's (None if they can): their LM
+    heads give different numbers of logits (rejection sampling compares them token by token)."""
+    rows = [getattr(getattr(getattr(m, "lm_head", None), "weight", None), "shape", (None,))[0] for m in (draft, target)]
+    if None not in rows and rows[0] != rows[1]:
+        return (f"the draft model's LM head gives {rows[0]} logits, the target's {rows[1]}; they must score the same "
+                "vocabulary")
+    return None
+
+
 def check_draft(target, draft) -> None:
     """Raise ValueError if ``draft`` cannot draft for ``target``: not a supported transformers causal LM,
     another vocabulary size (it must share the tokenizer), another device, the target itself, accelerated
@@ -139,6 +149,9 @@ def check_draft(target, draft) -> None:
                          f"from the target's ({target.config.vocab_size}); it must share the tokenizer")
     if draft.device != target.device:
         raise ValueError(f"the draft model is on {draft.device}, the target on {target.device}")
+    reason = head_rows_reason(target, draft)
+    if reason:
+        raise ValueError(reason)
     if is_accelerated(draft) and getattr(draft, "_hf_accel_engine", None) is None:
         raise ValueError(_NO_DRAFT_STEP)
     reason = model_reason(draft)

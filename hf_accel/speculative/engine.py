@@ -50,7 +50,7 @@ from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, 
                                             commit_tokens, commit_tokens_ref)
 from hf_accel.kernels.ngram_lookup import ngram_lookup
 from hf_accel.kernels.verify_inputs import verify_inputs, verify_inputs_ref
-from hf_accel.speculative.config import _NO_DRAFT_STEP, SpeculativeConfig, check_draft
+from hf_accel.speculative.config import _NO_DRAFT_STEP, SpeculativeConfig, check_draft, head_rows_reason
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.speculative.verify import rejection_sample, sample
 from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates
@@ -159,6 +159,9 @@ class SpeculativeEngine:
             return "repetition_penalty (each verified position's penalty depends on the drafts before it)"
         if len(eos_ids(gc.eos_token_id)) > 8:
             return "more than 8 EOS ids"
+        if self.config.method == "early_exit" and self.exit_layer >= len(self.model.model.layers):
+            return (f"exit_layer {self.exit_layer} is not below the model's {len(self.model.model.layers)} layers now "
+                    "(layers were removed since accelerate_model)")
         if self.draft_fast is not None:
             # the draft changed since it was checked (moved, cast, put in training mode): its engine releases
             # what it built for the old weights, and a draft it cannot run declines here
@@ -169,6 +172,9 @@ class SpeculativeEngine:
             if draft_vocab != target_vocab:  # e.g. resize_token_embeddings on one of them since the set-up
                 return (f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
                         f"({target_vocab}) now; the draft must share the target's tokenizer")
+            reason = head_rows_reason(self.model, self.config.draft_model)
+            if reason is not None:  # an LM head replaced on one of them since the set-up
+                return reason + " now"
             return self._pools_reason(gc, model_kwargs["input_ids"])
         return None
 

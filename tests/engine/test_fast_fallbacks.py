@@ -468,3 +468,15 @@ def test_a_sliding_window_no_layer_uses_keeps_the_fast_path(model_type, tiny, hf
     decode_steps.clear()
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6), stock)
     assert decode_steps and not _messages(hf_log, "sliding window")
+
+
+def test_an_lm_head_without_a_weight_runs_transformers_loop(tiny, hf_log, decode_steps):
+    """An LM head that is not a linear layer with a [vocab, hidden] weight (here a Sequential around one): the fast
+    path raised AttributeError building its step. Now transformers' loop runs it, with stock's tokens, logged."""
+    model = tiny.model("llama", seed=16)
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    ids, mask = tiny.batch(seed=17)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
+    ours = _accelerated(model)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
+    assert not decode_steps and _messages(hf_log, "an LM head without a [vocab, hidden] weight (Sequential)")

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from speculative_helpers import LAYERS, greedy, repetitive_batch, truncated
+from speculative_helpers import LAYERS, _messages, greedy, repetitive_batch, truncated
 
 import hf_accel
 from hf_accel import SpeculativeConfig, accelerate_model, revert_model, speculative_stats
@@ -111,3 +111,44 @@ def test_repeated_eos_ids_count_once(tiny, hf_log):
     assert torch.equal(got, want)
     assert speculative_stats(ours) is not None
     assert not any("more than 8 EOS ids" in r.getMessage() for r in hf_log.records)
+
+
+def test_a_draft_whose_lm_head_scores_another_vocabulary_is_refused(tiny, hf_log):
+    """A draft whose config and embedding match the target's vocabulary but whose LM head gives fewer logits: it was
+    accepted, and speculative sampling raised a shape error mid-call. Now accelerate_model refuses it; an LM head
+    replaced that way after the set-up turns speculation off for the call (logged), with the plain path's tokens."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    draft = truncated(model, 1)
+    narrow = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size - 4, bias=False)
+    bad = copy.deepcopy(draft)
+    bad.lm_head = copy.deepcopy(narrow)
+    with pytest.raises(ValueError, match=r"LM head gives \d+ logits, the target's \d+"):
+        accelerate_model(copy.deepcopy(model), speculative=bad)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("draft_model", draft_model=draft,
+                                                                                adaptive=False))
+    ids, mask = repetitive_batch(tiny, lengths=(12,))
+    plain = greedy(model, ids, mask, tiny.PAD, max_new_tokens=6)
+    draft.lm_head = narrow
+    torch.manual_seed(0)
+    sampled = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True,
+                            pad_token_id=tiny.PAD)
+    assert sampled.shape == plain.shape
+    assert _messages(hf_log, "speculative decoding not used: the draft model's LM head gives")
+    assert torch.equal(greedy(ours, ids, mask, tiny.PAD, max_new_tokens=6), plain)
+
+
+def test_exit_layer_no_longer_below_the_layer_count_turns_speculation_off(tiny, hf_log):
+    """Early exit with exit_layer 2 on a 3-layer model whose layers are then cut to 2: the call drafted with the whole
+    model (acceptance 1.0, nothing logged), and with fewer layers raised an error that did not name exit_layer. Now
+    the call runs the plain fast path, logged, with the pruned model's stock tokens."""
+    model = tiny.model("llama", num_hidden_layers=3)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("early_exit", exit_layer=2))
+    ids, mask = repetitive_batch(tiny)
+    greedy(ours, ids, mask, tiny.PAD, max_new_tokens=4)
+    for keep in (2, 1):
+        ours.model.layers = torch.nn.ModuleList(list(ours.model.layers)[:keep])
+        ours.config.num_hidden_layers = keep
+        want = greedy(truncated(model, keep), ids, mask, tiny.PAD, max_new_tokens=6)
+        assert torch.equal(greedy(ours, ids, mask, tiny.PAD, max_new_tokens=6), want)
+        assert _messages(hf_log, f"exit_layer 2 is not below the model's {keep} layers now")
+        assert speculative_stats(ours) is None
