@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-import os
-import sys
 
 import torch
 from torch.nn.modules import module as torch_module
@@ -95,49 +93,43 @@ def _layer_class_forwards(model) -> tuple:
 
 
 #: Packages whose decorators may wrap a layer class's ``forward`` as transformers defines it (transformers' own
-#: deprecation and output-capturing wrappers, the ``kernels`` hub layer wrapper transformers applies, torch's
-#: ``no_grad``): a wrapper from anywhere else is a patch.
-_WRAPPER_PACKAGES = ("transformers", "kernels", "torch")
+#: deprecation, gradient-checkpointing and output-capturing wrappers, the ``kernels`` hub layer wrapper transformers
+#: applies, torch's ``no_grad``): a wrapper from anywhere else is a patch.
+_WRAPPER_PACKAGES = frozenset({"transformers", "kernels", "torch"})
+
+#: Modules whose functions are a model's own layer code: transformers' models and trust_remote_code modules.
+_MODEL_CODE = ("transformers.", "transformers_modules.")
 
 
-def _package_dirs() -> tuple[str, ...]:
-    dirs = []
-    for name in _WRAPPER_PACKAGES:
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        if path:
-            dirs.append(os.path.dirname(os.path.realpath(path)) + os.sep)
-    return tuple(dirs)
+def _defined_in(fn) -> str | None:
+    """Name of the module whose namespace ``fn`` was defined in (its ``__globals__``, which ``functools.wraps`` does
+    not copy, unlike ``__module__``); None for an object without one (a partial, a callable object)."""
+    namespace = getattr(fn, "__globals__", None)
+    return namespace.get("__name__") if isinstance(namespace, dict) else None
 
 
 @functools.lru_cache(maxsize=256)
-def _own_forward(cls, forward) -> bool:
-    """Whether ``forward`` (``cls.forward``) is the function transformers (or the model's own remote code) defines for
-    ``cls`` or a class it inherits from: defined in that class's module file, wrapped only by decorators of
-    :data:`_WRAPPER_PACKAGES`. False for a patch on the class (a function from elsewhere, or a wrapper around the
-    original from elsewhere) and for a subclass outside transformers that overrides ``forward``."""
-    definer = next((c for c in cls.__mro__ if "forward" in vars(c)), None)
-    if definer is None or not definer.__module__.startswith(("transformers.", "transformers_modules.")):
-        return False
-    module_file = getattr(sys.modules.get(definer.__module__), "__file__", None)
-    files, fn = [], forward
-    while fn is not None and len(files) < 16:
-        code = getattr(fn, "__code__", None)
-        if code is None:  # a partial or a callable object
-            return False
-        files.append(os.path.realpath(code.co_filename))
+def _own_forward(forward) -> bool:
+    """Whether ``forward`` (a layer class's ``forward``) is a model's own code: following ``__wrapped__``, the
+    innermost function was defined in a transformers model module or a trust_remote_code module, and every wrapper
+    around it in a package of :data:`_WRAPPER_PACKAGES` (transformers wraps the forwards of its
+    ``GradientCheckpointingLayer`` subclasses, those of the caller's subclasses too). False for a patch on the
+    class (a function from elsewhere, or a wrapper around the original from elsewhere) and for a subclass outside
+    transformers that overrides ``forward``."""
+    chain, fn = [], forward
+    while fn is not None and len(chain) < 16:
+        chain.append(_defined_in(fn))
         fn = getattr(fn, "__wrapped__", None)
-    if module_file is None or files[-1] != os.path.realpath(module_file):
+    if None in chain or not chain[-1].startswith(_MODEL_CODE):
         return False
-    roots = _package_dirs()
-    return all(path.startswith(roots) for path in files[:-1])
+    return all(name.split(".")[0] in _WRAPPER_PACKAGES for name in chain[:-1])
 
 
 def replaced_forwards(model) -> list[str]:
     """Names of the classes among :func:`_layer_class_forwards`' whose ``forward`` is not transformers' own
     (:func:`_own_forward`): the fast path runs those modules' math itself and would skip the replacement."""
     return sorted({cls.__name__ for cls, fn in _layer_class_forwards(model)
-                   if fn is not None and not _own_forward(cls, fn)})
+                   if fn is not None and not _own_forward(fn)})
 
 
 def hooked_modules(model) -> list[str]:

@@ -374,7 +374,8 @@ def test_a_layer_forward_patched_before_the_first_call_or_a_subclass_override_tu
     ``functools.wraps`` included), or a module whose subclass overrides forward: the fast path took the forwards it
     first saw as the baseline and ran its own layer math (other tokens, no log). Now any forward that is not the one
     transformers defines runs transformers' loop, with stock's tokens and the reason logged; a subclass that does not
-    override forward keeps the fast path."""
+    override forward keeps the fast path (also a decoder-layer subclass, whose forward transformers wraps on the
+    subclass itself)."""
     import functools
 
     from transformers.models.llama import modeling_llama
@@ -411,8 +412,14 @@ def test_a_layer_forward_patched_before_the_first_call_or_a_subclass_override_tu
     decode_steps.clear()
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
     assert not decode_steps and _messages(hf_log, "the forward of Overriding is not transformers' own")
+    class InheritingLayer(modeling_llama.LlamaDecoderLayer):  # transformers wraps its forward on the subclass
+        pass
+
+    assert "forward" in vars(InheritingLayer)
     for layer in ours.model.layers:
         layer.mlp.__class__ = Inheriting
+        layer.__class__ = InheritingLayer
+    decode_steps.clear()
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), plain) and decode_steps
 
 
