@@ -1,9 +1,9 @@
 """What hf-accel remembers of a PeftModel whose LoRA adapters it merged, to notice later changes the merged weights
 would not reflect (:func:`hf_accel.integrations.patch.lora_change`) and to restore the base weights exactly on
-revert: copies of the base weights, and cheap fingerprints (one read of each tensor, a host sync per kind) of the
-LoRA parameters (norm of the parameter plus a fixed random probe) and of the merged base weights (norm and a fixed
-random bilinear form ``s . (W r)``). Both kinds change when values change but their norm does not (a sign flip,
-reordered rows).
+revert: copies of the base weights, and cheap fingerprints (one read of each tensor, one host sync per kind) of the
+LoRA parameters (norm of the parameter plus a fixed random probe, which changes when values change but their norm
+does not: a sign flip, reordered rows) and of the merged base weights (their norms: an edit that keeps a base
+weight's norm while merged is not noticed).
 """
 
 from __future__ import annotations
@@ -38,37 +38,11 @@ def _norms(tensors) -> list[float]:
         return torch.stack([n.to(tensors[0].device) for n in norms]).tolist()
 
 
-def base_probes(saved) -> list:
-    """Per merged base tensor (in :func:`lora_base_weights` order) two fixed random vectors ``(r, s)``: ``r`` of its
-    columns (the tensor's dtype), ``s`` of its rows (float32), for the bilinear form ``s . (W r)`` that
-    :func:`base_fingerprints` adds to the norm (a sign flip or reordered rows keep the norm, not the form)."""
-    generator = torch.Generator().manual_seed(1)
-    probes = []
-    for _, params in saved:
-        for value in params.values():
-            rows = value.shape[0] if value.dim() > 1 else 1
-            cols = value.numel() // max(rows, 1)
-            probes.append((torch.randn(cols, generator=generator).to(value.device, value.dtype),
-                           torch.randn(rows, generator=generator).to(value.device)))
-    return probes
-
-
-def base_fingerprints(tensors, probes) -> list[tuple[float, float]]:
-    """(float32 norm, ``s . (W r)``) of each merged base tensor (:func:`base_probes`), two host syncs; the form is
-    NaN (never equal) for a tensor whose size, dtype or device no longer matches its probes (replaced)."""
-    tensors = [t.detach() for t in tensors]
-    norms = _norms(tensors)
-    if not tensors:
-        return []
-    forms = []
-    with torch.no_grad():
-        for t, (r, s) in zip(tensors, probes):
-            if t.numel() != r.numel() * s.numel() or t.dtype != r.dtype or t.device != r.device:
-                forms.append(torch.tensor(float("nan"), device=tensors[0].device))
-            else:
-                forms.append(torch.dot(s, torch.mv(t.reshape(s.numel(), r.numel()), r).float()))
-        values = torch.stack([f.to(tensors[0].device) for f in forms]).tolist()
-    return list(zip(norms, values))
+def base_fingerprints(tensors) -> list[float]:
+    """The float32 norm of each merged base tensor, one host sync. (A bilinear form ``s . (W r)`` was tried to catch
+    edits that keep the norm; ``torch.mv`` gives other last bits with another CPU thread count or under CUDA
+    autocast, so the merged weights would look stale when nothing changed: not kept.)"""
+    return _norms(tensors)
 
 
 def lora_layers(peft_model) -> list:
@@ -110,9 +84,9 @@ def lora_fingerprints(peft_model, probes) -> list[float] | None:
     return _norms(summed)
 
 
-def lora_values(peft_model, saved, probes, base_probes) -> tuple:
+def lora_values(peft_model, saved, probes) -> tuple:
     """What the merged weights depend on: the fingerprints of the LoRA parameters (:func:`lora_fingerprints`),
     their scalings, and the fingerprints of the merged base weights (:func:`base_fingerprints`)."""
     lora = lora_fingerprints(peft_model, probes)
     scalings = tuple(tuple(sorted(m.scaling.items())) for m in lora_layers(peft_model))
-    return lora, scalings, base_fingerprints([getattr(b, k) for b, params in saved for k in params], base_probes)
+    return lora, scalings, base_fingerprints([getattr(b, k) for b, params in saved for k in params])

@@ -16,7 +16,7 @@ from hf_accel._logging import logger
 from hf_accel.integrations import generate as paged_generate
 from hf_accel.integrations.attention import register
 from hf_accel.integrations.lora_fingerprints import (
-    base_fingerprints, base_probes, lora_base_weights, lora_layers, lora_parameters, lora_probes, lora_values,
+    base_fingerprints, lora_base_weights, lora_layers, lora_parameters, lora_probes, lora_values,
 )
 
 #: ``config.model_type`` values :func:`accelerate_model` takes (decoder-only models with RoPE, RMSNorm, a SwiGLU MLP
@@ -85,7 +85,7 @@ def lora_change(model) -> str | None:
     peft_model, saved = state["lora_peft"], state["lora_base_weights"]
     if [id(m.get_base_layer()) for m in lora_layers(peft_model)] != [id(b) for b, _ in saved]:
         return "a LoRA layer or its base layer was replaced"
-    lora, scalings, base = lora_values(peft_model, saved, state["lora_probes"], state["lora_base_probes"])
+    lora, scalings, base = lora_values(peft_model, saved, state["lora_probes"])
     if lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1]:
         return "LoRA weights or scalings changed"
     if base != state["lora_values"][2]:
@@ -127,9 +127,7 @@ def _guard_peft(peft_model, state: dict) -> None:
     state["peft_guards"] = (attrs, hooks)
     state["lora_peft"] = peft_model
     state["lora_probes"] = lora_probes(peft_model)
-    state["lora_base_probes"] = base_probes(state["lora_base_weights"])
-    state["lora_values"] = lora_values(peft_model, state["lora_base_weights"], state["lora_probes"],
-                                        state["lora_base_probes"])
+    state["lora_values"] = lora_values(peft_model, state["lora_base_weights"], state["lora_probes"])
 
 
 def _revert_for(peft_model, what: str) -> None:
@@ -179,16 +177,15 @@ def _peft_state_dict(peft_model, module, state_dict, prefix, local_metadata):
     state = getattr(peft_model.get_base_model(), _STATE_ATTR, None)
     if state is None or not state.get("lora_merged") or state.get("lora_values") is None:
         return
-    lora, scalings, _ = lora_values(peft_model, [], state["lora_probes"], [])
-    params, stored, probes, offset = None, [], [], 0
+    lora, scalings, _ = lora_values(peft_model, [], state["lora_probes"])
+    params, stored, offset = None, [], 0
     for base, saved in state["lora_base_weights"]:  # this layer's fingerprints at the merge (flattened in this order)
         if base is module:
             params, stored = saved, state["lora_values"][2][offset: offset + len(saved)]
-            probes = state["lora_base_probes"][offset: offset + len(saved)]
             break
         offset += len(saved)
     changed = (lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1] or params is None
-               or base_fingerprints([getattr(module, k) for k in params], probes) != stored)
+               or base_fingerprints([getattr(module, k) for k in params]) != stored)
     if changed:
         _revert_for(peft_model, "state_dict() after weights changed while merged")
         return
@@ -493,7 +490,7 @@ def _restore(hf_model, peft_model, state: dict) -> None:
         edited = set()
         if state.get("lora_values") is not None:
             keys = [(id(b), k) for b, params in saved for k in params]
-            now = base_fingerprints([getattr(b, k) for b, params in saved for k in params], state["lora_base_probes"])
+            now = base_fingerprints([getattr(b, k) for b, params in saved for k in params])
             edited = {key for key, before, after in zip(keys, state["lora_values"][2], now) if before != after}
         saved_bases = {id(b) for b, _ in saved}
         if peft_model is not None and state.get("lora_merged"):

