@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import sys
 
 import torch
 from torch.nn.modules import module as torch_module
@@ -76,12 +77,13 @@ _LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm
 
 
 def _layer_class_forwards(model) -> tuple:
-    """The distinct (class, ``forward``) pairs of the decoder layers, their attention, MLP and norms and the final norm,
-    in first-seen order (a patch on a class replaces the forward for every instance, a class set on one module only
-    for it; the fast path runs those modules' math itself). Reads the module dicts directly: it runs on every call."""
+    """The distinct (class, ``forward``) pairs of the model, its inner model, the decoder layers, their attention, MLP
+    and norms and the final norm, in first-seen order (a patch on a class replaces the forward for every instance, a
+    class set on one module only for it; the fast path runs those modules' math itself after the prefill). Reads the
+    module dicts directly: it runs on every call."""
     try:
         inner = model.model
-        classes = {type(inner.norm): None}
+        classes = {type(model): None, type(inner): None, type(inner.norm): None}
         for layer in inner.layers._modules.values():
             classes[type(layer)] = None
             parts = layer._modules
@@ -97,9 +99,6 @@ def _layer_class_forwards(model) -> tuple:
 #: applies, torch's ``no_grad``): a wrapper from anywhere else is a patch.
 _WRAPPER_PACKAGES = frozenset({"transformers", "kernels", "torch"})
 
-#: Modules whose functions are a model's own layer code: transformers' models and trust_remote_code modules.
-_MODEL_CODE = ("transformers.", "transformers_modules.")
-
 
 def _defined_in(fn) -> str | None:
     """Name of the module whose namespace ``fn`` was defined in (its ``__globals__``, which ``functools.wraps`` does
@@ -109,27 +108,43 @@ def _defined_in(fn) -> str | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _own_forward(forward) -> bool:
-    """Whether ``forward`` (a layer class's ``forward``) is a model's own code: following ``__wrapped__``, the
-    innermost function was defined in a transformers model module or a trust_remote_code module, and every wrapper
-    around it in a package of :data:`_WRAPPER_PACKAGES` (transformers wraps the forwards of its
-    ``GradientCheckpointingLayer`` subclasses, those of the caller's subclasses too). False for a patch on the
-    class (a function from elsewhere, or a wrapper around the original from elsewhere) and for a subclass outside
-    transformers that overrides ``forward``."""
+def _own_forward(cls, forward) -> bool:
+    """Whether ``forward`` (``cls.forward``) is transformers' own code for ``cls``: following ``__wrapped__``, the
+    innermost function was defined in the namespace of a transformers model module (that module's own globals, not a
+    copy) as the method of a class ``cls`` inherits from, and every wrapper around it in a package of
+    :data:`_WRAPPER_PACKAGES` (transformers wraps the forwards of its ``GradientCheckpointingLayer`` subclasses, the
+    caller's subclasses too). False for a patch on the class (a function from elsewhere, another class's forward,
+    a wrapper from elsewhere), a subclass outside transformers that overrides ``forward``, and trust_remote_code
+    layers (the fast path computes transformers' math and cannot tell whether theirs is the same)."""
     chain, fn = [], forward
     while fn is not None and len(chain) < 16:
-        chain.append(_defined_in(fn))
+        chain.append(fn)
         fn = getattr(fn, "__wrapped__", None)
-    if None in chain or not chain[-1].startswith(_MODEL_CODE):
+    names = [_defined_in(f) for f in chain]
+    if None in names or not names[-1].startswith("transformers."):
         return False
-    return all(name.split(".")[0] in _WRAPPER_PACKAGES for name in chain[:-1])
+    innermost = chain[-1]
+    module = sys.modules.get(names[-1])
+    owner = getattr(innermost, "__qualname__", "").rpartition(".")[0]
+    if module is None or innermost.__globals__ is not vars(module) or not any(
+            c.__qualname__ == owner and c.__module__ == names[-1] for c in cls.__mro__):
+        return False
+    return all(name.split(".")[0] in _WRAPPER_PACKAGES for name in names[:-1])
 
 
 def replaced_forwards(model) -> list[str]:
     """Names of the classes among :func:`_layer_class_forwards`' whose ``forward`` is not transformers' own
-    (:func:`_own_forward`): the fast path runs those modules' math itself and would skip the replacement."""
-    return sorted({cls.__name__ for cls, fn in _layer_class_forwards(model)
-                   if fn is not None and not _own_forward(fn)})
+    (:func:`_own_forward`; an unhashable forward counts as not): the fast path runs those modules' math itself and
+    would skip the replacement."""
+    changed = set()
+    for cls, fn in _layer_class_forwards(model):
+        try:
+            own = fn is not None and _own_forward(cls, fn)
+        except TypeError:  # (an unhashable callable set as forward)
+            own = False
+        if fn is not None and not own:
+            changed.add(cls.__name__)
+    return sorted(changed)
 
 
 def hooked_modules(model) -> list[str]:

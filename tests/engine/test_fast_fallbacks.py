@@ -487,3 +487,82 @@ def test_an_lm_head_without_a_weight_runs_transformers_loop(tiny, hf_log, decode
     ours = _accelerated(model)
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
     assert not decode_steps and _messages(hf_log, "an LM head without a [vocab, hidden] weight (Sequential)")
+
+
+def test_forwards_that_pass_for_transformers_code_but_are_not_the_layers_own_turn_the_fast_path_off(
+        tiny, hf_log, decode_steps):
+    """Functions defined in a transformers namespace passed for a layer's own forward: another class's forward set
+    on the class (Cohere's parallel-residual layer on llama's), a copy of the original code with other globals, a
+    trust_remote_code-style layer with its own forward, a subclass of the model class with its own forward (the
+    prefill ran it, the decode steps did not), and an unhashable callable as forward raised TypeError. Now each runs
+    transformers' loop with stock's tokens, logged."""
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    from transformers.models.cohere import modeling_cohere
+    from transformers.models.llama import modeling_llama
+
+    inner = modeling_llama.LlamaAttention.forward
+    while hasattr(inner, "__wrapped__"):
+        inner = inner.__wrapped__
+    original_rope = modeling_llama.apply_rotary_pos_emb
+
+    def half_rope(q, k, cos, sin, *args, **kwargs):
+        return original_rope(q, k, cos, sin * 0.5)
+
+    copied = types.FunctionType(inner.__code__, {**vars(modeling_llama), "apply_rotary_pos_emb": half_rope},
+                                inner.__name__, inner.__defaults__)
+    remote = types.ModuleType("transformers_modules.test_repo.modeling_custom")
+    exec("from transformers.models.llama.modeling_llama import LlamaAttention\n"
+         "class RemoteAttention(LlamaAttention):\n"
+         "    def forward(self, hidden_states, *args, **kwargs):\n"
+         "        out = super().forward(hidden_states, *args, **kwargs)\n"
+         "        return (out[0] * 0.5, *out[1:])\n", vars(remote))
+
+    @dataclass
+    class Unhashable:  # eq=True: __hash__ is None
+        def __call__(self, x):
+            return x
+
+    ids, mask = tiny.batch(seed=18)
+    cases = [("LlamaDecoderLayer", modeling_llama.LlamaDecoderLayer, "forward",
+              modeling_cohere.CohereDecoderLayer.forward),
+             ("LlamaAttention", modeling_llama.LlamaAttention, "forward", copied)]
+    for name, cls, attr, value in cases:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cls, attr, value)
+            model = tiny.model("llama", seed=19)
+            stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
+            ours = _accelerated(model)
+            decode_steps.clear()
+            assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock), name
+            assert not decode_steps and _messages(hf_log, f"the forward of {name} is not transformers' own"), name
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, remote.__name__, remote)
+        model = tiny.model("llama", seed=19)
+        model.model.layers[0].self_attn.__class__ = remote.RemoteAttention
+        stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
+        ours = _accelerated(model)
+        decode_steps.clear()
+        assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
+        assert not decode_steps and _messages(hf_log, "the forward of RemoteAttention is not transformers' own")
+
+    class MyLM(modeling_llama.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits.flip(-1)
+            return out
+
+    model = tiny.model("llama", seed=19)
+    model.__class__ = MyLM
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5)
+    ours = _accelerated(model)
+    decode_steps.clear()
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
+    assert not decode_steps and _messages(hf_log, "the forward of MyLM is not transformers' own")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling_llama.LlamaRMSNorm, "forward", Unhashable())
+        ours = _accelerated(tiny.model("llama", seed=19))
+        _generate(ours, ids, mask, tiny.PAD, max_new_tokens=2)
+        assert _messages(hf_log, "the forward of LlamaRMSNorm is not transformers' own")
