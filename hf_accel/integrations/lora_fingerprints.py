@@ -46,6 +46,7 @@ def base_fingerprints(tensors) -> list[float]:
 
 
 def lora_layers(peft_model) -> list:
+    """The LoRA layers of a PeftModel, in module order (the order of :func:`lora_base_weights`)."""
     from peft.tuners.lora import LoraLayer
 
     return [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
