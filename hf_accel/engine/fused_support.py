@@ -59,19 +59,13 @@ def fused_supported(model) -> str | None:
 def fused_linear_supported(model, merged, check_hidden: bool = True) -> str | None:
     """Why the fused step cannot use :func:`fused_linear` (or, with ``check_hidden=False``, :func:`gemv`)
     for this model (None if it can): it needs the merged projections, a hidden size <=
-    :data:`~hf_accel.engine.step_switches.FUSED_LINEAR_MAX_HIDDEN` (fused_linear only), plain ``nn.Linear``
-    o_proj / down_proj and norms in
-    the model's dtype."""
+    :data:`~hf_accel.engine.step_switches.FUSED_LINEAR_MAX_HIDDEN` (fused_linear only) and plain ``nn.Linear``
+    o_proj / down_proj. Asked only of models :func:`fused_supported` takes, whose weights share one dtype."""
     if merged is None:
         return "projections not merged"
     if check_hidden and model.config.hidden_size > switches.FUSED_LINEAR_MAX_HIDDEN:
         return f"hidden size {model.config.hidden_size} > {switches.FUSED_LINEAR_MAX_HIDDEN} (cuBLAS is faster there)"
-    inner = model.model
-    dtype = inner.embed_tokens.weight.dtype
-    linears = [m for ly in inner.layers for m in (ly.self_attn.o_proj, ly.mlp.down_proj)]
-    if any(type(m) is not torch.nn.Linear or m.weight.dtype != dtype for m in linears):
-        return "an o_proj or down_proj that is not a plain nn.Linear in the model dtype"
-    norms = [inner.norm] + [n for ly in inner.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)]
-    if any(n.weight.dtype != dtype for n in norms):
-        return "a norm weight in another dtype than the model"
+    linears = [m for ly in model.model.layers for m in (ly.self_attn.o_proj, ly.mlp.down_proj)]
+    if any(type(m) is not torch.nn.Linear for m in linears):
+        return "an o_proj or down_proj that is not a plain nn.Linear"
     return None
