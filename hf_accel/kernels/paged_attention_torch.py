@@ -54,7 +54,8 @@ def paged_attention_sdpa(query, key_cache, value_cache, block_table, seq_lens, m
     :func:`paged_attention_ref`'s per-row float32 score tensors. Same arguments and output as
     :func:`paged_attention`, except that ``max_seq_len`` is not read (each row's ``seq_lens`` entry is) and a
     block table too short for ``seq_lens`` raises IndexError; rows with no visible key are 0."""
-    batch, num_heads, _, q_len, head_dim = check_paged_args(query, key_cache, value_cache, block_table, seq_lens, key_mask)
+    batch, num_heads, _, q_len, head_dim = check_paged_args(query, key_cache, value_cache, block_table, seq_lens,
+                                                            key_mask)
     lengths = seq_lens.long()
     length = int(lengths.max()) if batch else 0
     if length == 0:  # no keys anywhere: every row is 0, as in the kernel
@@ -85,7 +86,8 @@ def paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, ma
     :func:`hf_accel.kernels.attention.attention_ref` per sequence. Same arguments and output, except that
     ``max_seq_len`` is not read (the kernel's rows longer than it are NaN; here they are computed in full) and a
     block table too short for ``seq_lens`` raises IndexError (the kernel's rows are NaN)."""
-    batch, num_heads, _, q_len, head_dim = check_paged_args(query, key_cache, value_cache, block_table, seq_lens, key_mask)
+    batch, num_heads, _, q_len, head_dim = check_paged_args(query, key_cache, value_cache, block_table, seq_lens,
+                                                            key_mask)
     outs = []
     for b in range(batch):
         n = int(seq_lens[b])

@@ -96,7 +96,8 @@ class SpeculativeConfig:
     def from_arg(cls, arg) -> "SpeculativeConfig":
         """``speculative=`` of ``accelerate_model``: a config, a method name, or a draft model. A config is
         copied (and so validated again): fields changed after construction are checked, and changes made
-        after ``accelerate_model`` do not reach the accelerated model (``revert_model`` and accelerate it again to apply them).
+        after ``accelerate_model`` do not reach the accelerated model (``revert_model`` and accelerate it again to
+        apply them).
 
         Raises:
             TypeError: anything else. ValueError: a config whose fields were set to invalid values.
