@@ -313,15 +313,23 @@ def _prepared_or_none(model, args, kwargs):
 def _continuous_batching(model, original_generate, engine, args, kwargs):
     """``generate(cache_implementation="paged")``: transformers switches to its continuous-batching engine, which
     takes only its own attention implementations; the call runs it with the model's attention from before
-    :func:`~hf_accel.integrations.patch.accelerate_model` (hf-accel's is set back afterwards, also on error).
-    Calls on the fast path wait meanwhile (they need hf-accel's attention)."""
+    :func:`~hf_accel.integrations.patch.accelerate_model` (:func:`_with_original_attention`)."""
+    from hf_accel.integrations.patch import original_attention
+
+    log_once("continuous-batching", "hf-accel: cache_implementation='paged' runs transformers' continuous batching "
+             f"with the model's own attention ({original_attention(model)!r}), not hf-accel's kernels")
+    return _with_original_attention(model, original_generate, engine, args, kwargs)
+
+
+def _with_original_attention(model, original_generate, engine, args, kwargs):
+    """transformers' ``generate`` with the model's attention implementation from before
+    :func:`~hf_accel.integrations.patch.accelerate_model`, hf-accel's set back afterwards (also on error). Calls on
+    the fast path wait meanwhile (they need hf-accel's attention)."""
     import contextlib
 
     from hf_accel.integrations.patch import original_attention
 
     before = original_attention(model)
-    log_once("continuous-batching", "hf-accel: cache_implementation='paged' runs transformers' continuous batching "
-             f"with the model's own attention ({before!r}), not hf-accel's kernels")
     current = model.config._attn_implementation
     with engine.call_lock if engine is not None else contextlib.nullcontext():
         model.set_attn_implementation(before)
@@ -329,6 +337,27 @@ def _continuous_batching(model, original_generate, engine, args, kwargs):
             return original_generate(*args, **kwargs)
         finally:
             model.set_attn_implementation(current)
+
+
+def _foreign_attention(model) -> str | None:
+    """Why no forward of ``model`` may use hf-accel's attention (None: it may): a decoder layer whose attention
+    module has a config of its own (a layer taken from another model) that selects another attention
+    implementation. transformers builds one attention mask per forward, in the format of the model config's
+    implementation, and hands it to every layer: that layer's attention function would get hf-accel's
+    mask (a 2-D key mask), which it cannot read."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return None
+    config = model.config
+    for i, layer in enumerate(layers):
+        own = getattr(getattr(layer, "self_attn", None), "config", config)
+        if own is config:
+            continue
+        impl = getattr(own, "_attn_implementation", None)
+        if impl is not None and impl != config._attn_implementation:
+            return (f"decoder layer {i}'s attention has its own config (a layer of another model) selecting "
+                    f"attention {impl!r}")
+    return None
 
 
 def paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):
@@ -355,6 +384,13 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
         return original_generate(*args, **kwargs)
     if kwargs.get("cache_implementation") == "paged":  # transformers reads it from the call's arguments only
         return _continuous_batching(model, original_generate, engine, args, kwargs)
+    foreign = _foreign_attention(model)
+    if foreign is not None:
+        from hf_accel.integrations.patch import original_attention
+
+        log_once(f"foreign-attention:{foreign}", f"hf-accel: generate runs transformers' loop with the model's own "
+                 f"attention ({original_attention(model)!r}): {foreign}")
+        return _with_original_attention(model, original_generate, engine, args, kwargs)
     call_spec, rest, assisted_reason = assisted_config(model, kwargs)
     if call_spec is not None and engine is not None:
         prepared = _prepared_or_none(model, args, rest)

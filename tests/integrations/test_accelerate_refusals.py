@@ -246,3 +246,30 @@ def test_pruned_or_reordered_layers_keep_transformers_cache(tiny, edit, hf_log):
     reason = ("the model has 2 decoder layers and config.num_hidden_layers says 3" if edit == "removed"
               else "decoder layer 0 has self_attn.layer_idx 2")
     assert any(reason in r.getMessage() and "keeps transformers' cache" in r.getMessage() for r in hf_log.records)
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_layer_of_another_model_with_its_own_attention_runs_stock(tiny, where, hf_log):
+    """A decoder layer taken from another (not accelerated) model keeps that model's config, whose attention is
+    'sdpa': transformers builds one mask per forward in the model's format, so that layer got hf-accel's 2-D key
+    mask and SDPA raised. generate now runs transformers' loop with the model's own attention for it (stock's
+    tokens), logs why, and sets hf-accel's attention back afterwards."""
+    model = tiny.model("llama", seed=86)
+    donor = tiny.model("llama", seed=87)
+    ids, mask = tiny.batch(seed=88)
+    if where == "before":
+        model.model.layers[1] = donor.model.layers[1]
+    ours = accelerate_model(model)
+    if where == "after":
+        model.model.layers[1] = donor.model.layers[1]
+    stock_model = copy.deepcopy(model)
+    revert_model(stock_model)
+    stock = tiny.greedy(stock_model, ids, mask, max_new_tokens=5)
+    assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=5), stock)
+    assert any("decoder layer 1's attention has its own config" in r.getMessage() and "'sdpa'" in r.getMessage()
+               for r in hf_log.records)
+    assert model.config._attn_implementation == "hf_accel" and is_accelerated(model)
+    assert not any("fast decode path" in r.getMessage() for r in hf_log.records)
+    model.model.layers[1].self_attn.config = model.config  # the layer now follows the model's config
+    tiny.greedy(ours, ids, mask, max_new_tokens=5)
+    assert any("generate runs the fast decode path" in r.getMessage() for r in hf_log.records)
