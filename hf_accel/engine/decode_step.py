@@ -33,7 +33,7 @@ import triton
 
 from hf_accel._logging import log_once
 from hf_accel.engine import step_switches as switches
-from hf_accel.engine.fused_support import fused_linear_supported, fused_supported
+from hf_accel.engine.fused_support import fused_linear_supported, fused_supported, plain_linear
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import greedy_tail, scratch_for
@@ -148,7 +148,12 @@ class DecodeStep:
         self.linear_counters = torch.zeros(triton.cdiv(2 * widest, 16), dtype=torch.int32, device=dev)
         # the widest and narrowest inputs of a layer's matmuls: whether all of them take fused_linear's whole-K
         # path (more rows)
-        widths = [m.weight.shape[1] for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+        layer0 = model.model.layers[0]
+        projections = [getattr(layer0.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projections += [getattr(layer0.mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        widths = [m.weight.shape[1] for m in map(plain_linear, projections) if m is not None]
+        if not widths:  # (a model the fused step does not take: not read)
+            widths = [m.weight.shape[1] for m in layer0.modules() if isinstance(m, torch.nn.Linear)] or [0]
         self.linear_max_k, self.linear_min_k = max(widths), min(widths)
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
@@ -163,8 +168,8 @@ class DecodeStep:
         self.small_linear = self.fused and fused_linear_supported(self.model, value) is None
         # Whether one-row steps take gemv (any hidden size); the LM head too when it is a plain Linear.
         self.gemv_linear = self.fused and fused_linear_supported(self.model, value, check_hidden=False) is None
-        head = self.model.lm_head
-        self.gemv_lm_head = self.gemv_linear and type(head) is torch.nn.Linear and \
+        head = plain_linear(self.model.lm_head)
+        self.gemv_lm_head = self.gemv_linear and head is not None and \
             head.weight.dtype == self.model.model.embed_tokens.weight.dtype
 
     # -- the step ---------------------------------------------------------------------------------
@@ -320,10 +325,11 @@ class DecodeStep:
                                     pdl=pdl and switches.ATTENTION_PDL, check_blocks=False, **attn_kw)
             ln = layer.post_attention_layernorm
             if linear is not None:
-                delta = linear(o.view(n, h * d), attn.o_proj.weight, bias=attn.o_proj.bias, pdl=pdl)
+                o_proj, down_proj = plain_linear(attn.o_proj), plain_linear(mlp.down_proj)
+                delta = linear(o.view(n, h * d), o_proj.weight, bias=o_proj.bias, pdl=pdl)
                 act, residual = linear(delta, mw.gate_up_weight, norm_weight=ln.weight, eps=ln.variance_epsilon,
                                        residual=residual, swiglu=True, pdl=pdl)
-                delta = linear(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, pdl=pdl)
+                delta = linear(act, down_proj.weight, bias=down_proj.bias, pdl=pdl)
                 continue
             delta = attn.o_proj(o.view(n, h * d))
             x, residual = rms_norm(delta, ln.weight, ln.variance_epsilon, residual)
@@ -338,19 +344,20 @@ class DecodeStep:
         elif last_only:
             delta, residual = delta.view(b, t, -1)[:, -1], residual.view(b, t, -1)[:, -1]
         norm = inner.norm
+        head = plain_linear(model.lm_head) if self.gemv_lm_head else None
         if one_row and self.gemv_lm_head:
             if switches.GEMV_LM_HEAD_NORM:
                 # Final residual add + RMSNorm + LM head in one kernel; logits rounded to the dtype, then float32.
-                logits, _ = self._gemv(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
+                logits, _ = self._gemv(delta.contiguous(), head.weight, bias=head.bias,
                                        norm_weight=norm.weight, eps=norm.variance_epsilon,
                                        residual=residual.contiguous(), out_dtype=torch.float32, pdl=pdl)
             else:
                 hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
-                logits = self._gemv(hidden, model.lm_head.weight, bias=model.lm_head.bias, out_dtype=torch.float32,
+                logits = self._gemv(hidden, head.weight, bias=head.bias, out_dtype=torch.float32,
                                     pdl=pdl)
             return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
         if small and switches.FUSED_LINEAR_LM_HEAD and self.gemv_lm_head:
-            logits, _ = self._split_linear(delta.contiguous(), model.lm_head.weight, bias=model.lm_head.bias,
+            logits, _ = self._split_linear(delta.contiguous(), head.weight, bias=head.bias,
                                            norm_weight=norm.weight, eps=norm.variance_epsilon,
                                            residual=residual.contiguous(), out_dtype=torch.float32, pdl=pdl)
             return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)

@@ -19,9 +19,28 @@ def _silu_types() -> set:
 _SILU_TYPES = _silu_types()
 
 
+def plain_linear(module) -> torch.nn.Linear | None:
+    """The plain ``nn.Linear`` whose forward is ``module``'s (None if there is none): ``module`` itself, or the base
+    layer of a peft LoRA layer whose adapters are merged and not disabled (peft's forward then runs only the base
+    layer, which holds the merged weights)."""
+    if type(module) is torch.nn.Linear:
+        return module
+    if not hasattr(module, "get_base_layer") or not hasattr(module, "merged_adapters"):
+        return None
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # pragma: no cover - peft not installed: no LoRA layer either
+        return None
+    if not isinstance(module, LoraLayer) or not module.merged or module.disable_adapters:
+        return None
+    base = module.get_base_layer()
+    return base if type(base) is torch.nn.Linear else None
+
+
 def fused_supported(model) -> str | None:
     """Why the fused step cannot run this model (None if it can): it needs RMSNorms with ``weight`` and
-    ``variance_epsilon``, plain ``nn.Linear`` projections, a SiLU-gated MLP (``hidden_act`` and each layer's
+    ``variance_epsilon``, plain ``nn.Linear`` projections (or merged LoRA layers over them: :func:`plain_linear`), a
+    SiLU-gated MLP (``hidden_act`` and each layer's
     ``act_fn``), an even head_dim, and the embedding, norms, projections and LM head in one dtype (its buffers and
     kernels take the embedding's)."""
     inner = model.model
@@ -37,7 +56,7 @@ def fused_supported(model) -> str | None:
         attn, mlp = ly.self_attn, ly.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None),
                    getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None)]
-        if any(type(m) is not torch.nn.Linear for m in linears):
+        if any(plain_linear(m) is None for m in linears):
             return "a projection that is not a plain nn.Linear (e.g. an unmerged adapter or a quantized layer)"
         if getattr(attn, "q_norm", None) is not None and not hasattr(attn.q_norm, "variance_epsilon"):
             return "a q_norm that is not an RMSNorm"
@@ -60,12 +79,13 @@ def fused_linear_supported(model, merged, check_hidden: bool = True) -> str | No
     """Why the fused step cannot use :func:`fused_linear` (or, with ``check_hidden=False``, :func:`gemv`)
     for this model (None if it can): it needs the merged projections, a hidden size <=
     :data:`~hf_accel.engine.step_switches.FUSED_LINEAR_MAX_HIDDEN` (fused_linear only) and plain ``nn.Linear``
-    o_proj / down_proj. Asked only of models :func:`fused_supported` takes, whose weights share one dtype."""
+    o_proj / down_proj (:func:`plain_linear`). Asked only of models :func:`fused_supported` takes, whose weights share
+    one dtype."""
     if merged is None:
         return "projections not merged"
     if check_hidden and model.config.hidden_size > switches.FUSED_LINEAR_MAX_HIDDEN:
         return f"hidden size {model.config.hidden_size} > {switches.FUSED_LINEAR_MAX_HIDDEN} (cuBLAS is faster there)"
     linears = [m for ly in model.model.layers for m in (ly.self_attn.o_proj, ly.mlp.down_proj)]
-    if any(type(m) is not torch.nn.Linear for m in linears):
+    if any(plain_linear(m) is None for m in linears):
         return "an o_proj or down_proj that is not a plain nn.Linear"
     return None

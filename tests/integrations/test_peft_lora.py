@@ -392,3 +392,52 @@ def test_base_weight_fingerprints_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert all(s == seen[0] for s in seen), seen
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rows", [1, 3], ids=["gemv", "fused_linear"])
+def test_peft_merged_lora_takes_the_fused_step(rows, tiny, monkeypatch):
+    """A PeftModel with LoRA on every projection and the LM head, merged by accelerate_model, runs the fused step
+    (interpreter), its matmuls through gemv (1 row) / fused_linear (3 rows) on the base layers' merged weights, the
+    LM head's included: stock peft's tokens (float32). It used to take the module step (the LoRA layers are not plain
+    nn.Linear). revert_model then gives back the base weights bit for bit and every projection its own storage."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_accel.engine import decode_step
+
+    base = tiny.model("llama", seed=91)
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)).eval()
+    torch.manual_seed(92)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    ids, mask = tiny.batch(seed=93)
+    ids, mask = ids[:rows], mask[:rows]
+    stock = tiny.greedy(peft_model, ids, mask, max_new_tokens=4)
+    calls = []
+    for name in ("gemv", "fused_linear"):
+        original = getattr(decode_step, name)
+        monkeypatch.setattr(decode_step, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    accelerate_model(peft_model)
+    engine = peft_model.get_base_model()._hf_accel_engine
+    engine.fused = True
+    assert torch.equal(tiny.greedy(peft_model, ids, mask, max_new_tokens=4), stock)
+    steps = list(engine.steps.values())
+    assert steps and all(s.fused and s.gemv_lm_head for s in steps)
+    assert all(s.small_linear for s in steps) if rows > 1 else all(s.gemv_linear for s in steps)
+    kernel = "gemv" if rows == 1 else "fused_linear"
+    layers = base.config.num_hidden_layers
+    # 3 decode steps (the 4th token needs none): o_proj, gate/up, down per layer and the LM head (Q/K/V may take the
+    # RoPE variant of the kernel)
+    assert calls.count(kernel) >= 3 * (3 * layers + 1)
+    # a second call: the merged projections (views of one matrix per layer) keep the LoRA check's fingerprints
+    assert torch.equal(tiny.greedy(peft_model, ids, mask, max_new_tokens=4), stock) and is_accelerated(peft_model)
+    revert_model(peft_model)
+    after = {n.replace(".base_layer", ""): p for n, p in base.named_parameters() if "lora_" not in n}
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    attn = base.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() != attn.k_proj.weight.untyped_storage().data_ptr()
