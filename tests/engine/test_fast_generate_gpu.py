@@ -266,3 +266,34 @@ def test_a_hook_added_after_state_dict_of_the_merged_model_is_run(release, tmp_p
     calls.clear()
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), want)
     assert len(calls) == stock_calls > 1
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_merged_peft_lora_takes_the_fused_graph_step_fp32(rows):
+    """A PeftModel with LoRA on every projection and the LM head, merged by accelerate_model, decodes on the fused
+    CUDA-graph step (gemv at 1 row, fused_linear at 3) with stock peft's float32 tokens, twice; revert gives back
+    the base weights bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    base = _tiny("llama")
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0)).eval()
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ids = torch.randint(8, 256, (rows, 11), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    hf_accel.accelerate_model(model)
+    for _ in range(2):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+        assert torch.equal(ref, out)
+    steps = list(base._hf_accel_engine.steps.values())
+    assert steps and all(s.fused and s.use_graph and s.gemv_lm_head for s in steps)
+    hf_accel.revert_model(model)
+    after = {n.replace(".base_layer", ""): p for n, p in base.named_parameters() if "lora_" not in n}
+    assert all(torch.equal(after[n], before[n]) for n in before)
