@@ -156,8 +156,8 @@ def _layers_unlike_config(model) -> str | None:
     if configured > len(layers):  # fewer configured layers run the first ones (transformers' early-exit draft)
         return (f"the model has {len(layers)} decoder layers and config.num_hidden_layers says {configured} (layers "
                 "removed without updating the config)")
-    for i, layer in enumerate(layers[:configured]):
-        idx = getattr(getattr(layer, "self_attn", None), "layer_idx", i)
+    for i, layer in zip(range(configured), layers):  # (slicing a ModuleList builds a new one: ~50 us a call)
+        idx = getattr(layer._modules.get("self_attn"), "layer_idx", i)
         if idx != i:
             return f"decoder layer {i} has self_attn.layer_idx {idx} (layers removed or reordered)"
     return None
@@ -350,7 +350,7 @@ def _foreign_attention(model) -> str | None:
         return None
     config = model.config
     for i, layer in enumerate(layers):
-        own = getattr(getattr(layer, "self_attn", None), "config", config)
+        own = getattr(layer._modules.get("self_attn"), "config", config)
         if own is config:
             continue
         impl = getattr(own, "_attn_implementation", None)
