@@ -26,6 +26,11 @@ STEP_SCALARS = ("scaling", "variance_epsilon", "attention_scaling", "head_dim")
 #: Buffers whose values the steps fold into tables of their own (the fused step's rotary cos/sin table is computed
 #: once from the rotary embedding's ``inv_freq``): compared by value, so an edit in place is seen too.
 FOLDED_BUFFERS = ("inv_freq",)
+#: A peft tuner layer's adapter state (attributes of its own): which adapters are merged and active, and whether they
+#: are disabled. The fused step runs a LoRA layer whose adapters are merged as its base ``nn.Linear``
+#: (:func:`~hf_accel.engine.fused_support.plain_linear`), decided when the step is built; a layer's
+#: ``enable_adapters(False)``, ``set_adapter`` or ``unmerge()`` changes only these. Lists are kept as copies.
+ADAPTER_STATE = ("merged_adapters", "_active_adapter", "_disable_adapters")
 
 
 class WeightSnapshot:
@@ -33,8 +38,9 @@ class WeightSnapshot:
     ``_parameters`` / ``_buffers``); ``children``: (dict, name, submodule) of every submodule (``dict`` its parent's
     ``_modules``); ``hooks``: (forward hooks, their count, forward pre-hooks, their count, ``__dict__``, whether it
     holds a ``forward``) of every module; ``scalars``: (``__dict__``, name, value) of each module's
-    :data:`STEP_SCALARS` that are numbers; ``folded``: (``_buffers``, name, copy) of each buffer of
-    :data:`FOLDED_BUFFERS`. Tensors and submodules as weak references."""
+    :data:`STEP_SCALARS` that are numbers and of a peft layer's :data:`ADAPTER_STATE` (lists copied); ``folded``:
+    (``_buffers``, name, copy) of each buffer of :data:`FOLDED_BUFFERS`. Tensors and submodules as weak
+    references."""
 
     __slots__ = ("tensors", "children", "hooks", "scalars", "folded")
 
@@ -45,8 +51,8 @@ class WeightSnapshot:
 
 def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
     """Every parameter, buffer and submodule of ``model``, the parameters' and buffers' storage addresses, and each
-    module's forward hooks, whether its forward is replaced, the numbers of :data:`STEP_SCALARS` it holds and copies
-    of its :data:`FOLDED_BUFFERS`."""
+    module's forward hooks, whether its forward is replaced, the numbers of :data:`STEP_SCALARS` it holds, a peft
+    layer's :data:`ADAPTER_STATE` and copies of its :data:`FOLDED_BUFFERS`."""
     tensors, children, hooks, scalars, folded = [], [], [], [], []
     for module in model.modules():
         for store in (module._parameters, module._buffers):
@@ -57,6 +63,9 @@ def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
         attrs = module.__dict__
         scalars.extend((attrs, name, attrs[name]) for name in STEP_SCALARS
                        if isinstance(attrs.get(name), (int, float)))
+        if "merged_adapters" in attrs:
+            scalars.extend((attrs, name, list(attrs[name]) if isinstance(attrs[name], list) else attrs[name])
+                           for name in ADAPTER_STATE if name in attrs)
         folded.extend((module._buffers, name, module._buffers[name].detach().clone()) for name in FOLDED_BUFFERS
                       if isinstance(module._buffers.get(name), torch.Tensor))
     return WeightSnapshot(tuple(tensors), tuple(children), tuple(hooks), tuple(scalars), tuple(folded))
@@ -65,7 +74,8 @@ def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
 def snapshot_intact(snapshot: WeightSnapshot) -> bool:
     """True while every parameter, buffer and submodule of the snapshot is still in place (the same object, and
     for tensors the same storage address), no module gained or lost a forward hook or a replaced forward, and the
-    numbers of :data:`STEP_SCALARS` and the values of :data:`FOLDED_BUFFERS` are unchanged."""
+    numbers of :data:`STEP_SCALARS`, the peft layers' :data:`ADAPTER_STATE` and the values of :data:`FOLDED_BUFFERS`
+    are unchanged."""
     for attrs, name, value in snapshot.scalars:
         if attrs.get(name) != value:
             return False

@@ -52,6 +52,13 @@ def lora_layers(peft_model) -> list:
     return [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
 
 
+def lora_flags(layers) -> tuple:
+    """Per LoRA layer (:func:`lora_layers`): whether its adapters are disabled, the adapters merged into it and the
+    active ones. A layer-level ``enable_adapters(False)``, ``set_adapter`` or ``unmerge()`` changes them without
+    touching a weight (a disabled layer's forward unmerges by subtraction, or, captured in a graph, not at all)."""
+    return tuple((bool(m.disable_adapters), tuple(m.merged_adapters), tuple(m.active_adapters)) for m in layers)
+
+
 def lora_parameters(peft_model):
     """The LoRA parameters of a PeftModel (named ``lora_*``: A, B, embedding A/B, DoRA magnitudes), in module order."""
     return [p for n, p in peft_model.named_parameters() if "lora_" in n]

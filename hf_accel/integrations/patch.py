@@ -16,7 +16,7 @@ from hf_accel._logging import logger
 from hf_accel.integrations import generate as paged_generate
 from hf_accel.integrations.attention import register
 from hf_accel.integrations.lora_fingerprints import (
-    base_fingerprints, lora_base_weights, lora_layers, lora_parameters, lora_probes, lora_values,
+    base_fingerprints, lora_base_weights, lora_flags, lora_layers, lora_parameters, lora_probes, lora_values,
 )
 
 #: ``config.model_type`` values :func:`accelerate_model` takes (decoder-only models with RoPE, RMSNorm, a SwiGLU MLP
@@ -75,7 +75,8 @@ def _unwrap_peft(model):
 def lora_change(model) -> str | None:
     """What changed, while hf-accel holds ``model``'s LoRA adapters merged, that the merged weights do not reflect
     (the LoRA weights or scalings, or the merged base weights: written in place, through ``.data`` or replaced with
-    other values; peft's own unmerge by ``set_adapter`` included), or None. Reads every LoRA parameter and merged
+    other values; peft's own unmerge by ``set_adapter`` included; a layer's adapters disabled, unmerged or switched
+    on the layer itself), or None. Reads every LoRA parameter and merged
     base weight once (a fused add and norm over the LoRA parameters, a fused norm over the base weights, two host
     syncs per call)."""
     hf_model, _ = _unwrap_peft(model)
@@ -83,8 +84,11 @@ def lora_change(model) -> str | None:
     if state is None or not state.get("lora_merged") or state.get("lora_peft") is None:
         return None
     peft_model, saved = state["lora_peft"], state["lora_base_weights"]
-    if [id(m.get_base_layer()) for m in lora_layers(peft_model)] != [id(b) for b, _ in saved]:
+    layers = lora_layers(peft_model)
+    if [id(m.get_base_layer()) for m in layers] != [id(b) for b, _ in saved]:
         return "a LoRA layer or its base layer was replaced"
+    if lora_flags(layers) != state["lora_flags"]:
+        return "a LoRA layer's adapters were disabled, unmerged or switched (on the layer)"
     lora, scalings, base = lora_values(peft_model, saved, state["lora_probes"])
     if lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1]:
         return "LoRA weights or scalings changed"
@@ -128,6 +132,7 @@ def _guard_peft(peft_model, state: dict) -> None:
     state["lora_peft"] = peft_model
     state["lora_probes"] = lora_probes(peft_model)
     state["lora_values"] = lora_values(peft_model, state["lora_base_weights"], state["lora_probes"])
+    state["lora_flags"] = lora_flags(lora_layers(peft_model))
 
 
 def _revert_for(peft_model, what: str) -> None:
@@ -483,6 +488,16 @@ def _restore(hf_model, peft_model, state: dict) -> None:
         for owner, name in attrs:
             owner.__dict__.pop(name, None)
     saved = state.get("lora_base_weights")
+    if saved is not None and not state.get("lora_merged"):
+        # failed inside peft's merge_adapter (a layer it cannot merge): the layers merged before it get their
+        # weights and flags from before the call back
+        with torch.no_grad():
+            for base, params in saved:
+                for k, v in params.items():
+                    getattr(base, k).copy_(v)
+        for layer, prior in state.get("lora_prior_merged", ()):
+            layer.merged_adapters[:] = prior
+        saved = None
     if saved is not None:
         # Base weights written since the merge (a caller's edit) keep it: peft's unmerge subtracts the LoRA delta
         # from them. The others get their copies from before the merge back, bit for bit. (If the LoRA weights

@@ -441,3 +441,98 @@ def test_peft_merged_lora_takes_the_fused_step(rows, tiny, monkeypatch):
     assert all(torch.equal(after[n], before[n]) for n in before)
     attn = base.model.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() != attn.k_proj.weight.untyped_storage().data_ptr()
+
+
+def _all_linear_lora(tiny, seed, model_type="llama"):
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    peft_model = get_peft_model(tiny.model(model_type, seed=seed),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)).eval()
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.4)
+    return peft_model
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("layer", ["self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"])
+def test_peft_layer_adapter_disabled_after_a_fused_generate_gives_stock_tokens(layer, tiny, hf_log):
+    """``enable_adapters(False)`` on one LoRA layer after a generate on the fused step changes only a flag: the built
+    step kept running the layer merged (q_proj: the adapter-enabled tokens) or, for o_proj / down_proj, crashed
+    (its base layer no longer counted as the layer's forward). The next call now reverts hf-accel (logged) and gives
+    what stock peft gives."""
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = _all_linear_lora(tiny, seed=94)
+    stock = copy.deepcopy(peft_model)
+    ids, mask = tiny.batch(seed=95)
+    accelerate_model(peft_model)
+    peft_model.get_base_model()._hf_accel_engine.fused = True
+    assert torch.equal(tiny.greedy(peft_model, ids, mask, max_new_tokens=4),
+                       tiny.greedy(stock, ids, mask, max_new_tokens=4))
+    for model in (stock, peft_model):
+        lora = next(m for n, m in model.named_modules() if n.endswith(f"layers.0.{layer}") and isinstance(m, LoraLayer))
+        lora.enable_adapters(False)
+    assert torch.equal(tiny.greedy(peft_model, ids, mask, max_new_tokens=4),
+                       tiny.greedy(stock, ids, mask, max_new_tokens=4))
+    assert not is_accelerated(peft_model)
+    assert any("adapters were disabled, unmerged or switched" in r.getMessage() for r in hf_log.records)
+
+
+@pytest.mark.interpreter
+def test_lora_injected_without_peftmodel_disabled_after_a_fused_generate(tiny, hf_log):
+    """LoRA layers put into a plain transformers model (peft's ``inject_adapter_in_model``, merged by hand: hf-accel
+    sees no PeftModel) run on the fused step as their base layers; one layer's ``enable_adapters(False)`` afterwards
+    is noticed by the weight snapshot (peft's adapter state of the layer), so the steps are rebuilt (that o_proj now
+    runs peft's module, which unmerges it as stock's forward does, instead of gemv on its base weights) and the tokens
+    are stock's."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    model = tiny.model("llama", seed=96)
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"]), model)
+    torch.manual_seed(97)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.4)
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            m.merge()
+    stock = copy.deepcopy(model)
+    ids, mask = tiny.batch(seed=98)
+    accelerate_model(model)
+    engine = model._hf_accel_engine
+    engine.fused = True
+    assert torch.equal(tiny.greedy(model, ids, mask, max_new_tokens=4), tiny.greedy(stock, ids, mask, max_new_tokens=4))
+    assert all(s.fused and s.gemv_linear for s in engine.steps.values())
+    for m in (stock, model):
+        next(x for n, x in m.named_modules() if n.endswith("layers.1.self_attn.o_proj")).enable_adapters(False)
+    assert torch.equal(tiny.greedy(model, ids, mask, max_new_tokens=4), tiny.greedy(stock, ids, mask, max_new_tokens=4))
+    assert all(not s.gemv_linear for s in engine.steps.values())  # o_proj through peft's module now
+
+
+def test_failed_lora_merge_leaves_no_layer_marked_merged(tiny):
+    """peft's merge_adapter raised part-way through accelerate_model (lora_bias on a layer without a bias), after it
+    had merged an earlier layer: that layer's weights were copied back but it stayed marked merged, so peft skipped its
+    LoRA afterwards (other tokens than stock, with a state dict equal to stock's). Now its flags come back too."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], lora_bias=True)
+    peft_model = get_peft_model(tiny.model("qwen2", seed=99), config).eval()
+    torch.manual_seed(100)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    stock = copy.deepcopy(peft_model)
+    with pytest.raises(RuntimeError, match="lora_bias"):
+        accelerate_model(peft_model)
+    assert not is_accelerated(peft_model)
+    assert not any(m.merged_adapters for m in _lora_layers(peft_model))
+    ids, mask = tiny.batch(seed=101)
+    assert torch.equal(tiny.greedy(peft_model, ids, mask, max_new_tokens=5),
+                       tiny.greedy(stock, ids, mask, max_new_tokens=5))
