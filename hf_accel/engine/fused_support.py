@@ -21,8 +21,9 @@ _SILU_TYPES = _silu_types()
 
 def plain_linear(module) -> torch.nn.Linear | None:
     """The plain ``nn.Linear`` whose forward is ``module``'s (None if there is none): ``module`` itself, or the base
-    layer of a peft LoRA layer whose adapters are merged and not disabled (peft's forward then runs only the base
-    layer, which holds the merged weights)."""
+    layer of a peft LoRA layer whose forward runs only that base layer: its adapters merged (and not disabled:
+    peft's forward would unmerge them first), or unmerged and disabled, or none of its active adapters on this
+    layer (an adapter set active that targets other modules)."""
     if type(module) is torch.nn.Linear:
         return module
     if not hasattr(module, "get_base_layer") or not hasattr(module, "merged_adapters"):
@@ -31,10 +32,16 @@ def plain_linear(module) -> torch.nn.Linear | None:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # pragma: no cover - peft not installed: no LoRA layer either
         return None
-    if not isinstance(module, LoraLayer) or not module.merged or module.disable_adapters:
+    if not isinstance(module, LoraLayer):
         return None
     base = module.get_base_layer()
-    return base if type(base) is torch.nn.Linear else None
+    if type(base) is not torch.nn.Linear:
+        return None
+    if module.merged:
+        return None if module.disable_adapters else base
+    if module.disable_adapters or not any(name in module.lora_A for name in module.active_adapters):
+        return base
+    return None
 
 
 def fused_supported(model) -> str | None:
@@ -57,7 +64,8 @@ def fused_supported(model) -> str | None:
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None),
                    getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None)]
         if any(plain_linear(m) is None for m in linears):
-            return "a projection that is not a plain nn.Linear (e.g. an unmerged adapter or a quantized layer)"
+            return ("a projection that does not compute as a plain nn.Linear (e.g. an unmerged LoRA adapter or a "
+                    "quantized layer)")
         if getattr(attn, "q_norm", None) is not None and not hasattr(attn.q_norm, "variance_epsilon"):
             return "a q_norm that is not an RMSNorm"
     if inner.layers[0].self_attn.head_dim % 2:

@@ -536,3 +536,29 @@ def test_failed_lora_merge_leaves_no_layer_marked_merged(tiny):
     ids, mask = tiny.batch(seed=101)
     assert torch.equal(tiny.greedy(peft_model, ids, mask, max_new_tokens=5),
                        tiny.greedy(stock, ids, mask, max_new_tokens=5))
+
+
+@pytest.mark.interpreter
+def test_peft_active_adapter_on_some_projections_takes_the_fused_step(tiny):
+    """Two adapters, the active one on q_proj and v_proj only: accelerate_model merges it there, and the other
+    projections' LoRA layers hold no active adapter (peft's forward runs only their base layer), so the fused step
+    takes the model (it refused it: "a projection that is not a plain nn.Linear"), with stock peft's tokens."""
+    from peft import LoraConfig
+
+    peft_model = _all_linear_lora(tiny, seed=102)
+    peft_model.add_adapter("partial", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(103)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B.partial" in name:
+                p.normal_(0.0, 0.4)
+    peft_model.set_adapter("partial")
+    stock = copy.deepcopy(peft_model)
+    ids, mask = tiny.batch(seed=104)
+    accelerate_model(peft_model)
+    engine = peft_model.get_base_model()._hf_accel_engine
+    engine.fused = True
+    assert torch.equal(tiny.greedy(peft_model, ids, mask, max_new_tokens=4),
+                       tiny.greedy(stock, ids, mask, max_new_tokens=4))
+    steps = list(engine.steps.values())
+    assert steps and all(s.fused and s.small_linear and s.gemv_lm_head for s in steps)
