@@ -8,11 +8,17 @@ batch / generate wall time), TTFT (a warm ``max_new_tokens=1`` call), % of the m
 4.27 TB/s per step, bs1), first-call overhead of ours (first call - warm call: graph capture and
 Triton compilation), greedy agreement with stock sdpa (bf16; not required to be identical).
 
-    python benchmarks/bench_generate.py [--skip-8b] [--skip-smollm2] [--tiny] [--generate-kwargs JSON]
+    python benchmarks/bench_generate.py [--skip-8b] [--skip-smollm2] [--tiny] [--generate-kwargs JSON] [--lora R]
 
 ``--generate-kwargs '{"no_repeat_ngram_size": 4}'`` adds options to every provider's calls (e.g. logits processors,
 which hf-accel runs inside transformers' ``generate`` through ``custom_generate``); they are recorded in each row's
 shape as ``options``.
+
+``--lora R`` wraps each model in a peft ``PeftModel`` with a rank-R LoRA adapter on every linear layer but the LM
+head (``target_modules="all-linear"``, random B so the adapter changes the output; shape key ``lora_r``): the stock
+providers run peft's unmerged forward, ``ours`` merges the adapter and runs the fused step on the merged base
+weights, and the provider ``ours-module-step`` runs the same merged model on the module step (the fused step off:
+what merged LoRA models ran before it took them).
 """
 
 from __future__ import annotations
@@ -41,6 +47,23 @@ def _sync():
 
 #: options every provider's generate calls get (--generate-kwargs)
 EXTRA_KWARGS: dict = {}
+#: LoRA rank of the adapter each model is wrapped with (--lora; 0: none)
+LORA_RANK = 0
+
+
+def with_lora(model, rank: int):
+    """``model`` in a PeftModel with a rank-``rank`` LoRA adapter on every linear layer but the LM head; its B
+    matrices random (peft starts them at zero), so the adapter changes the output."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                                  lora_dropout=0.0)).eval()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_((torch.randn(p.shape, generator=g) * 0.01).to(p.device, p.dtype))
+    return peft_model
 
 
 def timed_generate(model, ids, mask, new_tokens):
@@ -57,6 +80,8 @@ def run_model(name, model, ids, mask, new_tokens, rows, table, weight_bytes, pro
     shape = {"model": name, "bs": bs, "prompt_len": ids.shape[1], "new_tokens": new_tokens, "dtype": "bfloat16"}
     if EXTRA_KWARGS:
         shape["options"] = dict(EXTRA_KWARGS)
+    if LORA_RANK:
+        shape["lora_r"] = LORA_RANK
     ref = None
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None  # fixed-length generation for every provider
@@ -103,6 +128,9 @@ def _run_provider(provider, name, model, ids, mask, new_tokens, rows, table, wei
     overrides.__enter__()
     if provider.startswith("ours"):
         hf_accel.accelerate_model(model)
+        if provider == "ours-module-step":  # A/B of the fused step: the same engine running the model's modules
+            inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+            inner._hf_accel_engine.fused = False
     else:
         model.set_attn_implementation(provider.removeprefix("hf-"))
     _, first = timed_generate(model, ids, mask, new_tokens)
@@ -166,13 +194,18 @@ def main():
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
     ap.add_argument("--providers", default="hf-eager,hf-sdpa,ours",
-                    help="comma list of hf-eager, hf-sdpa, ours, ours-unfused-linear, ours-ids-per-tile, ours-no-gemv, ours-no-pdl, ours-attention-no-pdl, "
+                    help="comma list of hf-eager, hf-sdpa, ours, ours-module-step, ours-unfused-linear, ours-ids-per-tile, "
+                         "ours-no-gemv, ours-no-pdl, ours-attention-no-pdl, "
                          "or ours@NAME=VALUE+NAME=VALUE (switches of hf_accel.engine.step_switches)")
     ap.add_argument("--bs-8b", default="1,8,32", help="batch sizes of the 8B-shaped model")
     ap.add_argument("--bs-smollm2", default="1,16", help="batch sizes of SmolLM2")
     ap.add_argument("--generate-kwargs", default=None,
                     help='JSON object of extra generate options for every provider, e.g. \'{"no_repeat_ngram_size": 4}\'')
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="wrap each model in a PeftModel with a rank-R LoRA adapter on every linear layer but the head")
     args = ap.parse_args()
+    global LORA_RANK
+    LORA_RANK = args.lora
     if args.generate_kwargs:
         import json
 
@@ -183,6 +216,8 @@ def main():
     if not args.skip_8b:
         model = llama8b(args.tiny)
         wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if LORA_RANK:
+            model = with_lora(model, LORA_RANK)
         prompt, new = (512, 128) if not args.tiny else (16, 8)
         for bs in (tuple(int(v) for v in args.bs_8b.split(",")) if not args.tiny else (1, 2)):
             g = torch.Generator(device=dev).manual_seed(bs)
@@ -197,6 +232,8 @@ def main():
 
         model, tok = load_default_model(dtype="bfloat16" if dev == "cuda" else "float32", device=dev)
         wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if LORA_RANK:
+            model = with_lora(model, LORA_RANK)
         passage = "Explain, step by step, how a hash table handles collisions, and compare open addressing " \
                   "with separate chaining."
         text = tok.apply_chat_template([{"role": "user", "content": passage}], tokenize=False,
