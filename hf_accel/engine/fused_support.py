@@ -34,7 +34,7 @@ def plain_linear(module) -> torch.nn.Linear | None:
         return None
     if not isinstance(module, LoraLayer):
         return None
-    base = module.get_base_layer()
+    base = getattr(module, "base_layer", None)  # (not get_base_layer(): a tuner layer wrapping another is refused)
     if type(base) is not torch.nn.Linear:
         return None
     if module.merged:

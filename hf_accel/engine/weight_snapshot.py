@@ -35,12 +35,13 @@ ADAPTER_STATE = ("merged_adapters", "_active_adapter", "_disable_adapters")
 
 class WeightSnapshot:
     """``tensors``: (dict, name, tensor, data_ptr) of every parameter and buffer (``dict`` its module's
-    ``_parameters`` / ``_buffers``); ``children``: (dict, name, submodule) of every submodule (``dict`` its parent's
-    ``_modules``); ``hooks``: (forward hooks, their count, forward pre-hooks, their count, ``__dict__``, whether it
-    holds a ``forward``) of every module; ``scalars``: (``__dict__``, name, value) of each module's
-    :data:`STEP_SCALARS` that are numbers and of a peft layer's :data:`ADAPTER_STATE` (lists copied); ``folded``:
-    (``_buffers``, name, copy) of each buffer of :data:`FOLDED_BUFFERS`. Tensors and submodules as weak
-    references."""
+    ``_parameters`` / ``_buffers``; tensor and data_ptr None for an entry that is None); ``children``: (dict, name,
+    submodule) of every submodule (``dict`` its parent's ``_modules``); ``hooks``: (forward hooks, their count,
+    forward pre-hooks, their count, ``__dict__``, whether it holds a ``forward``, ``_parameters``, ``_buffers``,
+    ``_modules``, their number of entries together) of every module; ``scalars``: (``__dict__``, name, value) of
+    each module's :data:`STEP_SCALARS` that are numbers and of a peft layer's :data:`ADAPTER_STATE` (lists copied);
+    ``folded``: (``_buffers``, name, copy) of each buffer of :data:`FOLDED_BUFFERS`. Tensors and submodules as weak
+    references (the modules' dicts are held)."""
 
     __slots__ = ("tensors", "children", "hooks", "scalars", "folded")
 
@@ -56,10 +57,14 @@ def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
     tensors, children, hooks, scalars, folded = [], [], [], [], []
     for module in model.modules():
         for store in (module._parameters, module._buffers):
-            tensors.extend((store, name, weakref.ref(t), t.data_ptr()) for name, t in store.items() if t is not None)
+            # an entry that is None (a Linear without bias) is kept as None: a tensor set there later is a change
+            tensors.extend((store, name, None if t is None else weakref.ref(t), None if t is None else t.data_ptr())
+                           for name, t in store.items())
         children.extend((module._modules, name, weakref.ref(c)) for name, c in module._modules.items() if c is not None)
         hooks.append((module._forward_hooks, len(module._forward_hooks), module._forward_pre_hooks,
-                      len(module._forward_pre_hooks), module.__dict__, "forward" in module.__dict__))
+                      len(module._forward_pre_hooks), module.__dict__, "forward" in module.__dict__,
+                      module._parameters, module._buffers, module._modules,
+                      len(module._parameters) + len(module._buffers) + len(module._modules)))
         attrs = module.__dict__
         scalars.extend((attrs, name, attrs[name]) for name in STEP_SCALARS
                        if isinstance(attrs.get(name), (int, float)))
@@ -73,7 +78,8 @@ def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
 
 def snapshot_intact(snapshot: WeightSnapshot) -> bool:
     """True while every parameter, buffer and submodule of the snapshot is still in place (the same object, and
-    for tensors the same storage address), no module gained or lost a forward hook or a replaced forward, and the
+    for tensors the same storage address; an entry that was None still None), no module gained or lost a forward
+    hook, a replaced forward, a parameter, buffer or submodule entry (a LoRA layer's new adapter), and the
     numbers of :data:`STEP_SCALARS`, the peft layers' :data:`ADAPTER_STATE` and the values of :data:`FOLDED_BUFFERS`
     are unchanged."""
     for attrs, name, value in snapshot.scalars:
@@ -85,12 +91,16 @@ def snapshot_intact(snapshot: WeightSnapshot) -> bool:
             return False
     for store, name, ref, ptr in snapshot.tensors:
         t = store.get(name)
-        if t is None or t is not ref() or t.data_ptr() != ptr:
+        if ref is None:
+            if t is not None:
+                return False
+        elif t is None or t is not ref() or t.data_ptr() != ptr:
             return False
     for store, name, ref in snapshot.children:
         if store.get(name) is not ref():
             return False
-    for fwd, n_fwd, pre, n_pre, attrs, replaced in snapshot.hooks:
-        if len(fwd) != n_fwd or len(pre) != n_pre or ("forward" in attrs) != replaced:
+    for fwd, n_fwd, pre, n_pre, attrs, replaced, params, buffers, modules, entries in snapshot.hooks:
+        if (len(fwd) != n_fwd or len(pre) != n_pre or ("forward" in attrs) != replaced
+                or len(params) + len(buffers) + len(modules) != entries):
             return False
     return True

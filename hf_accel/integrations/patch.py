@@ -87,7 +87,7 @@ def lora_change(model) -> str | None:
     layers = lora_layers(peft_model)
     if [id(m.get_base_layer()) for m in layers] != [id(b) for b, _ in saved]:
         return "a LoRA layer or its base layer was replaced"
-    if lora_flags(layers) != state["lora_flags"]:
+    if state.get("lora_flags") is not None and lora_flags(layers) != state["lora_flags"]:  # (None: an older pickle)
         return "a LoRA layer's adapters were disabled, unmerged or switched (on the layer)"
     lora, scalings, base = lora_values(peft_model, saved, state["lora_probes"])
     if lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1]:

@@ -393,3 +393,22 @@ def test_a_model_the_fused_step_does_not_take_runs_the_module_step_and_says_why(
     reason = "hidden_act 'gelu'" if mix == "gelu" else "weights in several dtypes (torch.bfloat16, torch.float32)"
     logged = [r.getMessage() for r in hf_log.records if "fused decode step does not take" in r.getMessage()]
     assert len(logged) == 1 and reason in logged[0], logged
+
+
+@pytest.mark.interpreter
+def test_bias_added_to_projections_after_a_fused_generate(tiny):
+    """Q/K/V and o_proj without a bias get one (``linear.bias = nn.Parameter(...)``) after a generate on the fused
+    step: the merged Q/K/V matrix and the built steps had no bias, and the weight snapshot skipped entries that were
+    None, so the tokens stayed those without it. The snapshot keeps None entries now: stock's tokens."""
+    model = tiny.model("llama", seed=3)
+    ids, mask = tiny.batch(seed=4)
+    ours = _accelerated(model, fused=True)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None),
+                       _generate(model, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None))
+    for m in (model, ours):
+        torch.manual_seed(5)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            linear = getattr(m.model.layers[0].self_attn, name)
+            linear.bias = torch.nn.Parameter(torch.randn(linear.out_features) * 2)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None),
+                       _generate(model, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None))

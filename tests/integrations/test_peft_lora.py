@@ -562,3 +562,62 @@ def test_peft_active_adapter_on_some_projections_takes_the_fused_step(tiny):
                        tiny.greedy(stock, ids, mask, max_new_tokens=4))
     steps = list(engine.steps.values())
     assert steps and all(s.fused and s.small_linear and s.gemv_lm_head for s in steps)
+
+
+@pytest.mark.interpreter
+def test_lora_adapter_added_to_a_layer_after_a_fused_generate(tiny):
+    """A LoRA layer whose active adapter is not on it computes as its base layer and runs on the fused step; when
+    that adapter is then injected into the layer (a new entry of its lora_A / lora_B, the active name unchanged),
+    the weight snapshot notices the new submodules and the steps are rebuilt: stock's tokens (the built step had
+    kept skipping the new adapter)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    model = tiny.model("llama", seed=105)
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), model, adapter_name="a")
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            m.set_adapter(["b"])  # active, but not on any layer yet: peft runs the base layers
+    stock = copy.deepcopy(model)
+    ids, mask = tiny.batch(seed=106)
+    accelerate_model(model)
+    model._hf_accel_engine.fused = True
+    assert torch.equal(tiny.greedy(model, ids, mask, max_new_tokens=4), tiny.greedy(stock, ids, mask, max_new_tokens=4))
+    assert all(s.fused for s in model._hf_accel_engine.steps.values())
+    for m in (model, stock):
+        torch.manual_seed(107)  # (the new lora_A is drawn from the global generator)
+        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), m, adapter_name="b")
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "lora_B.b" in name:
+                    p.normal_(0.0, 0.4)
+    assert torch.equal(tiny.greedy(model, ids, mask, max_new_tokens=4), tiny.greedy(stock, ids, mask, max_new_tokens=4))
+
+
+def test_plain_linear_refuses_a_tuner_layer_over_another(tiny):
+    """A merged LoRA layer whose base layer is itself an unmerged LoRA layer computes base + the inner delta: not
+    its innermost nn.Linear (get_base_layer() goes down to it)."""
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from hf_accel.engine.fused_support import plain_linear
+
+    torch.manual_seed(108)
+    base = torch.nn.Linear(8, 8)
+    import inspect
+
+    # (peft >= 0.18 or so takes the adapter's config as well)
+    extra = {"config": LoraConfig(r=2, lora_alpha=4)} if "config" in inspect.signature(LoraLinear).parameters else {}
+    inner = LoraLinear(base, "a", r=2, lora_alpha=4, **extra)
+    outer = LoraLinear(inner, "b", r=2, lora_alpha=4, **extra)
+    with torch.no_grad():
+        for name, p in outer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    outer.merge()
+    x = torch.randn(3, 8)
+    assert not torch.allclose(outer(x), base(x))
+    assert plain_linear(outer) is None
+    assert plain_linear(inner) is None  # unmerged with its active adapter on it
+    inner.merge()
+    assert plain_linear(inner) is base
