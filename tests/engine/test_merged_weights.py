@@ -210,3 +210,23 @@ def test_fused_steps_follow_rotary_frequencies_and_activation(tiny, edit):
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6), stock)
     fused = [s.fused for s in ours._hf_accel_engine.steps.values()]
     assert fused and all(fused) == (edit == "inv_freq_in_place")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "peft-lora"])
+def test_a_second_call_keeps_the_steps_and_snapshot(kind, tiny):
+    """Nothing a generate call does itself (transformers' or peft's forward, the cache, the engine) looks like a
+    change to the weight snapshot: the second call finds it intact and keeps the built steps (a snapshot that saw
+    a change at every call would rebuild, on CUDA recapture, every step at every call)."""
+    model = tiny.model("llama" if kind == "peft-lora" else kind, seed=7)
+    if kind == "peft-lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).eval()
+    ids, mask = tiny.batch(seed=8)
+    accelerate_model(model)
+    engine = (model.get_base_model() if kind == "peft-lora" else model)._hf_accel_engine
+    first = tiny.greedy(model, ids, mask, max_new_tokens=3)
+    steps, snapshot = dict(engine.steps), engine.snapshot
+    assert steps and snapshot is not None and snapshot_intact(snapshot)
+    assert torch.equal(tiny.greedy(model, ids, mask, max_new_tokens=3), first)
+    assert engine.snapshot is snapshot and all(engine.steps.get(key) is step for key, step in steps.items())
