@@ -167,3 +167,27 @@ def test_verify_passes_of_more_than_16_tokens_through_fused_linear(whole_k_fits,
     assert (20 in rows_seen) == whole_k_fits, sorted(set(rows_seen))
     if not whole_k_fits:  # the 20-row passes ran on cuBLAS; nothing above the K-loop limit reached fused_linear
         assert all(r <= step_switches.FUSED_LINEAR_K_LOOP_MAX_ROWS for r in rows_seen), sorted(set(rows_seen))
+
+
+@pytest.mark.interpreter
+def test_prompt_lookup_on_a_merged_lora_model_through_the_fused_step(tiny):
+    """Prompt lookup on a PeftModel (LoRA on every projection and the LM head, merged by accelerate_model): the verify
+    passes run fused_linear on the LoRA layers' merged base weights; greedy equals stock peft's."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    model = get_peft_model(tiny.model("llama", num_hidden_layers=LAYERS),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)).eval()
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=10, eos_token_id=None)
+    accelerate_model(model, speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=3, adaptive=False))
+    engine = model.get_base_model()._hf_accel_engine
+    engine.fused = True
+    assert torch.equal(greedy(model, ids, mask, tiny.PAD, max_new_tokens=10, eos_token_id=None), stock)
+    assert engine.steps and all(s.fused and s.small_linear for s in engine.steps.values())
+    assert speculative_stats(model)["verify_steps"] > 0
