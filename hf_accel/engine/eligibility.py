@@ -77,18 +77,25 @@ _LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm
 
 
 def _layer_class_forwards(model) -> tuple:
-    """The distinct (class, ``forward``) pairs of the model, its inner model, the decoder layers, their attention, MLP
-    and norms and the final norm, in first-seen order (a patch on a class replaces the forward for every instance, a
-    class set on one module only for it; the fast path runs those modules' math itself after the prefill). Reads the
-    module dicts directly: it runs on every call."""
+    """The distinct (class, ``forward``) pairs of the model, its inner model and rotary embedding, the decoder layers,
+    their attention (with its q_norm / k_norm), MLP and norms and the final norm, in first-seen order (a patch on a
+    class replaces the forward for every instance, a class set on one module only for it; the fast path runs those
+    modules' math itself after the prefill). Reads the module dicts directly: it runs on every call."""
     try:
         inner = model.model
         classes = {type(model): None, type(inner): None, type(inner.norm): None}
+        rotary = inner._modules.get("rotary_emb")  # its forward computes the cos/sin the fused step keeps as a table
+        if rotary is not None:
+            classes[type(rotary)] = None
         for layer in inner.layers._modules.values():
             classes[type(layer)] = None
             parts = layer._modules
             for name in _LAYER_PARTS:
                 classes[type(parts[name])] = None
+            attn_parts = parts["self_attn"]._modules
+            for name in ("q_norm", "k_norm"):  # (qwen3)
+                if name in attn_parts:
+                    classes[type(attn_parts[name])] = None
     except (AttributeError, KeyError, TypeError):
         return ()
     return tuple((cls, getattr(cls, "forward", None)) for cls in classes)

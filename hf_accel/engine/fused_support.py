@@ -44,12 +44,21 @@ def plain_linear(module) -> torch.nn.Linear | None:
     return None
 
 
+def _model_rms_norm(norm, model) -> bool:
+    """Whether ``norm`` is an RMSNorm of the model's own modeling module (``LlamaRMSNorm`` in a llama model ...) with
+    ``weight`` and ``variance_epsilon``: the math the fused kernels compute. Another norm with those attributes
+    (``CohereLayerNorm`` subtracts the mean) or a subclass from elsewhere runs on the module step."""
+    cls = type(norm)
+    return (cls.__name__.endswith("RMSNorm") and cls.__module__ == type(model).__module__
+            and hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None)
+
+
 def fused_supported(model) -> str | None:
-    """Why the fused step cannot run this model (None if it can): it needs RMSNorms with ``weight`` and
-    ``variance_epsilon``, plain ``nn.Linear`` projections (or merged LoRA layers over them: :func:`plain_linear`), a
-    SiLU-gated MLP (``hidden_act`` and each layer's
-    ``act_fn``), an even head_dim, and the embedding, norms, projections and LM head in one dtype (its buffers and
-    kernels take the embedding's)."""
+    """Why the fused step cannot run this model (None if it can): it needs the model's own RMSNorm class for every
+    norm (q_norm / k_norm with one ``variance_epsilon``), plain ``nn.Linear`` projections (or LoRA layers computing
+    as one: :func:`plain_linear`), a SiLU-gated MLP (``hidden_act`` and each layer's ``act_fn``), an even head_dim,
+    and the embedding, norms, projections and LM head in one dtype (its buffers and kernels take the
+    embedding's)."""
     inner = model.model
     if getattr(model.config, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(model.config, 'hidden_act', None)!r}"
@@ -57,8 +66,8 @@ def fused_supported(model) -> str | None:
     if not acts <= _SILU_TYPES:  # an act_fn replaced on a layer: the fused kernels compute SiLU
         return f"an MLP activation that is not SiLU ({', '.join(sorted(t.__name__ for t in acts - _SILU_TYPES))})"
     norms = [inner.norm] + [n for ly in inner.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)]
-    if any(not hasattr(n, "variance_epsilon") or getattr(n, "weight", None) is None for n in norms):
-        return "a norm that is not an RMSNorm with weight and variance_epsilon"
+    if any(not _model_rms_norm(n, model) for n in norms):
+        return "a norm that is not the model's own RMSNorm class (with weight and variance_epsilon)"
     for ly in inner.layers:
         attn, mlp = ly.self_attn, ly.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None),
@@ -66,8 +75,12 @@ def fused_supported(model) -> str | None:
         if any(plain_linear(m) is None for m in linears):
             return ("a projection that does not compute as a plain nn.Linear (e.g. an unmerged LoRA adapter or a "
                     "quantized layer)")
-        if getattr(attn, "q_norm", None) is not None and not hasattr(attn.q_norm, "variance_epsilon"):
-            return "a q_norm that is not an RMSNorm"
+        qk_norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+        if qk_norms != [None, None]:
+            if not all(_model_rms_norm(n, model) for n in qk_norms):
+                return "a q_norm / k_norm that is not the model's own RMSNorm class"
+            if qk_norms[0].variance_epsilon != qk_norms[1].variance_epsilon:  # one eps in the RoPE kernel
+                return "q_norm and k_norm with different variance_epsilon"
     if inner.layers[0].self_attn.head_dim % 2:
         return "odd head_dim"
     weights = [getattr(model.get_input_embeddings(), "weight", None), getattr(model.lm_head, "weight", None)]

@@ -21,8 +21,9 @@ import weakref
 import torch
 
 
-#: Numbers of a module that the fast path's steps read when they are built or captured (a CUDA graph holds them).
-STEP_SCALARS = ("scaling", "variance_epsilon", "attention_scaling", "head_dim")
+#: Numbers (and the rotary embedding's ``rope_type`` name) of a module that the fast path's steps read when they are
+#: built or captured (a CUDA graph holds them).
+STEP_SCALARS = ("scaling", "variance_epsilon", "attention_scaling", "head_dim", "rope_type")
 #: Buffers whose values the steps fold into tables of their own (the fused step's rotary cos/sin table is computed
 #: once from the rotary embedding's ``inv_freq``): compared by value, so an edit in place is seen too.
 FOLDED_BUFFERS = ("inv_freq",)
@@ -36,10 +37,10 @@ ADAPTER_STATE = ("merged_adapters", "_active_adapter", "_disable_adapters")
 class WeightSnapshot:
     """``tensors``: (dict, name, tensor, data_ptr) of every parameter and buffer (``dict`` its module's
     ``_parameters`` / ``_buffers``; tensor and data_ptr None for an entry that is None); ``children``: (dict, name,
-    submodule) of every submodule (``dict`` its parent's ``_modules``); ``hooks``: (forward hooks, their count,
-    forward pre-hooks, their count, ``__dict__``, whether it holds a ``forward``, ``_parameters``, ``_buffers``,
-    ``_modules``, their number of entries together) of every module; ``scalars``: (``__dict__``, name, value) of
-    each module's :data:`STEP_SCALARS` that are numbers and of a peft layer's :data:`ADAPTER_STATE` (lists copied);
+    submodule, its class) of every submodule (``dict`` its parent's ``_modules``); ``hooks``: (forward hooks, their
+    count, forward pre-hooks, their count, ``__dict__``, whether it holds a ``forward``, ``_parameters``,
+    ``_buffers``, ``_modules``, their number of entries together) of every module; ``scalars``: (``__dict__``, name,
+    value) of each module's :data:`STEP_SCALARS` and of a peft layer's :data:`ADAPTER_STATE` (lists copied);
     ``folded``: (``_buffers``, name, copy) of each buffer of :data:`FOLDED_BUFFERS`. Tensors and submodules as weak
     references (the modules' dicts are held)."""
 
@@ -58,16 +59,17 @@ def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
     for module in model.modules():
         for store in (module._parameters, module._buffers):
             # an entry that is None (a Linear without bias) is kept as None: a tensor set there later is a change
-            tensors.extend((store, name, None if t is None else weakref.ref(t), None if t is None else t.data_ptr())
+            tensors.extend((store, name, None, None) if t is None else (store, name, weakref.ref(t), t.data_ptr())
                            for name, t in store.items())
-        children.extend((module._modules, name, weakref.ref(c)) for name, c in module._modules.items() if c is not None)
+        children.extend((module._modules, name, weakref.ref(c), type(c)) for name, c in module._modules.items()
+                        if c is not None)
         hooks.append((module._forward_hooks, len(module._forward_hooks), module._forward_pre_hooks,
                       len(module._forward_pre_hooks), module.__dict__, "forward" in module.__dict__,
                       module._parameters, module._buffers, module._modules,
                       len(module._parameters) + len(module._buffers) + len(module._modules)))
         attrs = module.__dict__
         scalars.extend((attrs, name, attrs[name]) for name in STEP_SCALARS
-                       if isinstance(attrs.get(name), (int, float)))
+                       if isinstance(attrs.get(name), (int, float, str)))
         if "merged_adapters" in attrs:
             scalars.extend((attrs, name, list(attrs[name]) if isinstance(attrs[name], list) else attrs[name])
                            for name in ADAPTER_STATE if name in attrs)
@@ -77,11 +79,12 @@ def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
 
 
 def snapshot_intact(snapshot: WeightSnapshot) -> bool:
-    """True while every parameter, buffer and submodule of the snapshot is still in place (the same object, and
-    for tensors the same storage address; an entry that was None still None), no module gained or lost a forward
-    hook, a replaced forward, a parameter, buffer or submodule entry (a LoRA layer's new adapter), and the
-    numbers of :data:`STEP_SCALARS`, the peft layers' :data:`ADAPTER_STATE` and the values of :data:`FOLDED_BUFFERS`
-    are unchanged."""
+    """True while every parameter, buffer and submodule of the snapshot is still in place (the same object, for
+    tensors at the same storage address, for submodules of the same class; an entry that was None still None), no
+    module gained or lost a forward hook, a replaced forward, a parameter, buffer or submodule entry (a LoRA layer's
+    new adapter), and the values of :data:`STEP_SCALARS`, the peft layers' :data:`ADAPTER_STATE` and
+    :data:`FOLDED_BUFFERS` are unchanged. (Not noticed: a weight given other strides at the same address, such as
+    an in-place ``t_()`` of a square matrix.)"""
     for attrs, name, value in snapshot.scalars:
         if attrs.get(name) != value:
             return False
@@ -96,8 +99,9 @@ def snapshot_intact(snapshot: WeightSnapshot) -> bool:
                 return False
         elif t is None or t is not ref() or t.data_ptr() != ptr:
             return False
-    for store, name, ref in snapshot.children:
-        if store.get(name) is not ref():
+    for store, name, ref, cls in snapshot.children:
+        child = store.get(name)
+        if child is not ref() or type(child) is not cls:
             return False
     for fwd, n_fwd, pre, n_pre, attrs, replaced, params, buffers, modules, entries in snapshot.hooks:
         if (len(fwd) != n_fwd or len(pre) != n_pre or ("forward" in attrs) != replaced

@@ -412,3 +412,95 @@ def test_bias_added_to_projections_after_a_fused_generate(tiny):
             linear.bias = torch.nn.Parameter(torch.randn(linear.out_features) * 2)
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None),
                        _generate(model, ids, mask, tiny.PAD, max_new_tokens=4, eos_token_id=None))
+
+
+class _ScaledLinear(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 1.5
+
+
+def _qk_eps(model, which):
+    for layer in model.model.layers:
+        getattr(layer.self_attn, which).variance_epsilon = 5.0
+
+
+def _k_norm_layernorm(model):
+    attn = model.model.layers[0].self_attn
+    norm = torch.nn.LayerNorm(attn.head_dim)
+    with torch.no_grad():
+        norm.weight.copy_(attn.k_norm.weight)
+        norm.bias.fill_(0.3)
+    attn.k_norm = norm
+
+
+def _cohere_norm(model):
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    layer = model.model.layers[0]
+    norm = CohereLayerNorm(layer.input_layernorm.weight.shape[0], eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(layer.input_layernorm.weight)
+    layer.input_layernorm = norm
+
+
+def _rope_dynamic(model):
+    rotary = model.model.rotary_emb
+    model.config.rope_parameters = dict(model.config.rope_parameters, rope_type="dynamic", factor=8.0)
+    model.config.max_position_embeddings = 3
+    rotary.rope_type, rotary.max_seq_len_cached, rotary.original_max_seq_len = "dynamic", 3, 3
+
+
+def _act_class(model):
+    act = model.model.layers[0].mlp.act_fn
+    act.__class__ = torch.nn.GELU
+    act.approximate = "none"
+
+
+_CHANGES = {  # name: (model type, change made to both models after the first generate)
+    "qwen3-k_norm-eps": ("qwen3", lambda m: _qk_eps(m, "k_norm")),
+    "qwen3-q_norm-eps": ("qwen3", lambda m: _qk_eps(m, "q_norm")),
+    "qwen3-k_norm-layernorm": ("qwen3", _k_norm_layernorm),
+    "qwen3-k_norm-identity": ("qwen3", lambda m: setattr(m.model.layers[0].self_attn, "k_norm", torch.nn.Identity())),
+    "cohere-layernorm": ("llama", _cohere_norm),
+    "rope-dynamic": ("llama", _rope_dynamic),
+    "act_fn-class-in-place": ("llama", _act_class),
+    "q_proj-class-in-place": ("llama", lambda m: setattr(m.model.layers[0].self_attn.q_proj, "__class__", _ScaledLinear)),
+    "o_proj-class-in-place": ("llama", lambda m: setattr(m.model.layers[0].self_attn.o_proj, "__class__", _ScaledLinear)),
+}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_changes_after_a_fused_generate_give_stock_tokens(change, tiny):
+    """Changes to a model between two generate calls that the built fused step used to miss (stale tokens, or a
+    crash): q_norm / k_norm eps (the RoPE kernel takes one eps for both), a k_norm that is not an RMSNorm (only
+    q_norm's type was checked), a norm class with RMSNorm's attributes but other math (CohereLayerNorm), the rotary
+    embedding switched to dynamic NTK (rope_type was not in the snapshot), a module's ``__class__`` set in place (an
+    activation, a projection with its own forward). Each is now seen: the next call gives stock's tokens."""
+    model_type, apply = _CHANGES[change]
+    model = tiny.model(model_type, seed=9)
+    ours = _accelerated(model, fused=True)
+    ids, mask = tiny.batch(seed=10)
+    kwargs = dict(max_new_tokens=4, eos_token_id=None)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), _generate(model, ids, mask, tiny.PAD, **kwargs))
+    apply(model)
+    apply(ours)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), _generate(model, ids, mask, tiny.PAD, **kwargs))
+
+
+@pytest.mark.interpreter
+def test_rotary_class_forward_patched_after_a_fused_generate(tiny, monkeypatch):
+    """A patch of the rotary embedding class's forward after the first call: the fused step had kept its cos/sin
+    table (the class check did not cover the rotary class); now the fast path is refused (transformers' loop runs the
+    patched rotary embedding), as for a patched layer class."""
+    from transformers.models.llama import modeling_llama
+
+    model = tiny.model("llama", seed=11)
+    ours = _accelerated(model, fused=True)
+    ids, mask = tiny.batch(seed=12)
+    kwargs = dict(max_new_tokens=4, eos_token_id=None)
+    _generate(ours, ids, mask, tiny.PAD, **kwargs)
+    original = modeling_llama.LlamaRotaryEmbedding.forward
+    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward",
+                        lambda self, x, position_ids, **kw: original(self, x, position_ids * 2, **kw))
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, **kwargs), _generate(model, ids, mask, tiny.PAD, **kwargs))
