@@ -450,6 +450,10 @@ def _rope_dynamic(model):
     rotary.rope_type, rotary.max_seq_len_cached, rotary.original_max_seq_len = "dynamic", 3, 3
 
 
+def _set_class(module, cls):
+    module.__class__ = cls
+
+
 def _act_class(model):
     act = model.model.layers[0].mlp.act_fn
     act.__class__ = torch.nn.GELU
@@ -464,8 +468,8 @@ _CHANGES = {  # name: (model type, change made to both models after the first ge
     "cohere-layernorm": ("llama", _cohere_norm),
     "rope-dynamic": ("llama", _rope_dynamic),
     "act_fn-class-in-place": ("llama", _act_class),
-    "q_proj-class-in-place": ("llama", lambda m: setattr(m.model.layers[0].self_attn.q_proj, "__class__", _ScaledLinear)),
-    "o_proj-class-in-place": ("llama", lambda m: setattr(m.model.layers[0].self_attn.o_proj, "__class__", _ScaledLinear)),
+    "q_proj-class-in-place": ("llama", lambda m: _set_class(m.model.layers[0].self_attn.q_proj, _ScaledLinear)),
+    "o_proj-class-in-place": ("llama", lambda m: _set_class(m.model.layers[0].self_attn.o_proj, _ScaledLinear)),
 }
 
 
