@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from peft_lora_models import _lora_layers, _lora_model
+from peft_lora_models import _all_linear_lora, _lora_layers, _lora_model
 
 import hf_accel.integrations.attention as hf_attn
 from hf_accel import accelerate_model, is_accelerated, revert_model
@@ -401,19 +401,11 @@ def test_peft_merged_lora_takes_the_fused_step(rows, tiny, monkeypatch):
     (interpreter), its matmuls through gemv (1 row) / fused_linear (3 rows) on the base layers' merged weights, the
     LM head's included: stock peft's tokens (float32). It used to take the module step (the LoRA layers are not plain
     nn.Linear). revert_model then gives back the base weights bit for bit and every projection its own storage."""
-    from peft import LoraConfig, get_peft_model
-
     from hf_accel.engine import decode_step
 
-    base = tiny.model("llama", seed=91)
-    before = {n: p.detach().clone() for n, p in base.named_parameters()}
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)).eval()
-    torch.manual_seed(92)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2)
+    before = {n: p.detach().clone() for n, p in tiny.model("llama", seed=91).named_parameters()}
+    peft_model = _all_linear_lora(tiny, seed=91, std=0.2)
+    base = peft_model.get_base_model()
     ids, mask = tiny.batch(seed=93)
     ids, mask = ids[:rows], mask[:rows]
     stock = tiny.greedy(peft_model, ids, mask, max_new_tokens=4)
@@ -442,19 +434,6 @@ def test_peft_merged_lora_takes_the_fused_step(rows, tiny, monkeypatch):
     attn = base.model.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() != attn.k_proj.weight.untyped_storage().data_ptr()
 
-
-def _all_linear_lora(tiny, seed, model_type="llama"):
-    from peft import LoraConfig, get_peft_model
-
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
-    peft_model = get_peft_model(tiny.model(model_type, seed=seed),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)).eval()
-    torch.manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.4)
-    return peft_model
 
 
 @pytest.mark.interpreter
