@@ -89,7 +89,7 @@ def lora_change(model) -> str | None:
         return "a LoRA layer or its base layer was replaced"
     if state.get("lora_flags") is not None and lora_flags(layers) != state["lora_flags"]:  # (None: an older pickle)
         return "a LoRA layer's adapters were disabled, unmerged or switched (on the layer)"
-    lora, scalings, base = lora_values(peft_model, saved, state["lora_probes"])
+    lora, scalings, base = lora_values(peft_model, saved, state["lora_probes"], layers)
     if lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1]:
         return "LoRA weights or scalings changed"
     if base != state["lora_values"][2]:
