@@ -150,6 +150,7 @@ class FastEngine(CallChecks):
         self.last_stats: dict = {}
         self.merged = None  # MergedLayer list once the fused step merged the projections
         self.snapshot = None  # the model's weights when the steps were built (weight_snapshot), None: no steps
+        self.deferred_snapshot = None  # a snapshot this call's check left for start to compare (CallChecks)
         self.call_lock = CallLock()
 
     def __reduce__(self):
@@ -192,6 +193,10 @@ class FastEngine(CallChecks):
             if step.fused and self.merged is None:
                 self.merged = merge_projections(self.model) or []
             step.merged = self.merged or None
+            # every parameter and buffer the step's kernels and graphs may read, held while the step lives: a weight
+            # replaced in the model (and freed) after the step was built stays valid memory until a check drops the
+            # step (the snapshot comparison may run after a prefill is queued: deferred_snapshot_intact)
+            step.keepalive = (tuple(self.model.parameters()), tuple(self.model.buffers()))
             self.steps[key] = step
             self.snapshot = weight_snapshot(self.model)  # after the merge, which gives the projections new storage
         return step
@@ -314,6 +319,8 @@ class FastEngine(CallChecks):
             step.position_ids.zero_()
             step.position_ids[:batch, 0] = attention_mask.long().sum(-1)
             step.input_ids.zero_()
+            # the model checks left for now (check(defer_snapshot=True)): compared while the GPU runs the prefill
+            self.deferred_snapshot_intact()
         except BaseException:
             cache.release()
             raise

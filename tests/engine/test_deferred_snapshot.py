@@ -1,0 +1,114 @@
+"""The weight snapshot's comparison runs after the prompt's prefill is queued (``check(defer_snapshot=True)``, then
+``deferred_snapshot_intact`` in ``start``): a model changed since its steps were built is found there, the call's
+prefill is dropped and the call runs again on steps built for the current weights; the steps hold every weight
+they read meanwhile."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from fast_generate_helpers import _accelerated, _generate
+
+from hf_accel import accelerate_model
+from hf_accel.engine import eligibility
+from hf_accel.engine.fast_generate import FastEngine
+
+
+@pytest.fixture
+def events(monkeypatch):
+    """What a generate call does, in order: ``start`` entered / left, the snapshot compared, StaleSteps raised."""
+    seen: list[str] = []
+    compare, start = eligibility.snapshot_intact, FastEngine.start
+
+    def comparing(snapshot):
+        seen.append("compare")
+        return compare(snapshot)
+
+    def starting(self, *args, **kwargs):
+        seen.append("start")
+        try:
+            return start(self, *args, **kwargs)
+        except eligibility.StaleSteps:
+            seen.append("stale")
+            raise
+        finally:
+            seen.append("started")
+
+    monkeypatch.setattr(eligibility, "snapshot_intact", comparing)
+    monkeypatch.setattr(FastEngine, "start", starting)
+    return seen
+
+
+def _replace_o_proj(model, seed):
+    proj = model.model.layers[1].self_attn.o_proj
+    proj.weight = torch.nn.Parameter(torch.randn(proj.weight.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+@pytest.mark.parametrize("speculative", [None, "prompt_lookup"])
+def test_an_unchanged_model_is_compared_inside_start(tiny, events, speculative):
+    """A second call on kept steps compares the snapshot once, inside ``start`` (after the prefill), not before."""
+    model = tiny.model("llama", seed=80)
+    ids, mask = tiny.batch(seed=81, lengths=(9,))
+    ours = accelerate_model(copy.deepcopy(model), speculative=speculative)
+    first = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4)
+    events.clear()
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), first)
+    assert events == ["start", "compare", "started"]
+
+
+@pytest.mark.parametrize("speculative", [None, "prompt_lookup"])
+def test_a_weight_replaced_between_calls_reruns_the_call_on_new_steps(tiny, events, speculative):
+    """A Parameter replaced after a call is found after the next call's prefill: that prefill is dropped, the steps
+    are built again and the call gives stock's tokens for the new weight."""
+    model = tiny.model("llama", seed=82)
+    ids, mask = tiny.batch(seed=83)
+    ours = accelerate_model(copy.deepcopy(model), speculative=speculative)
+    _generate(ours, ids[:1], mask[:1], tiny.PAD, max_new_tokens=4)
+    engine = ours._hf_accel_engine
+    old_steps = dict(engine.steps)
+    assert old_steps
+    for m in (model, ours):
+        _replace_o_proj(m, seed=84)
+    want = _generate(model, ids[:1], mask[:1], tiny.PAD, max_new_tokens=4)
+    events.clear()
+    assert torch.equal(_generate(ours, ids[:1], mask[:1], tiny.PAD, max_new_tokens=4), want)
+    assert events.count("stale") == 1 and events.count("start") == 2
+    assert engine.steps and not any(engine.steps.get(k) is s for k, s in old_steps.items())
+
+
+def test_steps_hold_the_weights_they_read_until_a_call_drops_them(tiny):
+    """A weight replaced in the model stays in memory while steps built on it live (a prefill may run on them before
+    the comparison), and is freed once the next call has found the change."""
+    model = _accelerated(tiny.model("llama", seed=85))
+    ids, mask = tiny.batch(seed=86)
+    _generate(model, ids, mask, tiny.PAD, max_new_tokens=3)
+    old = weakref.ref(model.model.layers[1].self_attn.o_proj.weight)
+    _replace_o_proj(model, seed=87)
+    gc.collect()
+    assert old() is not None
+    _generate(model, ids, mask, tiny.PAD, max_new_tokens=3)
+    gc.collect()
+    assert old() is None
+
+
+def test_a_call_refused_after_a_deferred_check_leaves_nothing_for_start(tiny):
+    """A check that defers the comparison and then refuses the call (an option of the prepared loop) leaves no
+    comparison pending: the call's own route (transformers' generate with hf-accel's decoding method) checks
+    the model itself, and gives stock's tokens after a weight change."""
+    model = tiny.model("llama", seed=88)
+    ids, mask = tiny.batch(seed=89)
+    ours = _accelerated(model)
+    _generate(ours, ids, mask, tiny.PAD, max_new_tokens=3)
+    engine = ours._hf_accel_engine
+    for m in (model, ours):
+        _replace_o_proj(m, seed=90)
+    gc_ = copy.deepcopy(ours.generation_config)
+    gc_.no_repeat_ngram_size = 2
+    reason = engine.check(gc_, {"input_ids": ids, "attention_mask": mask}, defer_snapshot=True)
+    assert reason is not None and engine.deferred_snapshot is None
+    want = _generate(model, ids, mask, tiny.PAD, max_new_tokens=5, no_repeat_ngram_size=2)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5, no_repeat_ngram_size=2), want)
