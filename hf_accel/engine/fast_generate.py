@@ -182,10 +182,15 @@ class FastEngine(CallChecks):
             self.cache = PagedCache(self.model.config, num_blocks=max(num_blocks, grown), block_size=self.block_size)
         return self.cache
 
+    def _step_key(self, batch: int, max_blocks: int, q_len: int = 1, num_layers: int | None = None) -> tuple:
+        """The key of :attr:`steps` for a step of these sizes: batch and block-table width bucketed on a GPU."""
+        on_gpu = self.device.type == "cuda" and self.use_cuda_graphs
+        return (_bucket(batch) if on_gpu else batch, _bucket(max_blocks, 8) if on_gpu else max_blocks, q_len,
+                num_layers)
+
     def _step_for(self, batch: int, max_blocks: int, q_len: int = 1, num_layers: int | None = None) -> DecodeStep:
         on_gpu = self.device.type == "cuda" and self.use_cuda_graphs
-        key = (_bucket(batch) if on_gpu else batch, _bucket(max_blocks, 8) if on_gpu else max_blocks, q_len,
-               num_layers)
+        key = self._step_key(batch, max_blocks, q_len, num_layers)
         step = self.steps.get(key)
         if step is None:
             step = DecodeStep(self.model, self.cache, key[0], key[1], use_graph=on_gpu, fused=self.fused,
@@ -269,6 +274,12 @@ class FastEngine(CallChecks):
         batch, prompt_len = input_ids.shape
         bs = self.block_size
         blocks_per_row = -(-(prompt_len + max_new + lookahead) // bs)
+        if self.deferred_snapshot is not None:
+            kept = self.steps.get(self._step_key(batch, blocks_per_row))
+            if (kept is None or not kept.runs_no_module() or self.cache is None or self.cache.manager is None
+                    or self.cache.manager.num_blocks < batch * blocks_per_row + 1):
+                # a step or pool to build, or a prefill that runs the model's modules (their hooks): compare now
+                self.deferred_snapshot_intact()
         cache = self._ensure_cache(batch * blocks_per_row + 1)
         step = self._step_for(batch, blocks_per_row)
         position_ids = attention_mask.long().cumsum(-1) - 1
@@ -321,8 +332,12 @@ class FastEngine(CallChecks):
             step.input_ids.zero_()
             # the model checks left for now (check(defer_snapshot=True)): compared while the GPU runs the prefill
             self.deferred_snapshot_intact()
-        except BaseException:
+        except BaseException as error:
             cache.release()
+            if isinstance(error, Exception) and self.deferred_snapshot is not None:
+                # a step built for a model changed since fails on it (a LoRA layer no longer plain): StaleSteps when
+                # the comparison finds the change, else the error itself
+                self.deferred_snapshot_intact()
             raise
         return step, logits
 

@@ -15,14 +15,19 @@ from fast_generate_helpers import _accelerated, _generate
 
 from hf_accel import accelerate_model
 from hf_accel.engine import eligibility
+from hf_accel.cache.paged_cache import PagedCache
+from hf_accel.engine.decode_step import DecodeStep
 from hf_accel.engine.fast_generate import FastEngine
 
 
 @pytest.fixture
 def events(monkeypatch):
-    """What a generate call does, in order: ``start`` entered / left, the snapshot compared, StaleSteps raised."""
+    """What a generate call does, in order: ``start`` entered / left, the snapshot compared, StaleSteps raised, a
+    forward of the fused step (``fused``; the prefill's first), a K/V write through the PagedCache (``update``: the
+    modules' prefill)."""
     seen: list[str] = []
     compare, start = eligibility.snapshot_intact, FastEngine.start
+    fused, update = DecodeStep._forward_fused, PagedCache.update
 
     def comparing(snapshot):
         seen.append("compare")
@@ -38,8 +43,16 @@ def events(monkeypatch):
         finally:
             seen.append("started")
 
+    def recording(name, fn):
+        def wrapped(*args, **kwargs):
+            seen.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
     monkeypatch.setattr(eligibility, "snapshot_intact", comparing)
     monkeypatch.setattr(FastEngine, "start", starting)
+    monkeypatch.setattr(DecodeStep, "_forward_fused", recording("fused", fused))
+    monkeypatch.setattr(PagedCache, "update", recording("update", update))
     return seen
 
 
@@ -48,35 +61,60 @@ def _replace_o_proj(model, seed):
     proj.weight = torch.nn.Parameter(torch.randn(proj.weight.shape, generator=torch.Generator().manual_seed(seed)))
 
 
+def _ours(model, speculative, fused):
+    ours = accelerate_model(copy.deepcopy(model), speculative=speculative)
+    ours._hf_accel_engine.fused = fused
+    return ours
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("speculative", [None, "prompt_lookup"])
-def test_an_unchanged_model_is_compared_inside_start(tiny, events, speculative):
-    """A second call on kept steps compares the snapshot once, inside ``start`` (after the prefill), not before."""
+def test_kept_fused_steps_compare_the_snapshot_after_the_prefill(tiny, events, speculative):
+    """A second call on kept fused steps (which call no module) compares the snapshot once, inside ``start`` after
+    the prompt's prefill was launched."""
     model = tiny.model("llama", seed=80)
     ids, mask = tiny.batch(seed=81, lengths=(9,))
-    ours = accelerate_model(copy.deepcopy(model), speculative=speculative)
+    ours = _ours(model, speculative, fused=True)
     first = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4)
     events.clear()
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), first)
-    assert events == ["start", "compare", "started"]
+    inside = events[events.index("start"): events.index("started")]
+    assert inside[:2] == ["start", "fused"] and inside.count("compare") == 1 and events.count("compare") == 1
 
 
+def test_a_prefill_through_the_modules_compares_the_snapshot_first(tiny, events):
+    """Without the fused step the prefill runs the model's modules (a hook added since would run): the snapshot is
+    compared before it, still once."""
+    model = tiny.model("llama", seed=80)
+    ids, mask = tiny.batch(seed=81, lengths=(9,))
+    ours = _ours(model, None, fused=False)
+    first = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4)
+    events.clear()
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), first)
+    assert events[:3] == ["start", "compare", "update"] and events.count("compare") == 1
+
+
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=pytest.mark.interpreter), False], ids=["fused", "modules"])
 @pytest.mark.parametrize("speculative", [None, "prompt_lookup"])
-def test_a_weight_replaced_between_calls_reruns_the_call_on_new_steps(tiny, events, speculative):
-    """A Parameter replaced after a call is found after the next call's prefill: that prefill is dropped, the steps
-    are built again and the call gives stock's tokens for the new weight."""
+def test_a_weight_replaced_between_calls_gives_stocks_tokens(tiny, events, speculative, fused):
+    """A Parameter replaced after a call is found in the next call's ``start`` (StaleSteps), which runs the call
+    again on steps built for the new weight: on kept fused steps after the prompt's prefill (dropped), without the
+    fused step before it. Either way the tokens are stock's for the new weight."""
     model = tiny.model("llama", seed=82)
-    ids, mask = tiny.batch(seed=83)
-    ours = accelerate_model(copy.deepcopy(model), speculative=speculative)
-    _generate(ours, ids[:1], mask[:1], tiny.PAD, max_new_tokens=4)
+    ids, mask = tiny.batch(seed=83, lengths=(9,))
+    ours = _ours(model, speculative, fused)
+    _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4)
     engine = ours._hf_accel_engine
     old_steps = dict(engine.steps)
     assert old_steps
     for m in (model, ours):
         _replace_o_proj(m, seed=84)
-    want = _generate(model, ids[:1], mask[:1], tiny.PAD, max_new_tokens=4)
+    want = _generate(model, ids, mask, tiny.PAD, max_new_tokens=4)
     events.clear()
-    assert torch.equal(_generate(ours, ids[:1], mask[:1], tiny.PAD, max_new_tokens=4), want)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), want)
     assert events.count("stale") == 1 and events.count("start") == 2
+    first_forward = events.index("fused" if fused else "update")
+    assert (first_forward < events.index("stale")) == fused  # the dropped prefill ran only on the fused steps
     assert engine.steps and not any(engine.steps.get(k) is s for k, s in old_steps.items())
 
 
