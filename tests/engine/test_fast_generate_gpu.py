@@ -297,3 +297,45 @@ def test_merged_peft_lora_takes_the_fused_graph_step_fp32(rows):
     hf_accel.revert_model(model)
     after = {n.replace(".base_layer", ""): p for n, p in base.named_parameters() if "lora_" not in n}
     assert all(torch.equal(after[n], before[n]) for n in before)
+
+
+def test_a_prefill_graph_replayed_before_the_snapshot_comparison_reads_live_memory(monkeypatch):
+    """The second call replays its kept prefill graph before comparing the weight snapshot. Weights replaced since
+    (the old ones dropped by the model, PyTorch's cached memory emptied) stay held by the steps, so that replay
+    reads valid memory; the comparison then finds the change, and the call runs again on new steps with stock's
+    float32 tokens."""
+    import copy
+    import gc
+
+    from hf_accel.engine import eligibility
+    from hf_accel.engine.fast_generate import FastEngine
+
+    model = _tiny("llama")
+    ours = hf_accel.accelerate_model(copy.deepcopy(model))
+    g = torch.Generator(device="cuda").manual_seed(4)
+    ids = torch.randint(8, 256, (1, 21), device="cuda", generator=g)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    for _ in range(2):
+        assert torch.equal(ours.generate(**kwargs), model.generate(**kwargs))
+    starts, stale = [], []
+    start = FastEngine.start
+
+    def counting(self, *args, **kw):
+        starts.append(1)
+        try:
+            return start(self, *args, **kw)
+        except eligibility.StaleSteps:
+            stale.append(1)
+            raise
+
+    monkeypatch.setattr(FastEngine, "start", counting)
+    for m in (model, ours):
+        for layer in m.model.layers:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.weight = torch.nn.Parameter(proj.weight.detach() * -1.25)
+    gc.collect()
+    torch.cuda.empty_cache()
+    stock = model.generate(**kwargs)
+    assert torch.equal(ours.generate(**kwargs), stock)
+    torch.cuda.synchronize()
+    assert len(starts) == 2 and len(stale) == 1
