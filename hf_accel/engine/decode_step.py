@@ -190,13 +190,6 @@ class DecodeStep:
             raise NotImplementedError("logits_index needs the fused step")
         return self._forward_modules(input_ids, position_ids, cache_lens, block_table, key_mask, last_only)
 
-    def runs_no_module(self) -> bool:
-        """Whether a forward of this step calls no module of the model (no forward hook of the user's could run): the
-        fused step over a plain ``nn.Embedding`` read by index, with its rotary table already built."""
-        embed = self.model.model.embed_tokens
-        return (bool(self.fused) and switches.GATHER_BY_INDEX and type(embed) is torch.nn.Embedding
-                and embed.max_norm is None and switches.ROTARY_TABLE and self._rotary_rows is not None)
-
     def _rotary_table(self, dtype) -> torch.Tensor:
         """[positions, 2 * head_dim] cos | sin of the model's rotary embedding at positions 0 .. capacity +
         q_len - 1, computed once by the model's own rotary module (position-independent frequencies: the
