@@ -339,3 +339,24 @@ def test_a_prefill_graph_replayed_before_the_snapshot_comparison_reads_live_memo
     assert torch.equal(ours.generate(**kwargs), stock)
     torch.cuda.synchronize()
     assert len(starts) == 2 and len(stale) == 1
+
+
+def test_a_hook_added_between_calls_runs_as_in_stock_after_a_replayed_prefill():
+    """A forward hook added after two calls (the prefill graph captured and kept) runs as often as in stock: the
+    kept prefill graph replays (no Python), the comparison then finds the hook and the call runs transformers' loop
+    with it, stock's float32 tokens."""
+    import copy
+
+    model = _tiny("llama")
+    ours = hf_accel.accelerate_model(copy.deepcopy(model))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ids = torch.randint(8, 256, (1, 21), device="cuda", generator=g)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    for _ in range(2):
+        ours.generate(**kwargs)
+    counts = {"stock": 0, "ours": 0}
+    for name, m in (("stock", model), ("ours", ours)):
+        m.lm_head.register_forward_hook(lambda mod, args, out, name=name: counts.__setitem__(name, counts[name] + 1))
+    stock = model.generate(**kwargs)
+    assert torch.equal(ours.generate(**kwargs), stock)
+    assert counts["ours"] == counts["stock"] > 0
