@@ -209,9 +209,10 @@ class CallChecks:
 
         ``defer_snapshot``: where the kept answer applies, leave the snapshot's comparison (~0.3-0.6 ms of host
         time on a 30-layer model) to :meth:`deferred_snapshot_intact`, which the fast path's ``start`` runs once the
-        prompt's prefill is queued on the GPU (the host compares while the GPU computes). The built steps hold
-        every weight they read (``DecodeStep.keepalive``), so a prefill launched on a stale snapshot reads freed
-        memory nowhere; its result is dropped when the comparison fails (:class:`StaleSteps`)."""
+        replay of a captured prefill graph is queued on the GPU (the host compares while the GPU computes), or
+        before a prefill that runs Python. The built steps hold the storage of every weight they read
+        (``DecodeStep.keepalive``), so a replay on a stale snapshot reads freed memory nowhere; its result is
+        dropped when the comparison fails (:class:`StaleSteps`)."""
         self.deferred_snapshot = None
         m = self.model
         try:

@@ -10,12 +10,12 @@ a number the steps read when they are built or captured (an attention's ``scalin
 :data:`FOLDED_BUFFERS`) are not: the engine
 takes a snapshot when it builds a step and compares it at each call (0.1-0.6 ms for a 30-layer model on a CPU of
 today, more with cold caches), dropping its steps and merged projections and checking the model again when it
-differs. On kept fused steps the comparison runs once the call's prefill is queued (``check(defer_snapshot=True)``;
-the host compares while the GPU computes), and a change found then drops that prefill and runs the call again. The
-snapshot refers to tensors and submodules weakly, but holds each module's dicts (parameters, buffers, submodules,
-hooks, attributes), and the built steps hold every parameter and buffer (``DecodeStep.keepalive``): a weight or
-module replaced by another stays in memory until the next call finds the change (``load_state_dict`` and
-``revert_model`` drop the steps at once).
+differs. Where a call's prefill replays a captured graph, the comparison runs once that replay is queued
+(``check(defer_snapshot=True)``; the host compares while the GPU computes), and a change found then drops that
+prefill and runs the call again. The snapshot refers to tensors and submodules weakly, but holds each module's dicts
+(parameters, buffers, submodules, hooks, attributes), and the built steps hold the storage of every parameter and
+buffer (``DecodeStep.keepalive``): a weight or module replaced or moved stays in memory until the next call finds
+the change (``load_state_dict`` and ``revert_model`` drop the steps at once).
 """
 
 from __future__ import annotations
