@@ -36,7 +36,7 @@ from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.call_lock import CallLock
 from hf_accel.engine.call_options import call_inputs, passed_cache, repetition_penalty, sampling_warpers
 from hf_accel.engine.decode_step import DecodeStep
-from hf_accel.engine.eligibility import CallChecks
+from hf_accel.engine.eligibility import MAX_LOOKAHEAD, CallChecks
 from hf_accel.engine.merged_weights import merge_projections, projections_share_storage, unmerge_projections
 from hf_accel.engine.weight_snapshot import weight_snapshot
 
@@ -173,16 +173,22 @@ class FastEngine(CallChecks):
         self._fused = value
 
     # -- cache / steps ----------------------------------------------------------------------------
-    def _ensure_cache(self, num_blocks: int) -> PagedCache:
+    def _ensure_cache(self, num_blocks: int, new_pool_blocks: int | None = None) -> PagedCache:
+        """The engine's PagedCache with at least ``num_blocks`` blocks: a new one, when the pool is smaller, of
+        ``new_pool_blocks`` (at least ``num_blocks``) or twice the old pool, whichever is larger, within free
+        memory."""
         if self.cache is None or self.cache.manager is None or self.cache.manager.num_blocks < num_blocks:
             old = self._pool_blocks()
             fit = self._blocks_that_fit()
             grown = 2 * old if fit is None else min(2 * old, fit)  # doubling, within free memory
+            want = max(num_blocks, new_pool_blocks or 0)
+            if fit is not None:
+                want = max(num_blocks, min(want, fit))
             self.steps.clear()  # graphs point at the old pools
             self.cache = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self.cache = PagedCache(self.model.config, num_blocks=max(num_blocks, grown), block_size=self.block_size)
+            self.cache = PagedCache(self.model.config, num_blocks=max(want, grown), block_size=self.block_size)
         return self.cache
 
     def _step_key(self, batch: int, max_blocks: int, q_len: int = 1, num_layers: int | None = None) -> tuple:
@@ -278,6 +284,10 @@ class FastEngine(CallChecks):
         batch, prompt_len = input_ids.shape
         bs = self.block_size
         blocks_per_row = -(-(prompt_len + max_new + lookahead) // bs)
+        # a pool made or grown here holds what check() counts for a call of this shape (blocks_needed: the largest
+        # lookahead of a speculative call), so that the next such call finds it large enough without reading the
+        # device's free memory
+        pool_blocks = batch * -(-(prompt_len + max_new + max(lookahead, MAX_LOOKAHEAD)) // bs) + 1
         cached = prefix.get_seq_length() if prefix is not None else 0
         if self.deferred_snapshot is not None:
             kept = self.steps.get(self._step_key(batch, blocks_per_row))
@@ -287,7 +297,7 @@ class FastEngine(CallChecks):
                 # a step or pool to build, or a prefill that runs Python (the model's modules, their hooks): the
                 # comparison runs first; only the replay of a captured prefill graph goes ahead of it
                 self.deferred_snapshot_intact()
-        cache = self._ensure_cache(batch * blocks_per_row + 1)
+        cache = self._ensure_cache(batch * blocks_per_row + 1, pool_blocks)
         step = self._step_for(batch, blocks_per_row)
         position_ids = attention_mask.long().cumsum(-1) - 1
         position_ids.masked_fill_(attention_mask == 0, 1)

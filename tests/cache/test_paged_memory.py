@@ -306,3 +306,20 @@ def test_growable_cache_grows_and_keeps_its_contents(tiny, one_thread):
     with pytest.raises(OutOfBlocksError, match="needed"):
         Stepper(model, fixed, ids, mask)
     assert fixed.memory_stats()["blocks_allocated"] == 0
+
+
+@pytest.mark.parametrize("speculative", [None, "prompt_lookup"])
+def test_a_repeated_call_reads_no_free_memory(tiny, monkeypatch, speculative):
+    """The fast path's pool, made by a call, holds what the check counts for a call of that shape (the largest
+    speculative lookahead included): the same call again neither reads the device's free memory nor makes a new
+    pool, and gives the same tokens."""
+    model = accelerate_model(tiny.model("llama", seed=3), speculative=speculative)
+    ids, mask = tiny.batch(seed=4)
+    first = tiny.greedy(model, ids, mask, max_new_tokens=5)
+    engine = model._hf_accel_engine
+    pool = engine.cache
+    reads = []
+    free_kv_bytes = paged_cache_mod.free_kv_bytes
+    monkeypatch.setattr(paged_cache_mod, "free_kv_bytes", lambda *a, **k: reads.append(1) or free_kv_bytes(*a, **k))
+    assert torch.equal(tiny.greedy(model, ids, mask, max_new_tokens=5), first)
+    assert not reads and engine.cache is pool
