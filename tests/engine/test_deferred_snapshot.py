@@ -74,17 +74,21 @@ def replays(monkeypatch):
     monkeypatch.setattr(FastEngine, "_prefill_replays", lambda self, step, *args: bool(step.fused))
 
 
+def _second_call(tiny, events, speculative, fused):
+    """Two equal calls on a tiny llama; ``events`` then holds the second's, which gave the first's tokens."""
+    ours = _ours(tiny.model("llama", seed=80), speculative, fused)
+    ids, mask = tiny.batch(seed=81, lengths=(9,))
+    first = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4)
+    events.clear()
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), first)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("speculative", [None, "prompt_lookup"])
 def test_a_comparison_left_for_after_the_prefill_runs_once(tiny, events, replays, speculative):
     """A second call on kept steps whose prefill may go ahead compares the snapshot once, inside ``start`` after
     the prompt's prefill, and gives the first call's tokens."""
-    model = tiny.model("llama", seed=80)
-    ids, mask = tiny.batch(seed=81, lengths=(9,))
-    ours = _ours(model, speculative, fused=True)
-    first = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4)
-    events.clear()
-    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), first)
+    _second_call(tiny, events, speculative, fused=True)
     inside = events[events.index("start"): events.index("started")]
     assert inside[:2] == ["start", "fused"] and inside.count("compare") == 1 and events.count("compare") == 1
 
@@ -93,12 +97,7 @@ def test_a_comparison_left_for_after_the_prefill_runs_once(tiny, events, replays
 def test_a_prefill_that_runs_python_compares_the_snapshot_first(tiny, events, fused):
     """Without a captured prefill graph to replay (on the CPU always; the fused step's eager forward, or the
     modules' with their hooks) the snapshot is compared before the prefill, once."""
-    model = tiny.model("llama", seed=80)
-    ids, mask = tiny.batch(seed=81, lengths=(9,))
-    ours = _ours(model, None, fused=fused)
-    first = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=4)
-    events.clear()
-    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4), first)
+    _second_call(tiny, events, None, fused)
     assert events[:3] == ["start", "compare", "fused" if fused else "update"] and events.count("compare") == 1
 
 

@@ -299,24 +299,32 @@ def test_merged_peft_lora_takes_the_fused_graph_step_fp32(rows):
     assert all(torch.equal(after[n], before[n]) for n in before)
 
 
+def _stock_and_ours_after_two_calls(seed):
+    """A tiny llama, its accelerated copy after two equal 21-token calls (stock's float32 tokens; the second
+    replays the prefill graph the first captured) and those calls' arguments."""
+    import copy
+
+    model = _tiny("llama")
+    ours = hf_accel.accelerate_model(copy.deepcopy(model))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.randint(8, 256, (1, 21), device="cuda", generator=g)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    for _ in range(2):
+        assert torch.equal(ours.generate(**kwargs), model.generate(**kwargs))
+    return model, ours, kwargs
+
+
 def test_a_prefill_graph_replayed_before_the_snapshot_comparison_reads_live_memory(monkeypatch):
     """The second call replays its kept prefill graph before comparing the weight snapshot. Weights replaced since
     (the old ones dropped by the model, PyTorch's cached memory emptied) stay held by the steps, so that replay
     reads valid memory; the comparison then finds the change, and the call runs again on new steps with stock's
     float32 tokens."""
-    import copy
     import gc
 
     from hf_accel.engine import eligibility
     from hf_accel.engine.fast_generate import FastEngine
 
-    model = _tiny("llama")
-    ours = hf_accel.accelerate_model(copy.deepcopy(model))
-    g = torch.Generator(device="cuda").manual_seed(4)
-    ids = torch.randint(8, 256, (1, 21), device="cuda", generator=g)
-    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
-    for _ in range(2):
-        assert torch.equal(ours.generate(**kwargs), model.generate(**kwargs))
+    model, ours, kwargs = _stock_and_ours_after_two_calls(seed=4)
     starts, stale = [], []
     start = FastEngine.start
 
@@ -345,15 +353,7 @@ def test_a_hook_added_between_calls_runs_as_in_stock_after_a_replayed_prefill():
     """A forward hook added after two calls (the prefill graph captured and kept) runs as often as in stock: the
     kept prefill graph replays (no Python), the comparison then finds the hook and the call runs transformers' loop
     with it, stock's float32 tokens."""
-    import copy
-
-    model = _tiny("llama")
-    ours = hf_accel.accelerate_model(copy.deepcopy(model))
-    g = torch.Generator(device="cuda").manual_seed(5)
-    ids = torch.randint(8, 256, (1, 21), device="cuda", generator=g)
-    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-    for _ in range(2):
-        ours.generate(**kwargs)
+    model, ours, kwargs = _stock_and_ours_after_two_calls(seed=5)
     counts = {"stock": 0, "ours": 0}
     for name, m in (("stock", model), ("ours", ours)):
         m.lm_head.register_forward_hook(lambda mod, args, out, name=name: counts.__setitem__(name, counts[name] + 1))
