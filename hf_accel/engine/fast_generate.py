@@ -350,8 +350,8 @@ class FastEngine(CallChecks):
         except BaseException as error:
             cache.release()
             if isinstance(error, Exception) and self.deferred_snapshot is not None:
-                # a step built for a model changed since fails on it (a LoRA layer no longer plain): StaleSteps when
-                # the comparison finds the change, else the error itself
+                # an error while the comparison is still pending (work queued on steps built for an older model):
+                # StaleSteps when the comparison finds a change, else the error itself
                 self.deferred_snapshot_intact()
             raise
         return step, logits
