@@ -347,12 +347,8 @@ class FastEngine(CallChecks):
             step.input_ids.zero_()
             # the model checks left for now (check(defer_snapshot=True)): compared while the GPU runs the prefill
             self.deferred_snapshot_intact()
-        except BaseException as error:
+        except BaseException:
             cache.release()
-            if isinstance(error, Exception) and self.deferred_snapshot is not None:
-                # an error while the comparison is still pending (work queued on steps built for an older model):
-                # StaleSteps when the comparison finds a change, else the error itself
-                self.deferred_snapshot_intact()
             raise
         return step, logits
 
