@@ -182,15 +182,17 @@ class SpeculativeEngine:
         """Why the target's and the draft model's KV pools of this call do not fit together in free device
         memory (None where they do, or where free memory cannot be read). ``FastEngine.check`` checked the
         target's alone; a pool that must grow is replaced, so its old bytes count as free."""
-        free = paged_cache.free_kv_bytes(self.model.device)
-        if free is None:
-            return None
         grown = freed = 0
         for engine in (self.fast, self.draft_fast):
             need, have = engine.blocks_needed(gc, input_ids), engine._pool_blocks()
             if need > have:
                 grown += need * engine._block_bytes()
                 freed += have * engine._block_bytes()
+        if not grown:  # both pools hold the call: no free-memory read
+            return None
+        free = paged_cache.free_kv_bytes(self.model.device)
+        if free is None:
+            return None
         if grown > free + freed:
             return (f"the target's and the draft model's KV caches of prompt + max_new_tokens ({grown / 2**30:.1f} GiB "
                     f"to allocate) do not fit in free device memory ({(free + freed) / 2**30:.1f} GiB)")

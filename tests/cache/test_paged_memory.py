@@ -308,12 +308,21 @@ def test_growable_cache_grows_and_keeps_its_contents(tiny, one_thread):
     assert fixed.memory_stats()["blocks_allocated"] == 0
 
 
-@pytest.mark.parametrize("speculative", [None, "prompt_lookup"])
+@pytest.mark.parametrize("speculative", [None, "prompt_lookup", "draft_model"])
 def test_a_repeated_call_reads_no_free_memory(tiny, monkeypatch, speculative):
     """The fast path's pool, made by a call, holds what the check counts for a call of that shape (the largest
     speculative lookahead included): the same call again neither reads the device's free memory nor makes a new
-    pool, and gives the same tokens."""
-    model = accelerate_model(tiny.model("llama", seed=3), speculative=speculative)
+    pool, and gives the same tokens (with a draft model: the joint check of both pools reads it only when one must
+    grow)."""
+    model = tiny.model("llama", seed=3)
+    if speculative == "draft_model":
+        from hf_accel.speculative.config import SpeculativeConfig
+
+        draft = copy.deepcopy(model)
+        draft.model.layers = torch.nn.ModuleList(list(draft.model.layers)[:1])
+        draft.config.num_hidden_layers = 1
+        speculative = SpeculativeConfig(method="draft_model", draft_model=draft)
+    model = accelerate_model(model, speculative=speculative)
     ids, mask = tiny.batch(seed=4)
     first = tiny.greedy(model, ids, mask, max_new_tokens=5)
     engine = model._hf_accel_engine
@@ -323,3 +332,4 @@ def test_a_repeated_call_reads_no_free_memory(tiny, monkeypatch, speculative):
     monkeypatch.setattr(paged_cache_mod, "free_kv_bytes", lambda *a, **k: reads.append(1) or free_kv_bytes(*a, **k))
     assert torch.equal(tiny.greedy(model, ids, mask, max_new_tokens=5), first)
     assert not reads and engine.cache is pool
+    assert (model._hf_accel_spec_stats is not None) == (speculative is not None)  # the speculative path ran
