@@ -324,12 +324,17 @@ def test_a_repeated_call_reads_no_free_memory(tiny, monkeypatch, speculative):
         speculative = SpeculativeConfig(method="draft_model", draft_model=draft)
     model = accelerate_model(model, speculative=speculative)
     ids, mask = tiny.batch(seed=4)
-    first = tiny.greedy(model, ids, mask, max_new_tokens=5)
+
+    def greedy():  # no min_new_tokens (speculative decoding declines it)
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                              pad_token_id=tiny.PAD)
+
+    first = greedy()
     engine = model._hf_accel_engine
     pool = engine.cache
     reads = []
     free_kv_bytes = paged_cache_mod.free_kv_bytes
     monkeypatch.setattr(paged_cache_mod, "free_kv_bytes", lambda *a, **k: reads.append(1) or free_kv_bytes(*a, **k))
-    assert torch.equal(tiny.greedy(model, ids, mask, max_new_tokens=5), first)
+    assert torch.equal(greedy(), first)
     assert not reads and engine.cache is pool
     assert (model._hf_accel_spec_stats is not None) == (speculative is not None)  # the speculative path ran
