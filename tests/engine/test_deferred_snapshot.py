@@ -123,6 +123,7 @@ def test_a_weight_replaced_between_calls_gives_stocks_tokens(tiny, events, repla
     first_forward = events.index("fused" if fused else "update")
     assert (first_forward < events.index("stale")) == fused  # the dropped prefill ran only where it may go ahead
     assert engine.steps and not any(engine.steps.get(k) is s for k, s in old_steps.items())
+    assert (ours._hf_accel_spec_stats is not None) == (speculative is not None)  # the speculative path ran
 
 
 @pytest.mark.parametrize("how", ["parameter", "data"])
