@@ -177,7 +177,7 @@ class FastEngine(CallChecks):
         """The engine's PagedCache with at least ``num_blocks`` blocks: a new one, when the pool is smaller, of
         ``new_pool_blocks`` (at least ``num_blocks``) or twice the old pool, whichever is larger, within free
         memory."""
-        if self.cache is None or self.cache.manager is None or self.cache.manager.num_blocks < num_blocks:
+        if self._pool_blocks() < num_blocks:
             old = self._pool_blocks()
             fit = self._blocks_that_fit()
             grown = 2 * old if fit is None else min(2 * old, fit)  # doubling, within free memory
@@ -291,8 +291,7 @@ class FastEngine(CallChecks):
         cached = prefix.get_seq_length() if prefix is not None else 0
         if self.deferred_snapshot is not None:
             kept = self.steps.get(self._step_key(batch, blocks_per_row))
-            if (kept is None or self.cache is None or self.cache.manager is None
-                    or self.cache.manager.num_blocks < batch * blocks_per_row + 1
+            if (kept is None or self._pool_blocks() < batch * blocks_per_row + 1
                     or not self._prefill_replays(kept, batch, prompt_len, cached)):
                 # a step or pool to build, or a prefill that runs Python (the model's modules, their hooks): the
                 # comparison runs first; only the replay of a captured prefill graph goes ahead of it
