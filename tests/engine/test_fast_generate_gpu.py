@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import hf_accel
+from hf_accel.integrations.generate import CACHE_KWARG
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -157,7 +158,7 @@ def test_multi_turn_on_the_fused_graph_path_matches_stock_fp32(new_turn):
         for t in range(3):
             kw = dict(input_ids=x, attention_mask=a, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
             if cache is not None:
-                kw[hf_accel.integrations.generate.CACHE_KWARG] = cache
+                kw[CACHE_KWARG] = cache
             out = m.generate(**kw)
             cache = output_cache(out)
             outs.append(out.sequences)
