@@ -18,7 +18,10 @@ the host time of a decode step's replay, and with ``--ab-copies`` the call timin
 copied from pageable host memory at every call, as before ``hf_accel.engine.transfers`` (providers
 ``*-blocking-copies``; the four providers interleaved, two passes, ``shape['pass']``).
 
-    python benchmarks/profile_call_overhead.py [--ab-copies]
+With ``--timings-only`` it skips the prefill variants, the cProfile dumps and the traces, and runs the two
+providers ``--passes N`` times, interleaved (default 1): for an A/B of two trees run one after the other.
+
+    python benchmarks/profile_call_overhead.py [--ab-copies] [--timings-only] [--passes N]
 """
 import cProfile
 import os
@@ -155,16 +158,20 @@ def main():
             forget_eos(model)
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
 
-    prefill_variants(model, batches, rows, base)
-    variants = [("ours", None, False), ("ours-prompt_lookup", "prompt_lookup", False)]
+    timings_only = "--timings-only" in sys.argv
+    passes = int(sys.argv[sys.argv.index("--passes") + 1]) if "--passes" in sys.argv else 1
+    if not timings_only:
+        prefill_variants(model, batches, rows, base)
+    variants = [("ours", None, False), ("ours-prompt_lookup", "prompt_lookup", False)] * passes
     if "--ab-copies" in sys.argv:  # interleaved, twice: the GPU host's speed drifts between passes
         variants = [("ours", None, False), ("ours-blocking-copies", None, True),
                     ("ours-prompt_lookup", "prompt_lookup", False),
                     ("ours-prompt_lookup-blocking-copies", "prompt_lookup", True)] * 2
-    seen = set()
+    seen = {}
     for provider, spec, blocking in variants:
-        repeat = provider in seen
-        seen.add(provider)
+        n_pass = seen.get(provider, 0)
+        repeat = n_pass > 0
+        seen[provider] = n_pass + 1
         set_blocking_copies(blocking)
         blocking_now[0] = blocking
         hf_accel.accelerate_model(model, **({"speculative": spec} if spec else {}))
@@ -183,7 +190,7 @@ def main():
 
         fast.start = wrapped
         for i, (ids, mask) in enumerate(batches[:4]):
-            shape = {**base, "prompt_len": ids.shape[1], "prompt_index": i, "pass": int(repeat)}
+            shape = {**base, "prompt_len": ids.shape[1], "prompt_index": i, "pass": n_pass}
             t1 = median_ms(lambda: gen(ids, mask, 1), 9)
             t2 = median_ms(lambda: gen(ids, mask, 2), 9)
             wr = []
@@ -210,7 +217,7 @@ def main():
                              "metric": metric, "unit": "ms", "value": value})
         del fast.start
         ids, mask = batches[0]
-        if blocking or repeat:
+        if blocking or repeat or timings_only:
             hf_accel.revert_model(model)
             continue
         pr = cProfile.Profile()
