@@ -204,7 +204,9 @@ def test_out_of_blocks_in_decode_leaves_cache_unchanged(tiny):
     x = _tokens(11, 3, 1)
     got = s.step(x)
     ref = Stepper(model, PagedCache(model.config, num_blocks=6, block_size=4), ids[:, :7], mask[:, :7])
-    torch.testing.assert_close(got, ref.step(x), rtol=0, atol=1e-6)
+    # the reference computed position 7's K/V in a prefill of 7 tokens, the cropped cache in one of 8: float32
+    # rounding differs with the matmul shapes (1.0e-6 on an AMD EPYC CPU), so not to the last bit
+    torch.testing.assert_close(got, ref.step(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["prefill", "decode"])

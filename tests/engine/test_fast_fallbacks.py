@@ -412,10 +412,10 @@ def test_a_layer_forward_patched_before_the_first_call_or_a_subclass_override_tu
     decode_steps.clear()
     assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=5), stock)
     assert not decode_steps and _messages(hf_log, "the forward of Overriding is not transformers' own")
-    class InheritingLayer(modeling_llama.LlamaDecoderLayer):  # transformers wraps its forward on the subclass
-        pass
 
-    assert "forward" in vars(InheritingLayer)
+    class InheritingLayer(modeling_llama.LlamaDecoderLayer):  # newer transformers wrap its forward on the subclass
+        pass  # ("forward" in vars(InheritingLayer) on transformers 5.25, not on 5.17): the fast path stays either way
+
     for layer in ours.model.layers:
         layer.mlp.__class__ = Inheriting
         layer.__class__ = InheritingLayer
