@@ -29,11 +29,6 @@ _ROPE_OK = {"default", "linear", "llama3", "yarn"}
 MAX_LOOKAHEAD = 33
 
 
-class StaleSteps(RuntimeError):
-    """The model changed since the fast path's steps were built, found after the prompt's prefill was queued
-    (:meth:`CallChecks.deferred_snapshot_intact`); the steps are released, and the call's checks run again."""
-
-
 def model_reason(model) -> str | None:
     """Why ``model`` cannot take the fast decode path (None if it can): training mode, parameters on several
     devices or offloaded (on the meta device), a forward replaced on the instance or forward hooks on its modules
@@ -197,7 +192,7 @@ class CallChecks:
             return embed.num_embeddings
         return embed.weight.shape[0]
 
-    def _model_reason(self, defer_snapshot: bool = False) -> str | None:
+    def _model_reason(self) -> str | None:
         """Why the model cannot take the fast path (None if it can). The full check walks every module
         (~1 ms per ``generate`` call on a slow host), so a None answer is kept while a cheap key stays the same:
         training mode, the embedding / LM head / final norm weights (identity, device, dtype), the layer modules,
@@ -205,15 +200,7 @@ class CallChecks:
         snapshot of the built steps (:mod:`.weight_snapshot`: every weight, module and forward hook) holds. A
         refusal is checked again at each call (those calls run transformers' loop). A changed weight key or
         snapshot also drops this engine's cache, steps and merged projections (built for the old weights), which
-        the next call builds again.
-
-        ``defer_snapshot``: where the kept answer applies, leave the snapshot's comparison (~0.3-0.6 ms of host
-        time on a 30-layer model) to :meth:`deferred_snapshot_intact`, which the fast path's ``start`` runs once the
-        replay of a captured prefill graph is queued on the GPU (the host compares while the GPU computes), or
-        before a prefill that runs Python. The built steps hold the storage of every weight they read
-        (``DecodeStep.keepalive``), so a replay on a stale snapshot reads freed memory nowhere; its result is
-        dropped when the comparison fails (:class:`StaleSteps`)."""
-        self.deferred_snapshot = None
+        the next call builds again."""
         m = self.model
         try:
             inner = m.model
@@ -222,45 +209,24 @@ class CallChecks:
                                                                inner.norm.weight)))
         except AttributeError:  # not a llama-family layout: no key, the full check answers
             return self._model_reason_uncached()
+        if self.snapshot is not None and not snapshot_intact(self.snapshot):
+            # a weight, buffer, module or forward hook changed since the steps were built: they (and the merged
+            # matrices) would read the old weights or skip the hook
+            self.release()
+            self._reason_cache = None
         key = (m.training, "forward" in vars(m), getattr(m.config, "num_hidden_layers", None),
                getattr(m.config, "_attn_implementation", None), _layer_class_forwards(m),
                len(torch_module._global_forward_hooks) + len(torch_module._global_forward_pre_hooks), weights)
         cached = getattr(self, "_reason_cache", None)
         # the key does not cover hooks or forwards replaced on submodules: the snapshot does, so a None answer is
         # reused only while one exists (after a release, e.g. by state_dict(), the full check runs again)
-        reusable = cached is not None and cached[0] == key and cached[1] is None and self.snapshot is not None
-        if reusable and defer_snapshot:
-            self.deferred_snapshot = self.snapshot
-            return None
-        if self.snapshot is not None and not snapshot_intact(self.snapshot):
-            # a weight, buffer, module or forward hook changed since the steps were built: they (and the merged
-            # matrices) would read the old weights or skip the hook
-            self.release()
-            self._reason_cache = cached = None
-            reusable = False
-        if reusable:
+        if cached is not None and cached[0] == key and cached[1] is None and self.snapshot is not None:
             return None
         if cached is not None and cached[0][-1] != weights:
             self.release()
         reason = self._model_reason_uncached()
         self._reason_cache = (key, reason)
         return reason
-
-    def deferred_snapshot_intact(self) -> None:
-        """The snapshot comparison :meth:`_model_reason` left for later in this call (nothing if it left none).
-
-        Raises:
-            StaleSteps: the model changed since its steps were built (after waiting for the queued GPU work and
-                releasing the cache, steps and merged projections); the caller runs the call's checks again.
-        """
-        snapshot, self.deferred_snapshot = getattr(self, "deferred_snapshot", None), None
-        if snapshot is None or snapshot_intact(snapshot):
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the queued prefill reads the pools and merged projections
-        self.release()
-        self._reason_cache = None
-        raise StaleSteps("the model changed since its decode steps were built")
 
     def _model_reason_uncached(self) -> str | None:
         m = self.model
@@ -273,23 +239,15 @@ class CallChecks:
                     "overridden by a subclass; the fast path runs the layers itself and would skip it)")
         return model_reason(m)
 
-    def check(self, gc, model_kwargs, prepared_loop: bool = False, defer_snapshot: bool = False) -> str | None:
+    def check(self, gc, model_kwargs, prepared_loop: bool = False) -> str | None:
         """Reason why this call can't take the fast path, or None.
 
         ``prepared_loop``: whether it can take the fast path inside transformers' own ``generate``, with the logits
         processors, stopping criteria and outputs transformers prepares
         (:meth:`~hf_accel.engine.fast_generate.FastEngine.decode_prepared`): also the options
         of :data:`PREPARED_LOOP_OPTIONS`, custom ``logits_processor`` / ``stopping_criteria`` lists,
-        ``prefix_allowed_tokens_fn``, and a repetition penalty over a padded batch.
-
-        ``defer_snapshot``: see :meth:`_model_reason`; the caller then catches :class:`StaleSteps` from ``start``."""
-        reason = self._check(gc, model_kwargs, prepared_loop, defer_snapshot)
-        if reason is not None:
-            self.deferred_snapshot = None  # the call takes another route: nothing of it is left for start
-        return reason
-
-    def _check(self, gc, model_kwargs, prepared_loop: bool, defer_snapshot: bool) -> str | None:
-        reason = self._model_reason(defer_snapshot=defer_snapshot)
+        ``prefix_allowed_tokens_fn``, and a repetition penalty over a padded batch."""
+        reason = self._model_reason()
         if reason:
             return reason
         extra = set(model_kwargs) - _MODEL_KWARGS - (_PREPARED_LOOP_KWARGS if prepared_loop else set())

@@ -122,9 +122,6 @@ def _bucket(n: int, minimum: int = 1) -> int:
 #: Prompt prefill buckets at 1.5x steps as well as powers of two (16, 24, 32, 48, ..., 256, 384, 512, ...):
 #: a prompt is padded to at most 1.5x its length instead of 2x, and a prefill graph is captured per bucket.
 PREFILL_HALF_STEPS = True
-#: Longest bucketed prefill captured in a CUDA graph (a graph's private pool would keep a longer prefill's
-#: activations): longer ones run eagerly.
-PREFILL_GRAPH_MAX_LEN = 2048
 
 
 def prefill_bucket(n: int) -> int:
@@ -153,7 +150,6 @@ class FastEngine(CallChecks):
         self.last_stats: dict = {}
         self.merged = None  # MergedLayer list once the fused step merged the projections
         self.snapshot = None  # the model's weights when the steps were built (weight_snapshot), None: no steps
-        self.deferred_snapshot = None  # a snapshot this call's check left for start to compare (CallChecks)
         self.call_lock = CallLock()
 
     def __reduce__(self):
@@ -191,15 +187,10 @@ class FastEngine(CallChecks):
             self.cache = PagedCache(self.model.config, num_blocks=max(want, grown), block_size=self.block_size)
         return self.cache
 
-    def _step_key(self, batch: int, max_blocks: int, q_len: int = 1, num_layers: int | None = None) -> tuple:
-        """The key of :attr:`steps` for a step of these sizes: batch and block-table width bucketed on a GPU."""
-        on_gpu = self.device.type == "cuda" and self.use_cuda_graphs
-        return (_bucket(batch) if on_gpu else batch, _bucket(max_blocks, 8) if on_gpu else max_blocks, q_len,
-                num_layers)
-
     def _step_for(self, batch: int, max_blocks: int, q_len: int = 1, num_layers: int | None = None) -> DecodeStep:
         on_gpu = self.device.type == "cuda" and self.use_cuda_graphs
-        key = self._step_key(batch, max_blocks, q_len, num_layers)
+        key = (_bucket(batch) if on_gpu else batch, _bucket(max_blocks, 8) if on_gpu else max_blocks, q_len,
+               num_layers)
         step = self.steps.get(key)
         if step is None:
             step = DecodeStep(self.model, self.cache, key[0], key[1], use_graph=on_gpu, fused=self.fused,
@@ -207,11 +198,6 @@ class FastEngine(CallChecks):
             if step.fused and self.merged is None:
                 self.merged = merge_projections(self.model) or []
             step.merged = self.merged or None
-            # the storage of every parameter and buffer the step's kernels and graphs may read, held while the step
-            # lives: a weight replaced or moved after the step was built (a new Parameter, param.data = t,
-            # model.cpu()) stays valid memory until a check drops the step (a captured prefill graph may replay
-            # before the snapshot comparison: deferred_snapshot_intact)
-            step.keepalive = tuple(t.detach() for t in (*self.model.parameters(), *self.model.buffers()))
             self.steps[key] = step
             self.snapshot = weight_snapshot(self.model)  # after the merge, which gives the projections new storage
         return step
@@ -288,18 +274,11 @@ class FastEngine(CallChecks):
         # lookahead of a speculative call), so that the next such call finds it large enough without reading the
         # device's free memory
         pool_blocks = batch * -(-(prompt_len + max_new + max(lookahead, MAX_LOOKAHEAD)) // bs) + 1
-        cached = prefix.get_seq_length() if prefix is not None else 0
-        if self.deferred_snapshot is not None:
-            kept = self.steps.get(self._step_key(batch, blocks_per_row))
-            if (kept is None or self._pool_blocks() < batch * blocks_per_row + 1
-                    or not self._prefill_replays(kept, batch, prompt_len, cached)):
-                # a step or pool to build, or a prefill that runs Python (the model's modules, their hooks): the
-                # comparison runs first; only the replay of a captured prefill graph goes ahead of it
-                self.deferred_snapshot_intact()
         cache = self._ensure_cache(batch * blocks_per_row + 1, pool_blocks)
         step = self._step_for(batch, blocks_per_row)
         position_ids = attention_mask.long().cumsum(-1) - 1
         position_ids.masked_fill_(attention_mask == 0, 1)
+        cached = prefix.get_seq_length() if prefix is not None else 0
         try:
             if step.fused or cached:
                 attn0 = model.model.layers[0].self_attn
@@ -329,7 +308,8 @@ class FastEngine(CallChecks):
             step.cache_lens.zero_()
             if cached:
                 copy_kv(prefix, prefix.seq_ids, cache, cache.seq_ids, 0, cached)
-            if self._prefill_is_bucketed(step, batch, prompt_len, cached):
+            if (step.fused and not cached and prompt_len <= max(16, 8192 // batch)
+                    and prefill_bucket(prompt_len) <= step.capacity):
                 logits = self._prefill_bucketed(step, input_ids, position_ids, batch, prompt_len)
             elif step.fused or cached:
                 chunk = max(16, 8192 // batch)
@@ -344,26 +324,10 @@ class FastEngine(CallChecks):
             step.position_ids.zero_()
             step.position_ids[:batch, 0] = attention_mask.long().sum(-1)
             step.input_ids.zero_()
-            # the model checks left for now (check(defer_snapshot=True)): compared while the GPU runs the prefill
-            self.deferred_snapshot_intact()
         except BaseException:
             cache.release()
             raise
         return step, logits
-
-    @staticmethod
-    def _prefill_is_bucketed(step, batch: int, prompt_len: int, cached: int) -> bool:
-        """Whether :meth:`start` prefills this prompt in one bucketed forward (:meth:`_prefill_bucketed`)."""
-        return (bool(step.fused) and not cached and prompt_len <= max(16, 8192 // batch)
-                and prefill_bucket(prompt_len) <= step.capacity)
-
-    def _prefill_replays(self, step, batch: int, prompt_len: int, cached: int) -> bool:
-        """Whether :meth:`start`'s prefill of this prompt on ``step`` is the replay of a prefill graph already
-        captured: no Python runs the model (no module, no forward hook), and the graph reads only memory the step
-        holds (``step.keepalive``), the pools and its own buffers."""
-        length = prefill_bucket(prompt_len)
-        return (step.use_graph and self._prefill_is_bucketed(step, batch, prompt_len, cached)
-                and length <= PREFILL_GRAPH_MAX_LEN and ("prefill", length) in step.graphs)
 
     @torch.inference_mode()
     def _prefill_bucketed(self, step, input_ids, position_ids, batch: int, prompt_len: int) -> torch.Tensor:
@@ -395,7 +359,7 @@ class FastEngine(CallChecks):
             return step.forward_tokens(bufs["ids"], bufs["pos"], bufs["zeros"], step.block_table, step.key_mask,
                                        logits_index=bufs["index"], fresh=True)
 
-        if length > PREFILL_GRAPH_MAX_LEN:  # a graph's private pool would keep the long prefill's activations
+        if length > 2048:  # a graph's private pool would keep the long prefill's activations: run it eagerly
             return prefill()[:batch]
         return step.replay(key, prefill)[:batch].clone()
 

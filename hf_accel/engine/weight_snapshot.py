@@ -8,14 +8,12 @@ forward method added to a module (which the fast path, running the layers itself
 a number the steps read when they are built or captured (an attention's ``scaling``, a norm's ``variance_epsilon``;
 :data:`STEP_SCALARS`) or a buffer folded into a table of the steps (the rotary ``inv_freq``, also edited in place;
 :data:`FOLDED_BUFFERS`) are not: the engine
-takes a snapshot when it builds a step and compares it at each call (0.1-0.6 ms for a 30-layer model on a CPU of
-today, more with cold caches), dropping its steps and merged projections and checking the model again when it
-differs. Where a call's prefill replays a captured graph, the comparison runs once that replay is queued
-(``check(defer_snapshot=True)``; the host compares while the GPU computes), and a change found then drops that
-prefill and runs the call again. The snapshot refers to tensors and submodules weakly, but holds each module's dicts
-(parameters, buffers, submodules, hooks, attributes), and the built steps hold the storage of every parameter and
-buffer (``DecodeStep.keepalive``): a weight or module replaced or moved stays in memory until the next call finds
-the change (``load_state_dict`` and ``revert_model`` drop the steps at once).
+takes a snapshot when it builds a step and compares it at each call, before the prompt's prefill (0.1-0.6 ms for
+a 30-layer model on a CPU of today, more with cold caches), dropping its steps and merged projections and checking
+the model again when it differs. (Comparing after a captured prefill graph's replay was queued made calls slower on
+an H100.) The snapshot refers to tensors and submodules weakly, but holds each module's dicts (parameters, buffers,
+submodules, hooks, attributes): a module replaced by another keeps its weights in memory until the next call finds
+the change.
 """
 
 from __future__ import annotations

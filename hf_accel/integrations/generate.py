@@ -32,7 +32,6 @@ from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.call_options import expand_return_sequences, output_cache, passed_cache
-from hf_accel.engine.eligibility import StaleSteps
 from hf_accel.integrations.assisted import _ASSISTED, assisted_config
 # cache_in_use, last_cache_stats and speculative_stats are also read from this module (re-exported)
 from hf_accel.integrations.call_state import _in_use, cache_in_use, last_cache_stats, speculative_stats  # noqa: F401
@@ -206,16 +205,10 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
                 gc.max_matching_ngram_size = None
             gc, model_kwargs = expand_return_sequences(gc, model_kwargs)  # sampling, n > 1: n rows per prompt
             with engine.call_lock:  # concurrent calls on one model wait for each other
-                # the model snapshot's comparison runs in start, while the GPU runs the prompt's prefill
-                reason = engine.check(gc, model_kwargs, defer_snapshot=True)
+                reason = engine.check(gc, model_kwargs)
                 if reason is None:
                     with _in_use(model, engine):
-                        try:
-                            return _run_fast(model, engine, gc, model_kwargs, speculative, assisted)
-                        except StaleSteps:  # the model changed since the steps were built: released; check again
-                            reason = engine.check(gc, model_kwargs)
-                            if reason is None:
-                                return _run_fast(model, engine, gc, model_kwargs, speculative, assisted)
+                        return _run_fast(model, engine, gc, model_kwargs, speculative, assisted)
                 if original_generate is not None:
                     call, gc, model_kwargs = _stop_strings_as_criterion(model, kwargs, gc, model_kwargs)
                     prepared_reason = engine.check(gc, model_kwargs, prepared_loop=True)
