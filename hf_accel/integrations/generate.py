@@ -121,6 +121,8 @@ def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=Non
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         return ("no 2-D input_ids (inputs_embeds only)" if kwargs.get("inputs_embeds") is not None
                 else "no 2-D integer input_ids")
+    if input_ids.device.type == "meta":  # no values (torch.is_autocast_enabled rejects the device type too)
+        return "input_ids on the meta device"
     if torch.is_autocast_enabled(input_ids.device.type):
         return "autocast is on (transformers' loop runs under it as asked; hf-accel's attention falls back to SDPA)"
     return None

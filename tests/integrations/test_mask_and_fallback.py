@@ -528,3 +528,16 @@ def test_llama_with_a_stray_sliding_window_logs_that_tokens_follow_use_cache_fal
     assert any("sliding_window (4), which llama's attention ignores" in r.getMessage()
                and "equal stock's use_cache=False output, not stock's cached output" in r.getMessage()
                for r in hf_log.records)
+
+
+def test_input_ids_on_the_meta_device_raise_stocks_error(tiny):
+    """input_ids on the meta device (no values) take transformers' own loop, which raises its own error, instead of
+    an error from hf-accel's dispatch about the device type."""
+    model = tiny.model("llama", seed=3)
+    ids = tiny.batch(seed=4)[0].to("meta")
+    with pytest.raises(Exception) as stock:
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=tiny.PAD)
+    ours = accelerate_model(copy.deepcopy(model))
+    with pytest.raises(Exception) as accelerated:
+        ours.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=tiny.PAD)
+    assert type(accelerated.value) is type(stock.value) and str(accelerated.value) == str(stock.value)
