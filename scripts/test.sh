@@ -11,7 +11,8 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     || echo "warning: could not install chromium; the browser test will be skipped"
 fi
 mkdir -p test-artifacts
-python -m pytest -q -rs --durations=10 "$@"
+# one pytest worker per CPU core (pytest-xdist), whole test files per worker (a file's shared set-up runs once)
+python -m pytest -q -rs --durations=10 -n auto --dist loadfile "$@"
 rc=$?
 if [ $rc -eq 5 ]; then
   echo "error: pytest collected no tests" >&2
