@@ -13,7 +13,10 @@ deterministic pattern of "match classes" picks the kind of every round. Variants
   replays the graph of the kind it picks (today's pattern);
 * ``cond_r<R>``: one graph of R rounds; each round is a tiny kernel that reads the class, looks the kind up
   in a device table and writes two predicates, then ``IF(A) {round A}`` and ``IF(B) {round B}``
-  (PyTorch's ``CUDAGraph.begin_capture_to_if_node``), replayed back to back.
+  (PyTorch's ``CUDAGraph.begin_capture_to_if_node``, where this PyTorch has it), replayed back to back;
+* ``switch_r<R>``: :class:`hf_accel.engine.graph_switch.GraphSwitch` (a SWITCH node built through the driver
+  API, for PyTorch releases without conditional nodes) over the graphs of rounds A and B, each ending with a
+  kernel that writes the next round's kind as the switch's index; R rounds per launch, replayed back to back.
 
 Every variant is checked: the counts of A and B rounds it ran equal the pattern's. The overhead of a
 device-chosen round = ``cond_r<R>`` - ``queued``; the host's round trip = ``host_gated`` - ``queued``.
@@ -63,6 +66,16 @@ def _choose_kernel(Cls, Table, Preds, Counts, PDL: tl.constexpr):
     tl.store(Cls, (c * 5 + 3) % 4)
 
 
+@triton.jit
+def _choose_index_kernel(Cls, Table, Index, PDL: tl.constexpr):
+    """Index = kind of the current class (the switch's next branch); the class advances (the same pattern)."""
+    if PDL:
+        gdc_wait()
+    c = tl.load(Cls)
+    tl.store(Index, tl.load(Table + c).to(tl.int32))
+    tl.store(Cls, (c * 5 + 3) % 4)
+
+
 def _pattern(n: int, c0: int = 0) -> list[int]:
     kinds, c = [], c0
     for _ in range(n):
@@ -78,6 +91,7 @@ def main(argv=None):
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--rounds-per-graph", default="1,4,8")
     ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--no-switch", action="store_true", help="skip the switch_r<R> variants")
     args = ap.parse_args(argv)
     dev = "cuda"
     x = torch.zeros(2, device=dev)
@@ -95,14 +109,14 @@ def main(argv=None):
     def choose():
         _choose_kernel[(1,)](cls, table, preds, counts, PDL=pdl, **launch)
 
-    def capture(fn):
+    def capture(fn, keep=False):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
+        g = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
         return g
@@ -131,11 +145,32 @@ def main(argv=None):
             print(f"cond_r{r}: capture failed: {cond_error}", flush=True)
             break
 
+    index = torch.zeros(1, dtype=torch.int32, device=dev)
+    switch_error = None
+    if not args.no_switch:
+        from hf_accel.engine.graph_switch import GraphSwitch, switch_unavailable
+
+        switch_error = switch_unavailable()
+        if switch_error is None:
+            def branch(kind):
+                body(kind)
+                _choose_index_kernel[(1,)](cls, table, index, PDL=pdl, **launch)
+            try:
+                kept = [capture(lambda: branch(0), keep=True), capture(lambda: branch(1), keep=True)]
+                for r in rs:
+                    graphs[f"switch_r{r}"] = GraphSwitch(kept, index, rounds=r)
+            except Exception as e:  # noqa: BLE001 (reported: the driver may refuse a node type in a body)
+                switch_error = f"{type(e).__name__}: {e}"
+        if switch_error:
+            print(f"switch: unavailable: {switch_error}", flush=True)
+
     def reset():
         torch.cuda.synchronize()
         x.zero_()
         cls.zero_()
         counts.zero_()
+        if "switch_r1" in graphs:  # the first round's index, as the round before it would have written it
+            _choose_index_kernel[(1,)](cls, table, index, PDL=False)
         torch.cuda.synchronize()
 
     def queued(n):
@@ -157,6 +192,9 @@ def main(argv=None):
     for r in rs:
         if f"cond_r{r}" in graphs:
             variants[f"cond_r{r}"] = (lambda n, r=r: [graphs[f"cond_r{r}"].replay() for _ in range(n // r)])
+    for r in rs:
+        if f"switch_r{r}" in graphs:
+            variants[f"switch_r{r}"] = (lambda n, r=r: [graphs[f"switch_r{r}"].replay() for _ in range(n // r)])
 
     # correctness: every variant that chooses ran the pattern's kinds
     checks = {}
@@ -168,6 +206,8 @@ def main(argv=None):
         want_b = sum(kinds)
         if name == "queued":
             ok = int(x[0]) == args.iters * args.kernels
+        elif name.startswith("switch"):  # the kinds are chosen by the rounds themselves (no counts kept)
+            ok = int(x[1]) == want_b * args.kernels and int(x[0]) == (args.iters - want_b) * args.kernels
         else:
             ok = (int(x[1]) == want_b * args.kernels and int(x[0]) == (args.iters - want_b) * args.kernels
                   and int(counts[1]) == want_b)
@@ -188,8 +228,8 @@ def main(argv=None):
                      "metric": "overhead_us", "unit": "us", "value": med - base})
         rows.append({"bench": "profile_conditional_rounds", "provider": "ours", "shape": shape,
                      "metric": "correct", "unit": "bool", "value": checks[name]})
-    write_results("profile_conditional_rounds", rows,
-                  {"conditional_capture_error": cond_error} if cond_error else None)
+    meta = {k: v for k, v in (("conditional_capture_error", cond_error), ("switch_error", switch_error)) if v}
+    write_results("profile_conditional_rounds", rows, meta or None)
 
 
 if __name__ == "__main__":
