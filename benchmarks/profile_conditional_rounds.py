@@ -14,7 +14,7 @@ deterministic pattern of "match classes" picks the kind of every round. Variants
 * ``cond_r<R>``: one graph of R rounds; each round is a tiny kernel that reads the class, looks the kind up
   in a device table and writes two predicates, then ``IF(A) {round A}`` and ``IF(B) {round B}``
   (PyTorch's ``CUDAGraph.begin_capture_to_if_node``, where this PyTorch has it), replayed back to back;
-* ``switch_r<R>``: :class:`hf_accel.engine.graph_switch.GraphSwitch` (a SWITCH node built through the driver
+* ``switch_r<R>``: :class:`graph_switch.GraphSwitch` (benchmarks/graph_switch.py) (a SWITCH node built through the driver
   API, for PyTorch releases without conditional nodes) over the graphs of rounds A and B, each ending with a
   kernel that writes the next round's kind as the switch's index; R rounds per launch, replayed back to back.
 
@@ -148,7 +148,7 @@ def main(argv=None):
     index = torch.zeros(1, dtype=torch.int32, device=dev)
     switch_error = None
     if not args.no_switch:
-        from hf_accel.engine.graph_switch import GraphSwitch, switch_unavailable
+        from graph_switch import GraphSwitch, switch_unavailable
 
         switch_error = switch_unavailable()
         if switch_error is None:

@@ -1,12 +1,17 @@
 """Host time of each CUDA-graph ``replay()`` and the GPU's idle time between consecutive replays, inside whole
-batch-1 ``generate`` calls (real SmolLM2 bf16, CUDA; the 8 grounded-text prompts of ``bench_speculative``,
-128 new tokens), plain fast path vs prompt lookup. No profiler: ``torch.cuda.CUDAGraph.replay`` is wrapped
+``generate`` calls (real SmolLM2 bf16, CUDA; the 8 prompts of a ``bench_speculative`` category, grounded-text by
+default, one per call at ``--bs 1`` or all 8 left-padded in one call at ``--bs 8``; 128 new tokens), plain fast
+path vs prompt lookup. No profiler: ``torch.cuda.CUDAGraph.replay`` is wrapped
 to read ``time.perf_counter`` around the call and to record a CUDA event right before and right after it
 on the current stream.
 
 Per provider (summed over the 8 calls, after two warm-up passes):
 
 * ``replays``; ``replay_host_us`` (median, p90, sum in ms): host time inside ``replay()``;
+* ``replay_gpu_ms_sum`` / ``replay_gpu_us_median``: GPU time from the event before a replay to the one after it
+  (the graph's own run, once the GPU reached it); ``outside_ms``: ``call_ms`` minus the graphs' GPU time and
+  the gaps between them (host time before the first replay and after the last one, and GPU work outside the
+  graphs);
 * ``gpu_gap_ms``: sum over consecutive replays of a call of (event before replay i+1) - (event after
   replay i), on the GPU's clock: when the host queued replay i+1 after replay i had finished on the GPU,
   that is GPU idle time (the host's turnaround plus whatever the host queued in between, which is small);
@@ -19,10 +24,12 @@ Per provider (summed over the 8 calls, after two warm-up passes):
 * ``call_ms``: wall time of the calls with the wrapper on (it adds two event records per replay).
 
 Providers ``*-no-memo`` run with ``hf_accel.integrations.generation_config.REMEMBER = False`` (transformers
-prepares the generation config on every call); all four in turns, two passes (``shape['pass']``).
+prepares the generation config on every call); the providers of ``--providers`` (default all four) in turns,
+two passes (``shape['pass']``).
 
-    python benchmarks/profile_replay_gaps.py
+    python benchmarks/profile_replay_gaps.py [--bs 1|8] [--category grounded-text] [--providers ours,...]
 """
+import argparse
 import statistics
 import sys
 import time
@@ -79,15 +86,28 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def main():
+ALL_VARIANTS = [("ours", None, True), ("ours-prompt_lookup", "prompt_lookup", True),
+                ("ours-no-memo", None, False), ("ours-prompt_lookup-no-memo", "prompt_lookup", False)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--bs", type=int, choices=(1, 8), default=1)
+    ap.add_argument("--category", default="grounded-text")
+    ap.add_argument("--providers", default=",".join(v[0] for v in ALL_VARIANTS))
+    args = ap.parse_args(argv)
     log = ReplayLog()
     model, tok = load_default_model(dtype="bfloat16", device="cuda")
-    batches = [bs.encode(tok, [t], "cuda") for t in bs.chat_texts(tok, "grounded-text")]
-    base = {"model": "smollm2-135m", "dtype": "bfloat16", "bs": 1, "category": "grounded-text", "max_new_tokens": 128,
-            "prompts": len(batches)}
+    texts = bs.chat_texts(tok, args.category)
+    if args.bs == 1:
+        batches = [bs.encode(tok, [t], "cuda") for t in texts]
+    else:
+        batches = [bs.encode(tok, texts[: args.bs], "cuda")]
+    base = {"model": "smollm2-135m", "dtype": "bfloat16", "bs": args.bs, "category": args.category,
+            "max_new_tokens": 128, "prompts": len(texts) if args.bs == 1 else args.bs}
     rows = []
-    variants = [("ours", None, True), ("ours-prompt_lookup", "prompt_lookup", True),
-                ("ours-no-memo", None, False), ("ours-prompt_lookup-no-memo", "prompt_lookup", False)]
+    wanted = args.providers.split(",")
+    variants = [v for v in ALL_VARIANTS if v[0] in wanted]
     seen = set()
     for provider, spec, memo in variants * 2:
         pass_ = int(provider in seen)
@@ -102,6 +122,7 @@ def main():
             for ids, mask in batches:
                 gen(ids, mask)
         host, gaps, between, call_ms, replays, first = [], [], [], 0.0, 0, 0.0
+        graph_us = []
         log.turnaround = []
         for ids, mask in batches:
             log.items = []
@@ -117,6 +138,7 @@ def main():
             first += 1e3 * (items[0][0] - t)
             replays += len(items)
             host += [1e6 * (t1 - t0) for t0, t1, _, _ in items]
+            graph_us += [1e3 * e0.elapsed_time(e1) for _, _, e0, e1 in items]
             for (_, a1, _, ea), (b0, _, eb, _) in zip(items, items[1:]):
                 gaps.append(1e3 * ea.elapsed_time(eb))
                 between.append(1e6 * (b0 - a1))
@@ -124,7 +146,10 @@ def main():
                 "replay_host_us_median": statistics.median(host), "replay_host_us_p90": pct(host, 0.9),
                 "replay_host_ms_sum": sum(host) / 1e3,
                 "gpu_gap_ms_sum": sum(gaps) / 1e3, "gpu_gap_us_median": statistics.median(gaps),
-                "gpu_gap_us_p90": pct(gaps, 0.9), "host_between_us_median": statistics.median(between),
+                "gpu_gap_us_p90": pct(gaps, 0.9),
+                "replay_gpu_ms_sum": sum(graph_us) / 1e3, "replay_gpu_us_median": statistics.median(graph_us),
+                "outside_ms": call_ms - sum(graph_us) / 1e3 - sum(gaps) / 1e3,
+                "host_between_us_median": statistics.median(between),
                 "host_between_us_p90": pct(between, 0.9),
                 "sync_to_replay_us_median": 1e6 * statistics.median(log.turnaround) if log.turnaround else float("nan"),
                 "sync_to_replay_us_p90": 1e6 * pct(log.turnaround, 0.9) if log.turnaround else float("nan"),

@@ -1,4 +1,6 @@
-"""One CUDA graph that runs one of several captured graphs, chosen on the GPU: a SWITCH conditional node.
+"""One CUDA graph that runs one of several captured graphs, chosen on the GPU: a SWITCH conditional node
+(a measurement helper of ``profile_conditional_rounds.py``; not used by the library, see
+docs/speculative-performance.md, "Rounds chosen on the device").
 
 The match-gated speculative rounds (``hf_accel.speculative``) pick each round's graph (a plain step or a verify
 pass over k drafts) from what the previous round's lookup found. Chosen by the host, every round waits for
