@@ -229,8 +229,8 @@ class GraphSwitch:
                 set_node = ctypes.c_void_p()
                 deps, ndeps = (ctypes.byref(prev), 1) if prev is not None else (None, 0)
                 add_kernel = getattr(cu, "cuGraphAddKernelNode_v2", None) or cu.cuGraphAddKernelNode
-                drv.check(add_kernel(ctypes.byref(set_node), self._graph, deps, ctypes.c_size_t(ndeps), ctypes.byref(kp)),
-                          "cuGraphAddKernelNode")
+                drv.check(add_kernel(ctypes.byref(set_node), self._graph, deps, ctypes.c_size_t(ndeps),
+                                     ctypes.byref(kp)), "cuGraphAddKernelNode")
                 params = _NodeParams()
                 params.type = _NODE_TYPE_CONDITIONAL
                 params.u.conditional.handle = handle.value

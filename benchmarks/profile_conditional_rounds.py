@@ -14,9 +14,9 @@ deterministic pattern of "match classes" picks the kind of every round. Variants
 * ``cond_r<R>``: one graph of R rounds; each round is a tiny kernel that reads the class, looks the kind up
   in a device table and writes two predicates, then ``IF(A) {round A}`` and ``IF(B) {round B}``
   (PyTorch's ``CUDAGraph.begin_capture_to_if_node``, where this PyTorch has it), replayed back to back;
-* ``switch_r<R>``: :class:`graph_switch.GraphSwitch` (benchmarks/graph_switch.py) (a SWITCH node built through the driver
-  API, for PyTorch releases without conditional nodes) over the graphs of rounds A and B, each ending with a
-  kernel that writes the next round's kind as the switch's index; R rounds per launch, replayed back to back.
+* ``switch_r<R>``: ``GraphSwitch`` of benchmarks/graph_switch.py (a SWITCH node built through the driver API,
+  for PyTorch releases without conditional nodes) over the graphs of rounds A and B, each ending with a kernel
+  that writes the next round's kind as the switch's index; R rounds per launch, replayed back to back.
 
 Every variant is checked: the counts of A and B rounds it ran equal the pattern's. The overhead of a
 device-chosen round = ``cond_r<R>`` - ``queued``; the host's round trip = ``host_gated`` - ``queued``.
