@@ -98,6 +98,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     log = ReplayLog()
     model, tok = load_default_model(dtype="bfloat16", device="cuda")
+    tok.padding_side = "left"  # a batch of prompts, as bench_speculative pads them
     texts = bs.chat_texts(tok, args.category)
     if args.bs == 1:
         batches = [bs.encode(tok, [t], "cuda") for t in texts]
@@ -135,6 +136,8 @@ def main(argv=None):
             call_ms += 1e3 * (time.perf_counter() - t)
             log.on = False
             items = log.items
+            if not items:
+                raise SystemExit(f"{provider}: the call replayed no CUDA graph (not on the fast path?)")
             first += 1e3 * (items[0][0] - t)
             replays += len(items)
             host += [1e6 * (t1 - t0) for t0, t1, _, _ in items]
