@@ -433,7 +433,7 @@ class SpeculativeEngine:
             # On the GPU the host queues the next round before reading the previous one's counters (one
             # round in flight), so the GPU never waits for the host; the adaptive k uses counters one round old.
             # Match-gated rounds need the previous round's lookup, so none is in flight while choosing.
-            ahead = 1 if (ctx["use_graph"] and streamer is None and not gated) else 0
+            ahead = self._rounds_ahead(ctx["use_graph"], streamer is not None, gated)
             pinned, pinned_np = st.host_counters(ctx["use_graph"])
             if gated:
                 # The first read of the device: the host work above ran while the prefill was on the GPU.
@@ -451,7 +451,17 @@ class SpeculativeEngine:
                         for _ in range(rounds):
                             replay()
                 else:
-                    k, rounds = chooser.choose(max_remaining, burst=streamer is None)
+                    # every queued round commits at least one token per active row: the rounds in flight leave
+                    # at most this budget, so a burst never runs past it (it used to, by up to a burst, when
+                    # the last counters read were a round old)
+                    budget = max_remaining - sum(item[3] for item in inflight)
+                    if budget <= 0 and inflight:  # the rounds in flight finish every row: read them
+                        event, done_slot, k, rounds, captured, t0 = inflight.pop(0)
+                        running, max_remaining = self._read_round(chooser, event, pinned_np[done_slot], k, rounds,
+                                                                  captured, t0, last_done)
+                        last_done = (event, captured) if event is not None else last_done
+                        continue
+                    k, rounds = chooser.choose(max(budget, 1), burst=streamer is None)
                     replay = None
                 ks[k] = ks.get(k, 0) + rounds
                 before = st.lengths[:batch].clone() if streamer is not None else None
@@ -494,15 +504,10 @@ class SpeculativeEngine:
                     deferred = (pinned, done_slot, k, rounds, captured, timing)
                     last_done = (event, captured)
                 else:
-                    if event is not None:
-                        event.synchronize()
-                        seconds = (None if captured or last_done is None or last_done[1]
-                                   else last_done[0].elapsed_time(event) / 1e3 / rounds)
-                        last_done = (event, captured)
-                    else:
-                        seconds = None if captured else (time.perf_counter() - t0) / rounds
                     row = pinned_np[done_slot]
-                    chooser.update(k, row[5: 6 + k].tolist(), seconds)
+                    self._read_round(chooser, event, row, k, rounds, captured, t0, last_done)
+                    if event is not None:
+                        last_done = (event, captured)
                 running, max_remaining = bool(row[0]), int(row[4])
                 if streamer is not None:
                     after = st.lengths[:batch]
@@ -544,6 +549,27 @@ class SpeculativeEngine:
             cache.release()
             if draft_cache is not None:
                 draft_cache.release()
+
+    @staticmethod
+    def _rounds_ahead(graphs: bool, streaming: bool, gated: bool) -> int:
+        """Rounds the host queues before reading a round's counters: one on the GPU (CUDA graphs), none with a
+        streamer (each round's tokens go out as they come), for match-gated rounds (each needs the last one's
+        lookup) or for eager rounds (synchronous on the CPU anyway)."""
+        return 1 if (graphs and not streaming and not gated) else 0
+
+    @staticmethod
+    def _read_round(chooser, event, row, k: int, rounds: int, captured: bool, t0: float, last_done):
+        """Ungated rounds: wait for a queued round (its CUDA event), update the chooser with its counters
+        (``row``, page-locked) and its time (from the last round's completion, ``last_done`` = (event,
+        captured); the wall clock since ``t0`` for eager rounds); returns (running, max_remaining)."""
+        if event is not None:
+            event.synchronize()
+            seconds = (None if captured or last_done is None or last_done[1]
+                       else last_done[0].elapsed_time(event) / 1e3 / rounds)
+        else:
+            seconds = None if captured else (time.perf_counter() - t0) / rounds
+        chooser.update(k, row[5: 6 + k].tolist(), seconds)
+        return bool(row[0]), int(row[4])
 
     @staticmethod
     def _update_gated(chooser, pinned: torch.Tensor, slot: int, k: int, rounds: int, captured: bool, timing) -> None:
