@@ -12,7 +12,10 @@ runs them; ``common.graph_replay_us``), µs per layer of the four matmuls (qkv w
 norm + residual + SwiGLU, down) at 1 / 2 / 5 / 9 / 16 rows: the probe, ``fused_linear(whole_k=True)`` and, at one
 row, ``gemv``. Each probe output is compared with ``fused_linear``'s (max relative error).
 
-    python benchmarks/probe_gemv_rows.py [--rows 1,2,5,9,16] [--warps 4] [--block-n 4]
+With ``--old-gemv FILE`` another version of ``hf_accel/kernels/gemv.py`` (e.g. from ``git show``) is timed too,
+at one row, as ``gemv-old`` (an A/B in one run).
+
+    python benchmarks/probe_gemv_rows.py [--rows 1,2,5,9,16] [--warps 4] [--block-n 4] [--old-gemv FILE]
 """
 
 from __future__ import annotations
@@ -96,7 +99,16 @@ def main(argv=None):
     ap.add_argument("--rows", default="1,2,5,9,16")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--block-n", type=int, default=4)
+    ap.add_argument("--old-gemv", default=None, help="another gemv.py to time at one row as gemv-old")
     args = ap.parse_args(argv)
+    old_gemv = None
+    if args.old_gemv:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("gemv_old", args.old_gemv)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        old_gemv = mod.gemv
     torch.manual_seed(0)
     dt, dev = torch.bfloat16, "cuda"
     h, q, kv, inter, copies = 576, 576, 192, 1536, 30
@@ -121,6 +133,8 @@ def main(argv=None):
                     "fused_linear": lambda a, b, **kw: fused_linear(a, b, whole_k=True, pdl=True, eps=1e-5, **kw)}
         if rows == 1:
             variants["gemv"] = lambda a, b, **kw: gemv(a, b, pdl=True, eps=1e-5, **kw)
+            if old_gemv is not None:
+                variants["gemv-old"] = lambda a, b, **kw: old_gemv(a, b, pdl=True, eps=1e-5, **kw)
         ref = [c(ws[0]) for c in calls(variants["fused_linear"])]
         ref = [r[0] if isinstance(r, tuple) else r for r in ref]
         line = f"rows {rows:2d}"

@@ -18,7 +18,11 @@ removes what it can of it:
   launch and first loads thus overlap this one's tail (:mod:`.pdl`);
 * the RMSNorm prologue reads the whole input row in one step (``norm_k``): walking it in K tiles cost one L2
   round trip per tile before the first weight tile could be used (~2 µs per normed projection of the
-  Llama-3-8B shape, ``benchmarks/results/bench_gemv-norm-cost-20261201-4ca6f2d.json``).
+  Llama-3-8B shape, ``benchmarks/results/bench_gemv-norm-cost-20261201-4ca6f2d.json``). Where the preloaded
+  weight columns cover the whole row (small models: :func:`default_tiles` takes rows up to 2048 wide whole),
+  that one read also gives the normalised values, and the weights are converted to float32 before the PDL
+  wait (a probe kernel of that structure took 7.16 against 8.81 µs for a SmolLM2 layer's four one-row
+  matmuls on an H100, ``benchmarks/results/probe_gemv_rows-h100-20261206-f4d478b.json``).
 
 Rounding follows transformers' modules step by step (residual sum, normalised value, norm-weight product,
 projection output and SiLU rounded to the model dtype), as :mod:`.fused_linear` does; only the order of the
@@ -107,6 +111,7 @@ def _gemv_kernel(
     ROPE: tl.constexpr,
     PRELOAD: tl.constexpr,
     NORM_K: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = X.dtype.element_ty
@@ -131,11 +136,29 @@ def _gemv_kernel(
     if SWIGLU or ROPE:
         wu = tl.load(w_rows + up_offset * stride_wn + offs_pre[None, :], mask=n_ok[:, None] & pre_ok[None, :],
                      other=0.0)
+    if SINGLE_PASS:
+        # the whole row of weights is loaded: convert it while the previous kernel still runs
+        w = w.to(tl.float32)
+        if SWIGLU or ROPE:
+            wu = wu.to(tl.float32)
+        nw = tl.load(NormW + offs_pre, mask=pre_ok, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()  # x, the residual and every output may belong to the previous kernel
 
     rstd = 0.0
-    if NORM:
+    if SINGLE_PASS:
+        # the preloaded columns cover the whole row: one read of x (and the residual) gives the sum of squares
+        # and the normalised values (else the row is read for the norm, then again tile by tile)
+        xs = tl.load(X + offs_pre, mask=pre_ok, other=0.0)
+        if RESIDUAL:
+            rs = tl.load(R + offs_pre, mask=pre_ok, other=0.0)
+            xs = (xs.to(tl.float32) + rs.to(tl.float32)).to(dt)
+            if pid == 0:
+                tl.store(ROut + offs_pre, xs, mask=pre_ok)
+        xsf = xs.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xsf * xsf, 0) / K + eps)
+        x = (nw * (xsf * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    elif NORM:
         # NORM_K columns per step (the whole row where it fits): the steps' loads wait on one another, so
         # each step costs an L2 round trip before the first weight tile can be used
         offs_nk = tl.arange(0, NORM_K)
@@ -153,7 +176,8 @@ def _gemv_kernel(
             ss += xf * xf
         rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
 
-    x = _x_tile(X, R, NormW, offs_pre, pre_ok, rstd, NORM, RESIDUAL)
+    if not SINGLE_PASS:
+        x = _x_tile(X, R, NormW, offs_pre, pre_ok, rstd, NORM, RESIDUAL)
     if PRELOAD == 1:
         acc = w.to(tl.float32) * x[None, :]
         if SWIGLU or ROPE:
@@ -205,13 +229,18 @@ def _gemv_kernel(
 
 def default_tiles(out_features: int, k: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[out_features, k]`` weight: 4 rows x 1024 columns (2048 for
-    inputs >= 8192 wide or >= 65536 outputs, e.g. down_proj and LM heads), 4 warps.
+    inputs >= 8192 wide or >= 65536 outputs, e.g. down_proj and LM heads; the whole row, padded to a power of
+    two, for inputs up to 2048 wide, so that small models' projections load all their weights before the PDL
+    wait), 4 warps.
 
     H200, bf16, with PDL (``bench_gemv-sweep-20261201-435ee97.json``): all matmuls of a Llama-3-8B-shaped
     token 3.734 ms (4.02 TB/s) against 3.862 / 3.900 / 3.930 / 4.094 ms with n2k1024w4 / n4k2048w4 /
     n4k1024w2 / n8k512w4 (cuBLAS with its norm and SwiGLU kernels: 4.320 ms). Per shape it is the best or
     within 3% of it, except down (3.82 vs 3.86 TB/s at n4k2048) and the LM head (4.33 vs 4.45)."""
-    block_k = 2048 if (k >= 8192 or out_features >= 65536) else min(1024, max(16, triton.next_power_of_2(k)))
+    if k <= 2048:
+        block_k = max(16, triton.next_power_of_2(k))
+    else:
+        block_k = 2048 if (k >= 8192 or out_features >= 65536) else 1024
     return 4, block_k, 4
 
 
@@ -244,6 +273,13 @@ def _norm_k(k: int, block_k: int, norm_k: int | None) -> int:
             or norm_k > MAX_NORM_K:
         raise ValueError(f"norm_k must be 0 or a power of two in [16, {MAX_NORM_K}], got {norm_k!r}")
     return norm_k
+
+
+def _single_pass(norm_weight, k: int, block_k: int, preload_tiles: int, norm_k: int | None) -> bool:
+    """Whether the RMSNorm prologue reads the input row once, together with the first weight tiles: a norm, its
+    row within the preloaded columns, and the default ``norm_k`` (``norm_k`` 0 or a step keeps the separate
+    prologue, as before)."""
+    return norm_weight is not None and norm_k is None and preload_tiles * block_k >= k
 
 
 def _launch_tiles(out_features, k, eps, block_n, block_k, num_warps) -> tuple[int, int, int]:
@@ -335,7 +371,7 @@ def gemv(
         0, 0, 0, 0, 0, 0, 0,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=False, PRELOAD=preload_tiles,
-        NORM_K=_norm_k(k, block_k, norm_k),
+        NORM_K=_norm_k(k, block_k, norm_k), SINGLE_PASS=_single_pass(norm_weight, k, block_k, preload_tiles, norm_k),
         num_warps=num_warps, num_stages=1, **extra,
     )
     return (y, r_out) if residual is not None else y
@@ -411,7 +447,7 @@ def gemv_rope(
         key_cache.stride(2),
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
         PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=True, PRELOAD=preload_tiles,
-        NORM_K=_norm_k(k, block_k, norm_k),
+        NORM_K=_norm_k(k, block_k, norm_k), SINGLE_PASS=_single_pass(norm_weight, k, block_k, preload_tiles, norm_k),
         num_warps=num_warps, num_stages=1, **extra,
     )
     return (q, r_out) if residual is not None else q
