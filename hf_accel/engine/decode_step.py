@@ -251,7 +251,7 @@ class DecodeStep:
         rope_linear = None
         if one_row and switches.GEMV_ROPE and d % 4 == 0:
             rope_linear = functools.partial(gemv_rope, preload_tiles=switches.GEMV_PRELOAD_TILES,
-                                            norm_k=switches.GEMV_NORM_K)
+                                            norm_k=switches.GEMV_NORM_K, single_pass=switches.GEMV_SINGLE_PASS)
         elif small and switches.FUSED_LINEAR_ROPE and (d // 2) % 16 == 0:
             rope_linear = functools.partial(fused_linear_rope, small_tiles=switches.FUSED_LINEAR_SMALL_TILES,
                                             preload=switches.FUSED_LINEAR_PRELOAD,
@@ -367,9 +367,11 @@ class DecodeStep:
 
     @staticmethod
     def _gemv(x, weight, **kw):
-        """:func:`gemv` with :data:`~hf_accel.engine.step_switches.GEMV_PRELOAD_TILES` and
-        :data:`~hf_accel.engine.step_switches.GEMV_NORM_K`."""
-        return gemv(x, weight, preload_tiles=switches.GEMV_PRELOAD_TILES, norm_k=switches.GEMV_NORM_K, **kw)
+        """:func:`gemv` with :data:`~hf_accel.engine.step_switches.GEMV_PRELOAD_TILES`,
+        :data:`~hf_accel.engine.step_switches.GEMV_NORM_K` and
+        :data:`~hf_accel.engine.step_switches.GEMV_SINGLE_PASS`."""
+        return gemv(x, weight, preload_tiles=switches.GEMV_PRELOAD_TILES, norm_k=switches.GEMV_NORM_K,
+                    single_pass=switches.GEMV_SINGLE_PASS, **kw)
 
     def _split_linear(self, x, weight, **kw):
         """:func:`fused_linear` with split-K sized by

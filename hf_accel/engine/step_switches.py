@@ -112,6 +112,13 @@ GEMV_PRELOAD_TILES = 1
 #: ``profile_decode_step-ablate-8b-20261201-b3675d9.json``).
 GEMV_NORM_K = None
 
+#: ``single_pass`` of the one-row GEMVs (:func:`~hf_accel.kernels.gemv.gemv`): a small model's rows (<= 2048
+#: wide) as one weight tile, one read of the input row for the norm and the product, the weights converted
+#: before the PDL wait. Off until timed in the step: a probe kernel of that structure took 7.16 against
+#: 8.81 µs for a SmolLM2 layer's four one-row matmuls on an H100 (``probe_gemv_rows-h100-20261206-f4d478b.json``),
+#: the change itself has not run on a GPU.
+GEMV_SINGLE_PASS = False
+
 #: The same for the step's fused_linear calls (2-16 rows): 0 = one K tile per step (the kernel's default),
 #: 512 = what was tried. 0: the wider steps were slower on SmolLM2 (H200, one run each,
 #: ``profile_speculative_round-*-20261201-023be27.json``: 16-token verify forward 0.904 ms with 512 vs

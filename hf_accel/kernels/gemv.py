@@ -18,11 +18,12 @@ removes what it can of it:
   launch and first loads thus overlap this one's tail (:mod:`.pdl`);
 * the RMSNorm prologue reads the whole input row in one step (``norm_k``): walking it in K tiles cost one L2
   round trip per tile before the first weight tile could be used (~2 µs per normed projection of the
-  Llama-3-8B shape, ``benchmarks/results/bench_gemv-norm-cost-20261201-4ca6f2d.json``). Where the preloaded
-  weight columns cover the whole row (small models: :func:`default_tiles` takes rows up to 2048 wide whole),
-  that one read also gives the normalised values, and the weights are converted to float32 before the PDL
-  wait (a probe kernel of that structure took 7.16 against 8.81 µs for a SmolLM2 layer's four one-row
-  matmuls on an H100, ``benchmarks/results/probe_gemv_rows-h100-20261206-f4d478b.json``).
+  Llama-3-8B shape, ``benchmarks/results/bench_gemv-norm-cost-20261201-4ca6f2d.json``). With ``single_pass``
+  (off by default: not yet timed on a GPU in this kernel) rows up to 2048 wide are one weight tile, and where
+  the preloaded weight columns cover the whole row, that one read also gives the normalised values, and the
+  weights are converted to float32 before the PDL wait. A probe kernel of that structure took 7.16 against
+  8.81 µs for a SmolLM2 layer's four one-row matmuls on an H100
+  (``benchmarks/results/probe_gemv_rows-h100-20261206-f4d478b.json``).
 
 Rounding follows transformers' modules step by step (residual sum, normalised value, norm-weight product,
 projection output and SiLU rounded to the model dtype), as :mod:`.fused_linear` does; only the order of the
@@ -229,18 +230,15 @@ def _gemv_kernel(
 
 def default_tiles(out_features: int, k: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` for an ``[out_features, k]`` weight: 4 rows x 1024 columns (2048 for
-    inputs >= 8192 wide or >= 65536 outputs, e.g. down_proj and LM heads; the whole row, padded to a power of
-    two, for inputs up to 2048 wide, so that small models' projections load all their weights before the PDL
-    wait), 4 warps.
+    inputs >= 8192 wide or >= 65536 outputs, e.g. down_proj and LM heads), 4 warps. With ``single_pass`` of
+    :func:`gemv`, rows up to 2048 wide are taken whole instead (padded to a power of two), so that a small
+    model's projections load all their weights before the PDL wait.
 
     H200, bf16, with PDL (``bench_gemv-sweep-20261201-435ee97.json``): all matmuls of a Llama-3-8B-shaped
     token 3.734 ms (4.02 TB/s) against 3.862 / 3.900 / 3.930 / 4.094 ms with n2k1024w4 / n4k2048w4 /
     n4k1024w2 / n8k512w4 (cuBLAS with its norm and SwiGLU kernels: 4.320 ms). Per shape it is the best or
     within 3% of it, except down (3.82 vs 3.86 TB/s at n4k2048) and the LM head (4.33 vs 4.45)."""
-    if k <= 2048:
-        block_k = max(16, triton.next_power_of_2(k))
-    else:
-        block_k = 2048 if (k >= 8192 or out_features >= 65536) else 1024
+    block_k = 2048 if (k >= 8192 or out_features >= 65536) else min(1024, max(16, triton.next_power_of_2(k)))
     return 4, block_k, 4
 
 
@@ -275,19 +273,24 @@ def _norm_k(k: int, block_k: int, norm_k: int | None) -> int:
     return norm_k
 
 
-def _single_pass(norm_weight, k: int, block_k: int, preload_tiles: int, norm_k: int | None) -> bool:
-    """Whether the RMSNorm prologue reads the input row once, together with the first weight tiles: a norm, its
-    row within the preloaded columns, and the default ``norm_k`` (``norm_k`` 0 or a step keeps the separate
-    prologue, as before)."""
-    return norm_weight is not None and norm_k is None and preload_tiles * block_k >= k
+def _single_pass(single_pass: bool, norm_weight, k: int, block_k: int, preload_tiles: int,
+                 norm_k: int | None) -> bool:
+    """Whether the RMSNorm prologue reads the input row once, together with the first weight tiles: asked for, a
+    norm, its row within the preloaded columns, and the default ``norm_k`` (``norm_k`` 0 or a step keeps the
+    separate prologue)."""
+    if not isinstance(single_pass, bool):
+        raise ValueError(f"single_pass must be a bool, got {single_pass!r}")
+    return single_pass and norm_weight is not None and norm_k is None and preload_tiles * block_k >= k
 
 
-def _launch_tiles(out_features, k, eps, block_n, block_k, num_warps) -> tuple[int, int, int]:
+def _launch_tiles(out_features, k, eps, block_n, block_k, num_warps, whole_row: bool = False) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)``: the overrides given, else :func:`default_tiles`; raises ValueError
     for tiles that are not powers of two in range and for a non-float ``eps``."""
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         raise ValueError(f"eps must be a Python float, got {type(eps).__name__}")
     d_n, d_k, d_w = default_tiles(out_features, k)
+    if whole_row and k <= 2048:
+        d_k = max(16, triton.next_power_of_2(k))
     block_n = d_n if block_n is None else block_n
     block_k = d_k if block_k is None else block_k
     num_warps = d_w if num_warps is None else num_warps
@@ -315,6 +318,7 @@ def gemv(
     num_warps: int | None = None,
     preload_tiles: int = 1,
     norm_k: int | None = None,
+    single_pass: bool = False,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for one token row, in one kernel.
 
@@ -341,6 +345,10 @@ def gemv(
             4 or 8 (fewer where fewer cover ``hidden``); block_n x block_k x preload_tiles <= 65536.
         norm_k: input columns the RMSNorm prologue reads per step: default the whole row (padded to a power
             of two, at most :data:`MAX_NORM_K`), so its loads are in flight at once; 0 = ``block_k``.
+        single_pass: rows up to 2048 wide as one weight tile (unless ``block_k`` is given), and where the
+            preloaded columns cover the whole row, one read of the input row for the norm and the product, with
+            the weights converted to float32 before the PDL wait (module docstring); results within float32
+            summation order of the default.
 
     Returns:
         ``y`` [1, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -354,7 +362,8 @@ def gemv(
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
     if rows != 1:
         raise ValueError(f"gemv takes one row, got {rows} (use fused_linear or a matmul)")
-    block_n, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps)
+    block_n, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps,
+                                                whole_row=single_pass is True)
     preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)
     y = torch.empty(1, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
@@ -371,7 +380,8 @@ def gemv(
         0, 0, 0, 0, 0, 0, 0,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=False, PRELOAD=preload_tiles,
-        NORM_K=_norm_k(k, block_k, norm_k), SINGLE_PASS=_single_pass(norm_weight, k, block_k, preload_tiles, norm_k),
+        NORM_K=_norm_k(k, block_k, norm_k),
+        SINGLE_PASS=_single_pass(single_pass, norm_weight, k, block_k, preload_tiles, norm_k),
         num_warps=num_warps, num_stages=1, **extra,
     )
     return (y, r_out) if residual is not None else y
@@ -396,6 +406,7 @@ def gemv_rope(
     num_warps: int | None = None,
     preload_tiles: int = 1,
     norm_k: int | None = None,
+    single_pass: bool = False,
 ):
     """The merged Q/K/V projection of one decode token with RoPE and the cache write as its epilogue:
     :func:`gemv` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one kernel,
@@ -413,7 +424,7 @@ def gemv_rope(
             contiguous last dimension.
         slot_mapping: [1] int32 — ``block * block_size + offset`` of the token; -1 = not written.
         num_heads: query heads.
-        pdl, block_k, num_warps, preload_tiles, norm_k: as :func:`gemv`.
+        pdl, block_k, num_warps, preload_tiles, norm_k, single_pass: as :func:`gemv`.
 
     Returns:
         rotated q [1, num_heads * head_dim], or ``(q, x + residual)`` when ``residual`` is given.
@@ -429,7 +440,8 @@ def gemv_rope(
     block_n = 2
     num_kv_heads, head_dim = check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads,
                                              block_n)
-    _, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps)
+    _, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps,
+                                          whole_row=single_pass is True)
     preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)
     q = torch.empty(1, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q
@@ -447,7 +459,8 @@ def gemv_rope(
         key_cache.stride(2),
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
         PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=True, PRELOAD=preload_tiles,
-        NORM_K=_norm_k(k, block_k, norm_k), SINGLE_PASS=_single_pass(norm_weight, k, block_k, preload_tiles, norm_k),
+        NORM_K=_norm_k(k, block_k, norm_k),
+        SINGLE_PASS=_single_pass(single_pass, norm_weight, k, block_k, preload_tiles, norm_k),
         num_warps=num_warps, num_stages=1, **extra,
     )
     return (q, r_out) if residual is not None else q

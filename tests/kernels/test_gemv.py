@@ -20,12 +20,13 @@ def _inputs(hidden, out, dtype, seed=0):
 @pytest.mark.parametrize("hidden,out,tiles", [(64, 48, {}), (333, 50, {}), (97, 14, dict(block_n=4, block_k=32)),
                                               (128, 7, dict(block_n=2, block_k=16, num_warps=2))])
 @pytest.mark.parametrize("mode", MODES)
-def test_matches_reference_fp32(hidden, out, tiles, mode):
+@pytest.mark.parametrize("single_pass", [False, True])
+def test_matches_reference_fp32(hidden, out, tiles, mode, single_pass):
     if "swiglu" in mode and out % 2:
         out += 1
     x, r, w, nw, b = _inputs(hidden, out, torch.float32)
     kw = linear_kwargs(mode, r, nw, b)
-    got = gemv(x, w, **kw, **tiles)
+    got = gemv(x, w, **kw, **tiles, single_pass=single_pass)
     want = fused_linear_ref(x, w, **kw)
     if "residual" in mode:
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
@@ -61,6 +62,24 @@ def test_norm_prologue_steps_match_reference_fp32(norm_k):
     want, want_res = fused_linear_ref(x, w, norm_weight=nw, eps=1e-5, residual=r)
     torch.testing.assert_close(res, want_res, rtol=0, atol=0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# Widths of one tile (64), above 1024 (1500: one 2048-wide tile only with single_pass) and above 2048 (2100:
+# K tiles either way); the single read of the row is used where the norm's row fits the preloaded columns.
+@pytest.mark.parametrize("hidden", [64, 1500, 2100])
+def test_single_pass_norm_matches_reference_and_the_default_fp32(hidden):
+    from hf_accel.kernels.gemv import _launch_tiles, _single_pass
+
+    x, r, w, nw, _ = _inputs(hidden, 12, torch.float32, seed=7)
+    got, res = gemv(x, w, norm_weight=nw, eps=1e-5, residual=r, swiglu=True, single_pass=True)
+    base, base_res = gemv(x, w, norm_weight=nw, eps=1e-5, residual=r, swiglu=True)
+    want, want_res = fused_linear_ref(x, w, norm_weight=nw, eps=1e-5, residual=r, swiglu=True)
+    assert torch.equal(res, want_res) and torch.equal(base_res, want_res)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-5)
+    _, block_k, _ = _launch_tiles(w.shape[0], hidden, 1e-5, None, None, None, whole_row=True)
+    assert _single_pass(True, nw, hidden, block_k, 1, None) == (hidden <= 2048)
+    assert not _single_pass(False, nw, hidden, block_k, 1, None) and not _single_pass(True, nw, hidden, block_k, 1, 0)
 
 
 def test_half_rounding_close_to_reference():
@@ -107,6 +126,7 @@ def test_pdl_is_ignored_off_gpu():
     (lambda x, w, nw, r: gemv(x, w.t().contiguous().t()), "contiguous"),
     (lambda x, w, nw, r: gemv(x, w, norm_weight=torch.stack([nw, nw], 1)[:, 0]), "contiguous"),
     (lambda x, w, nw, r: gemv(x, w, bias=torch.ones(33, 2)[:, 0]), "contiguous"),
+    (lambda x, w, nw, r: gemv(x, w, norm_weight=nw, single_pass=1), "single_pass"),
 ])
 def test_bad_input_raises(bad, match):
     x, r, w, nw, _ = _inputs(64, 33, torch.float32, seed=4)
@@ -134,8 +154,8 @@ def _rope_case(dtype, heads, kv_heads, d, hidden, bias, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden,bias", [(3, 1, 16, 96, False), (4, 2, 8, 333, True)])
-@pytest.mark.parametrize("slot,preload", [(13, 1), (-1, 1), (13, 2)])
-def test_gemv_rope_is_gemv_then_rope_and_cache(dtype, heads, kv_heads, d, hidden, bias, slot, preload):
+@pytest.mark.parametrize("slot,preload,single_pass", [(13, 1, False), (-1, 1, False), (13, 2, False), (13, 1, True)])
+def test_gemv_rope_is_gemv_then_rope_and_cache(dtype, heads, kv_heads, d, hidden, bias, slot, preload, single_pass):
     """Q/K/V GEMV with RoPE + cache write as its epilogue: bitwise gemv followed by rope_and_cache (same
     roundings), the cache untouched elsewhere (and everywhere for slot -1), the residual sum returned."""
     from hf_accel.kernels.gemv import gemv_rope
@@ -145,6 +165,7 @@ def test_gemv_rope_is_gemv_then_rope_and_cache(dtype, heads, kv_heads, d, hidden
     slots = torch.tensor([slot], dtype=torch.int32)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     tiles = {} if preload == 1 else dict(block_k=32, preload_tiles=preload)  # preloaded tiles + a loop
+    tiles["single_pass"] = single_pass
     qkv, res = gemv(x, w, bias=b, norm_weight=nw, eps=1e-5, residual=r, **tiles)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     want_q = rope_and_cache(q, k, v, cos, sin, kc1, vc1, slots)
