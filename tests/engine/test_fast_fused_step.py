@@ -78,21 +78,34 @@ def test_fused_prefill_in_a_half_step_bucket_identical_to_stock(tiny, monkeypatc
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("gemv_rope,head_norm", [(False, True), (True, True), (False, False)],
-                         ids=["rope-kernel", "rope-in-gemv", "lm-head-norm-kernel"])
+@pytest.mark.parametrize("gemv_rope,head_norm,single_pass",
+                         [(False, True, False), (True, True, False), (False, False, False), (True, True, True)],
+                         ids=["rope-kernel", "rope-in-gemv", "lm-head-norm-kernel", "single-pass-norm"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_batch1_fused_step_runs_gemv(model_type, gemv_rope, head_norm, tiny, monkeypatch):
+def test_batch1_fused_step_runs_gemv(model_type, gemv_rope, head_norm, single_pass, tiny, monkeypatch):
     """Batch-1 decode steps of the fused step run every matmul, the LM head included, through gemv
     (interpreter), and greedy output stays token-identical to stock in float32 (with the final norm fused
-    into the LM head or not)."""
+    into the LM head or not; with the single-pass norm, GEMV_SINGLE_PASS)."""
     from hf_accel.engine import decode_step, step_switches
 
     monkeypatch.setattr(step_switches, "GEMV_ROPE", gemv_rope)
     monkeypatch.setattr(step_switches, "GEMV_LM_HEAD_NORM", head_norm)
-    calls = []
+    monkeypatch.setattr(step_switches, "GEMV_SINGLE_PASS", single_pass)
+    calls, passes = [], []
     original, original_rope = decode_step.gemv, decode_step.gemv_rope
-    monkeypatch.setattr(decode_step, "gemv", lambda *a, **k: calls.append(k.get("swiglu", False)) or original(*a, **k))
-    monkeypatch.setattr(decode_step, "gemv_rope", lambda *a, **k: calls.append("rope") or original_rope(*a, **k))
+
+    def spy(*a, **k):
+        passes.append(k.get("single_pass"))
+        calls.append(k.get("swiglu", False))
+        return original(*a, **k)
+
+    def spy_rope(*a, **k):
+        passes.append(k.get("single_pass"))
+        calls.append("rope")
+        return original_rope(*a, **k)
+
+    monkeypatch.setattr(decode_step, "gemv", spy)
+    monkeypatch.setattr(decode_step, "gemv_rope", spy_rope)
     model = tiny.model(model_type)
     ids, mask = tiny.batch(seed=1)
     ids, mask = ids[:1], mask[:1]
@@ -104,6 +117,7 @@ def test_batch1_fused_step_runs_gemv(model_type, gemv_rope, head_norm, tiny, mon
     # 5 decode steps; Q/K/V with RoPE + cache write in the GEMV's epilogue
     assert len(calls) == 5 * (4 * layers + 1) and calls.count(True) == 5 * layers
     assert calls.count("rope") == (5 * layers if gemv_rope else 0)
+    assert set(passes) == {single_pass}
 
 
 def _fused_five_tokens_match_stock(tiny, seed: int, *model_args, **model_kwargs):
