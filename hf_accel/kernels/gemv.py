@@ -45,6 +45,19 @@ from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
 
 @triton.jit
+def _summed_input(X, R, ROut, offs, ok, store, dt, RESIDUAL: tl.constexpr):
+    """The input row's columns ``offs`` after the residual add (rounded to the input dtype), written to ``ROut``
+    where ``store`` (one program does)."""
+    x = tl.load(X + offs, mask=ok, other=0.0)
+    if RESIDUAL:
+        r = tl.load(R + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+        if store:
+            tl.store(ROut + offs, x, mask=ok)
+    return x
+
+
+@triton.jit
 def _x_tile(X, R, NormW, offs_k, k_ok, rstd, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     """The input row's elements ``offs_k`` as float32, after the residual add and RMSNorm (each rounded to
     the input dtype as transformers rounds them)."""
@@ -150,13 +163,7 @@ def _gemv_kernel(
     if SINGLE_PASS:
         # the preloaded columns cover the whole row: one read of x (and the residual) gives the sum of squares
         # and the normalised values (else the row is read for the norm, then again tile by tile)
-        xs = tl.load(X + offs_pre, mask=pre_ok, other=0.0)
-        if RESIDUAL:
-            rs = tl.load(R + offs_pre, mask=pre_ok, other=0.0)
-            xs = (xs.to(tl.float32) + rs.to(tl.float32)).to(dt)
-            if pid == 0:
-                tl.store(ROut + offs_pre, xs, mask=pre_ok)
-        xsf = xs.to(tl.float32)
+        xsf = _summed_input(X, R, ROut, offs_pre, pre_ok, pid == 0, dt, RESIDUAL).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xsf * xsf, 0) / K + eps)
         x = (nw * (xsf * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     elif NORM:
@@ -167,13 +174,7 @@ def _gemv_kernel(
         for k0 in range(0, K, NORM_K):
             o = k0 + offs_nk
             om = o < K
-            x = tl.load(X + o, mask=om, other=0.0)
-            if RESIDUAL:
-                r = tl.load(R + o, mask=om, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-                if pid == 0:
-                    tl.store(ROut + o, x, mask=om)
-            xf = x.to(tl.float32)
+            xf = _summed_input(X, R, ROut, o, om, pid == 0, dt, RESIDUAL).to(tl.float32)
             ss += xf * xf
         rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
 
