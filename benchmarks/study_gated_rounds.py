@@ -48,7 +48,7 @@ class _FixedTimes(dict):
 
 def run_log(k_max: int = 15, category: str = "grounded-text"):
     log, calls = [], []
-    update = spec_engine.SpeculativeEngine._update_gated
+    update = spec_engine.update_gated  # the engine module's name for round_counters.update_gated
 
     def logged(chooser, pinned, slot, k, rounds, captured, timing):
         stride = MAX_DRAFT + 1
@@ -59,7 +59,7 @@ def run_log(k_max: int = 15, category: str = "grounded-text"):
         log.append((k, rounds, cls[0] if cls else -1, acc[0] if acc else -1))
         return update(chooser, pinned, slot, k, rounds, captured, timing)
 
-    spec_engine.SpeculativeEngine._update_gated = staticmethod(logged)
+    spec_engine.update_gated = logged
     saved = draft_length._record_time
     draft_length._record_time = lambda times, k, seconds: None  # keep the H200 times
     try:
@@ -75,7 +75,7 @@ def run_log(k_max: int = 15, category: str = "grounded-text"):
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=128, do_sample=False)
             calls.append(list(log))
     finally:
-        spec_engine.SpeculativeEngine._update_gated = update
+        spec_engine.update_gated = update
         draft_length._record_time = saved
     return calls
 

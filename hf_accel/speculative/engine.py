@@ -46,7 +46,7 @@ from hf_accel.engine.call_options import call_inputs, eos_ids, passed_cache, rep
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import argmax_rows
-from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_CLASS_HIST, MAX_DRAFT, NUM_CLASSES,
+from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, NUM_CLASSES,
                                             commit_tokens, commit_tokens_ref)
 from hf_accel.kernels.ngram_lookup import ngram_lookup
 from hf_accel.kernels.verify_inputs import verify_inputs, verify_inputs_ref
@@ -55,6 +55,7 @@ from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.speculative.verify import rejection_sample, sample
 from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates
 from hf_accel.speculative.draft_window import catch_up_inputs, catch_up_width, refeed_inputs
+from hf_accel.speculative.round_counters import read_ungated_round, update_gated
 from hf_accel.speculative.state import RoundState
 
 #: A round's verify inputs (last committed token + drafts, positions, cache lengths) from one
@@ -457,7 +458,7 @@ class SpeculativeEngine:
                     budget = max_remaining - sum(item[3] for item in inflight)
                     if budget <= 0 and inflight:  # the rounds in flight finish every row: read them
                         event, done_slot, k, rounds, captured, t0 = inflight.pop(0)
-                        running, max_remaining = self._read_round(chooser, event, pinned_np[done_slot], k, rounds,
+                        running, max_remaining = read_ungated_round(chooser, event, pinned_np[done_slot], k, rounds,
                                                                   captured, t0, last_done)
                         last_done = (event, captured) if event is not None else last_done
                         continue
@@ -486,7 +487,7 @@ class SpeculativeEngine:
                 inflight.append((event, slot, k, rounds, captured, t0))
                 slot = (slot + 1) % 3
                 if deferred is not None:  # the previous round's counters, while this round runs
-                    self._update_gated(chooser, *deferred)
+                    update_gated(chooser, *deferred)
                     deferred = None
                 if gated and batch == 1:  # the next choice for each match class, while this round runs
                     chooser.prepare(burst=streamer is None)
@@ -505,7 +506,7 @@ class SpeculativeEngine:
                     last_done = (event, captured)
                 else:
                     row = pinned_np[done_slot]
-                    self._read_round(chooser, event, row, k, rounds, captured, t0, last_done)
+                    read_ungated_round(chooser, event, row, k, rounds, captured, t0, last_done)
                     if event is not None:
                         last_done = (event, captured)
                 running, max_remaining = bool(row[0]), int(row[4])
@@ -519,7 +520,7 @@ class SpeculativeEngine:
                             for token in new[0]:
                                 streamer.put(token[None])
             if deferred is not None:
-                self._update_gated(chooser, *deferred)
+                update_gated(chooser, *deferred)
             if streamer is not None:
                 streamer.end()
             if cfg.adaptive:
@@ -556,37 +557,6 @@ class SpeculativeEngine:
         streamer (each round's tokens go out as they come), for match-gated rounds (each needs the last one's
         lookup) or for eager rounds (synchronous on the CPU anyway)."""
         return 1 if (graphs and not streaming and not gated) else 0
-
-    @staticmethod
-    def _read_round(chooser, event, row, k: int, rounds: int, captured: bool, t0: float, last_done):
-        """Ungated rounds: wait for a queued round (its CUDA event), update the chooser with its counters
-        (``row``, page-locked) and its time (from the last round's completion, ``last_done`` = (event,
-        captured); the wall clock since ``t0`` for eager rounds); returns (running, max_remaining)."""
-        if event is not None:
-            event.synchronize()
-            seconds = (None if captured or last_done is None or last_done[1]
-                       else last_done[0].elapsed_time(event) / 1e3 / rounds)
-        else:
-            seconds = None if captured else (time.perf_counter() - t0) / rounds
-        chooser.update(k, row[5: 6 + k].tolist(), seconds)
-        return bool(row[0]), int(row[4])
-
-    @staticmethod
-    def _update_gated(chooser, pinned: torch.Tensor, slot: int, k: int, rounds: int, captured: bool, timing) -> None:
-        """:meth:`_GatedChooser.update` from a round's pinned counters (``pinned[slot]``, with its per-class
-        histograms), run after the next round's launch. ``timing``: (this round's CUDA event, the last round's
-        (event, captured)), timed from the last round's completion to this one's (None if either captured a
-        graph); else seconds per round already measured, or None."""
-        if isinstance(timing, tuple):
-            event, last_done = timing
-            seconds = (None if captured or last_done is None or last_done[1]
-                       else last_done[0].elapsed_time(event) / 1e3 / rounds)
-        else:
-            seconds = timing
-        info = pinned[slot]
-        stride = MAX_DRAFT + 1
-        hists = info[INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].view(NUM_CLASSES, stride)[:, : k + 1]
-        chooser.update(k, hists.tolist(), seconds)
 
     def close(self) -> None:
         """Drop captured graphs and states; revert the draft model if this engine owns it (:meth:`owns_draft`)."""
