@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import check_launch_device, check_interpreter_dot
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -230,6 +230,7 @@ def attention(
     block_n = 32 if block_d >= 128 else 64
     grid = (triton.cdiv(rows, block_m), batch * num_kv_heads)
     check_launch_device(query, "attention")
+    check_interpreter_dot(query, "attention")
     _attention_fwd_kernel[grid](
         query, key, value, out_v, mask_arg,
         sm_scale * _LOG2E,

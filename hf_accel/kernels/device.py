@@ -51,6 +51,17 @@ def check_dense(op: str, **tensors) -> None:
                              f"{tuple(t.shape)} strides {t.stride()}: pass {name}.contiguous()")
 
 
+def check_interpreter_dot(t: torch.Tensor, op: str, reference: str | None = None) -> None:
+    """ValueError for bfloat16 CPU tensors under Triton's interpreter, for the ops whose kernels use ``tl.dot``:
+    the interpreter keeps bfloat16 values as 16-bit integers and multiplies their bit patterns in ``tl.dot``
+    (values ~1e10; triton-lang/triton#11584, not supported upstream), so the result would be silently wrong. The
+    message names ``reference`` (default ``<op>_ref``) and the dtypes that work there (float16, float32)."""
+    if t.dtype == torch.bfloat16 and t.device.type == "cpu" and kernels_interpreted():
+        raise ValueError(f"{op}: Triton's interpreter computes tl.dot of bfloat16 operands on their bit patterns "
+                         f"(triton-lang/triton#11584), so this kernel would return wrong values for bfloat16 CPU "
+                         f"tensors; use float16 or float32 there, or {reference or op + '_ref'}.")
+
+
 def check_launch_device(t: torch.Tensor, op: str, reference: str | None = None) -> None:
     """ValueError when ``op``'s Triton kernel would be launched on a tensor it cannot run on: a CPU tensor
     while the kernels were compiled for a GPU (Triton itself would fail with "0 active drivers"). The message

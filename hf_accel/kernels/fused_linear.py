@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.kernels.arrival import check_counters, last_to_arrive, reset_arrivals
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import check_launch_device, check_interpreter_dot
 from hf_accel.kernels.fused_linear_tiles import _tiles, _whole_k_tiles, max_rows
 from hf_accel.kernels.linear_args import check_linear_args, check_rope_args, check_tiling, norm_prologue_step
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
@@ -443,6 +443,7 @@ def fused_linear(
         preload = split_k > 1 and pdl
     grid = (n_tiles, split_k, m_blocks)
     check_launch_device(x, "fused_linear")
+    check_interpreter_dot(x, "fused_linear")
     _fused_linear_kernel[grid](
         x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, y, r_out,
         part, counters,
@@ -561,6 +562,7 @@ def fused_linear_rope(
     pdl = use_pdl(pdl, x)
     grid = ((num_heads + 2 * num_kv_heads) * (half // block_n), 1, m_blocks)
     check_launch_device(x, "fused_linear_rope", "fused_linear_ref (then RoPE and the cache write)")
+    check_interpreter_dot(x, "fused_linear_rope", "fused_linear_ref (then RoPE and the cache write)")
     _fused_linear_kernel[grid](
         x, r_in, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, q, r_out,
         q, q,

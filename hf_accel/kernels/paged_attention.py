@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import capturing, check_dense, check_launch_device
+from hf_accel.kernels.device import capturing, check_dense, check_launch_device, check_interpreter_dot
 
 from hf_accel.kernels.attention import (
     _LOG2E, MAX_HEAD_DIM, SUPPORTED_DTYPES, _dot, _tile_probs,
@@ -500,6 +500,7 @@ def paged_attention(
     pdl_launch = {"launch_pdl": True} if pdl else {}
     check_dense("paged_attention", seq_lens=seq_lens)
     check_launch_device(query, "paged_attention")
+    check_interpreter_dot(query, "paged_attention")
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
         merge_counters if fused_merge else seq_lens,

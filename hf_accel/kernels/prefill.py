@@ -43,7 +43,7 @@ import numbers
 
 import torch
 
-from hf_accel.kernels.device import capturing, check_launch_device
+from hf_accel.kernels.device import capturing, check_launch_device, check_interpreter_dot
 from hf_accel.kernels.prefill_kernel import _prefill_fwd_kernel
 from hf_accel.kernels.prefill_reference import (
     prefill_attention_ref,
@@ -144,6 +144,7 @@ def _launch(q4, k4, v4, o4, lse, key_mask, kv_start, cu_q, cu_k, *, batch, num_h
         lse_strides = (0, 0, 0)
     mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
     check_launch_device(q4, "prefill_attention")
+    check_interpreter_dot(q4, "prefill_attention")
     _prefill_fwd_kernel[grid](
         q4, k4, v4, o4, lse, key_mask, kv_start, cu_q, cu_k,
         desc_q, desc_k, desc_v, desc_o,

@@ -125,3 +125,32 @@ def test_generate_runs_under_the_models_device(tiny, monkeypatch):
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 2
     assert seen == [("enter", torch.device("cpu")), ("exit", torch.device("cpu"))]
+
+
+def _dot_calls(dt):
+    """One small call of each launcher whose kernel uses ``tl.dot``, in dtype ``dt`` (CPU tensors)."""
+    from hf_accel.kernels.attention import attention
+    from hf_accel.kernels.paged_attention import paged_attention
+    from hf_accel.kernels.prefill import prefill_attention
+
+    q, k, v = torch.randn(1, 2, 5, 16).to(dt), torch.randn(1, 1, 5, 16).to(dt), torch.randn(1, 1, 5, 16).to(dt)
+    pool = torch.randn(4, 4, 1, 16).to(dt)
+    table, lens = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    return {
+        "fused_linear": lambda: fused_linear(torch.randn(3, 32).to(dt), torch.randn(16, 32).to(dt)),
+        "attention": lambda: attention(q, k, v, causal=True),
+        "prefill_attention": lambda: prefill_attention(q, k, v, causal=True),
+        "paged_attention": lambda: paged_attention(q[:, :, :1], pool, pool.clone(), table, lens, 8),
+    }
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op", ["attention", "fused_linear", "paged_attention", "prefill_attention"])
+def test_bfloat16_dot_kernels_refuse_under_the_interpreter(op):
+    """Triton's interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584): the launchers of
+    such kernels raise instead of returning values ~1e10; the same calls in float16 run."""
+    with pytest.raises(ValueError, match=rf"{op}: Triton's interpreter computes tl.dot of bfloat16.*11584"):
+        _dot_calls(torch.bfloat16)[op]()
+    out = _dot_calls(torch.float16)[op]()
+    out = out[0] if isinstance(out, tuple) else out
+    assert torch.isfinite(out.float()).all() and out.float().abs().max() < 1e3
