@@ -197,7 +197,8 @@ def attention(
 
     Raises:
         ValueError: on shape/dtype mismatches, head_dim > 256, or a num_heads that is not a
-            multiple of num_kv_heads.
+            multiple of num_kv_heads; bfloat16 CPU tensors under Triton's interpreter
+            (:func:`~hf_accel.kernels.device.check_interpreter_dot`).
 
     Algorithm: FlashAttention-2 (Dao 2023), see the module docstring.
     """

@@ -399,7 +399,8 @@ def fused_linear(
         ValueError: more rows than :func:`max_rows` allows, shape/dtype mismatches, a combination the kernel does
             not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``), ``split_k`` not an int
             >= 1, ``num_warps`` not a power of two <= 16, ``counters`` that are not a contiguous int32 tensor of
-            enough elements on x's device, or ``whole_k`` where :func:`whole_k_fits` is False.
+            enough elements on x's device, or ``whole_k`` where :func:`whole_k_fits` is False; bfloat16 CPU
+            tensors under Triton's interpreter (:func:`~hf_accel.kernels.device.check_interpreter_dot`).
     """
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
     if rows > max_rows(whole_k):

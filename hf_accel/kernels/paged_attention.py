@@ -405,7 +405,8 @@ def paged_attention(
         ValueError: shape/dtype mismatches (``out`` included), head_dim > 256, a ``key_mask`` narrower than
             ``max_seq_len``, ``num_splits`` < 1, ``block_n`` or ``block_m`` not a power of 2 >= 16, ``chunk_tokens`` not an
             int >= 0, ``merge_counters`` not a contiguous int32 tensor of enough elements on the query's device;
-            with ``check_blocks``, a negative ``seq_lens`` entry or a block id read outside ``[0, num_blocks)``.
+            with ``check_blocks``, a negative ``seq_lens`` entry or a block id read outside ``[0, num_blocks)``;
+            bfloat16 CPU tensors under Triton's interpreter (:func:`~hf_accel.kernels.device.check_interpreter_dot`).
     """
     batch, num_heads, num_kv_heads, q_len, head_dim = check_paged_args(query, key_cache, value_cache, block_table,
                                                              seq_lens, key_mask)

@@ -223,7 +223,8 @@ def prefill_attention(
 
     Raises:
         ValueError: mismatched shapes/dtypes/devices, unsupported dtype, head_dim > 256, num_heads not
-            a multiple of num_kv_heads, a mask or offsets of the wrong shape, ``sm_scale`` <= 0.
+            a multiple of num_kv_heads, a mask or offsets of the wrong shape, ``sm_scale`` <= 0; bfloat16 CPU
+            tensors under Triton's interpreter (:func:`~hf_accel.kernels.device.check_interpreter_dot`).
 
     Algorithm: FlashAttention-2 forward (Dao 2023, Algorithm 1; causal block skipping and
     diagonal-only masking, section 3.1.1), see the module docstring.
@@ -340,8 +341,9 @@ def prefill_attention_varlen(
     Raises:
         ValueError: mismatched shapes/dtypes, unsupported dtype/head_dim, bad cu_seqlens shapes; offsets
             that do not start at 0, decrease, or end elsewhere than at total_q / total_k; a query sequence
-            longer than ``max_seqlen_q``; ``sm_scale`` <= 0. (The offsets are read on the host, one small copy, except while a
-            CUDA graph is being captured: there they are the caller's to get right.)
+            longer than ``max_seqlen_q``; ``sm_scale`` <= 0; bfloat16 CPU tensors under Triton's interpreter.
+            (The offsets are read on the host, one small copy, except while a CUDA graph is being captured: there
+            they are the caller's to get right.)
     """
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
         raise ValueError("varlen expects query [total_q, H, D] and key/value [total_k, H_kv, D]")
