@@ -113,8 +113,8 @@ GEMV_PRELOAD_TILES = 1
 GEMV_NORM_K = None
 
 #: ``single_pass`` of the one-row GEMVs (:func:`~hf_accel.kernels.gemv.gemv`): a small model's rows (<= 2048
-#: wide) as one weight tile, one read of the input row for the norm and the product, the weights converted
-#: before the PDL wait. Off until timed in the step: a probe kernel of that structure took 7.16 against
+#: wide) as one weight tile, one read of the input row for the norm and the product, weights of up to 1024
+#: columns converted before the PDL wait. Off until timed in the step: a probe kernel of that structure took 7.16 against
 #: 8.81 µs for a SmolLM2 layer's four one-row matmuls on an H100 (``probe_gemv_rows-h100-20261206-f4d478b.json``),
 #: the change itself has not run on a GPU.
 GEMV_SINGLE_PASS = False

@@ -20,8 +20,8 @@ removes what it can of it:
   round trip per tile before the first weight tile could be used (~2 µs per normed projection of the
   Llama-3-8B shape, ``benchmarks/results/bench_gemv-norm-cost-20261201-4ca6f2d.json``). With ``single_pass``
   (off by default: not yet timed on a GPU in this kernel) rows up to 2048 wide are one weight tile, and where
-  the preloaded weight columns cover the whole row, that one read also gives the normalised values, and the
-  weights are converted to float32 before the PDL wait. A probe kernel of that structure took 7.16 against
+  the preloaded weight columns cover the whole row, that one read also gives the normalised values, and
+  weights of up to 1024 columns are converted to float32 before the PDL wait. A probe kernel of that structure took 7.16 against
   8.81 µs for a SmolLM2 layer's four one-row matmuls on an H100
   (``benchmarks/results/probe_gemv_rows-h100-20261206-f4d478b.json``).
 
@@ -151,10 +151,12 @@ def _gemv_kernel(
         wu = tl.load(w_rows + up_offset * stride_wn + offs_pre[None, :], mask=n_ok[:, None] & pre_ok[None, :],
                      other=0.0)
     if SINGLE_PASS:
-        # the whole row of weights is loaded: convert it while the previous kernel still runs
-        w = w.to(tl.float32)
-        if SWIGLU or ROPE:
-            wu = wu.to(tl.float32)
+        if PRELOAD * BLOCK_K <= 1024:
+            # the whole row of weights is loaded: convert it while the previous kernel still runs (wider rows
+            # stay in the input dtype until used: 64+ float32 registers per thread per weight tile)
+            w = w.to(tl.float32)
+            if SWIGLU or ROPE:
+                wu = wu.to(tl.float32)
         nw = tl.load(NormW + offs_pre, mask=pre_ok, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()  # x, the residual and every output may belong to the previous kernel
@@ -348,8 +350,8 @@ def gemv(
             of two, at most :data:`MAX_NORM_K`), so its loads are in flight at once; 0 = ``block_k``.
         single_pass: rows up to 2048 wide as one weight tile (unless ``block_k`` is given), and where the
             preloaded columns cover the whole row, one read of the input row for the norm and the product, with
-            the weights converted to float32 before the PDL wait (module docstring); results within float32
-            summation order of the default.
+            weights of up to 1024 columns converted to float32 before the PDL wait (module docstring); results
+            within float32 summation order of the default.
 
     Returns:
         ``y`` [1, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
