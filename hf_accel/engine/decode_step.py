@@ -251,9 +251,11 @@ class DecodeStep:
         rope_linear = None
         if one_row and switches.GEMV_ROPE and d % 4 == 0:
             rope_linear = functools.partial(gemv_rope, preload_tiles=switches.GEMV_PRELOAD_TILES,
-                                            norm_k=switches.GEMV_NORM_K, single_pass=switches.GEMV_SINGLE_PASS)
+                                            norm_k=switches.GEMV_NORM_K, single_pass=switches.GEMV_SINGLE_PASS,
+                                            check_slots=False)  # slots from the step's own block tables
         elif small and switches.FUSED_LINEAR_ROPE and (d // 2) % 16 == 0:
             rope_linear = functools.partial(fused_linear_rope, small_tiles=switches.FUSED_LINEAR_SMALL_TILES,
+                                            check_slots=False,
                                             preload=switches.FUSED_LINEAR_PRELOAD,
                                             whole_k=switches.FUSED_LINEAR_WHOLE_K and whole_k_fits(
                                                 hidden.shape[1], hidden.dtype, hidden.device, 64))
@@ -313,7 +315,8 @@ class DecodeStep:
                                    q_norm.weight if q_norm is not None else None,
                                    attn.k_norm.weight if q_norm is not None else None,
                                    q_norm.variance_epsilon if q_norm is not None else 1e-6,
-                                   pdl=pdl and switches.ATTENTION_PDL, k_out=k_rot if contiguous else None)
+                                   pdl=pdl and switches.ATTENTION_PDL, k_out=k_rot if contiguous else None,
+                                   check_slots=False)
             if contiguous:
                 o = prefill_attention(q.view(b, t, h, d).transpose(1, 2), k_rot.view(b, t, kv, d).transpose(1, 2),
                                       v.view(b, t, kv, d).transpose(1, 2), own_mask, causal=True,

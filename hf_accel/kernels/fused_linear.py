@@ -502,6 +502,7 @@ def fused_linear_rope(
     small_tiles: bool = False,
     preload: bool = False,
     whole_k: bool = False,
+    check_slots: bool = True,
 ):
     """The merged Q/K/V projection of a few token rows with RoPE and the cache write as its epilogue:
     :func:`fused_linear` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one
@@ -520,12 +521,13 @@ def fused_linear_rope(
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], x's dtype, same strides,
             contiguous last dimension.
         slot_mapping: [rows] int32 — ``block * block_size + offset`` of each row's token; -1 = not written.
-            Slots must be below ``num_blocks * block_size``: a device tensor, not checked here (the decode
-            step computes them from its block table).
         num_heads: query heads.
         pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k: as
             :func:`fused_linear` (``preload`` default False); ``block_n`` (default the largest of 32 and 16 that
             divides it) must divide ``head_dim / 2``.
+        check_slots: check that every slot lies in the pools or is -1
+            (:func:`~.reshape_and_cache.check_slot_range`: one device-to-host read, skipped while a CUDA graph is
+            captured); the decode step passes False for the slots it made from its own block tables.
 
     Returns:
         rotated q [rows, num_heads * head_dim], or ``(q, x + residual)`` when ``residual`` is given.
@@ -533,7 +535,7 @@ def fused_linear_rope(
     Raises:
         ValueError: as :func:`fused_linear`, and for weight rows that are not (num_heads + 2 * num_kv_heads) x
             head_dim, a ``head_dim / 2`` that no ``block_n`` >= 16 divides, or cos/sin/cache/slot shapes,
-            dtypes or strides that differ.
+            dtypes or strides that differ; (``check_slots``) a slot below -1 or past the pools.
     """
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, False)
     if rows > max_rows(whole_k):
@@ -544,7 +546,7 @@ def fused_linear_rope(
         block_n = 32 if half % 32 == 0 else 16
     check_tiling(num_warps, block_n, block_k, eps)
     num_kv_heads, head_dim = check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads,
-                                             block_n)
+                                             block_n, check_slots)
     half = head_dim // 2
     given_warps = num_warps
     # two products per program, as gate/up: the gate/up tiles (block_n given here)

@@ -21,8 +21,8 @@ removes what it can of it:
   Llama-3-8B shape, ``benchmarks/results/bench_gemv-norm-cost-20261201-4ca6f2d.json``). With ``single_pass``
   (off by default: not yet timed on a GPU in this kernel) rows up to 2048 wide are one weight tile, and where
   the preloaded weight columns cover the whole row, that one read also gives the normalised values, and
-  weights of up to 1024 columns are converted to float32 before the PDL wait. A probe kernel of that structure took 7.16 against
-  8.81 µs for a SmolLM2 layer's four one-row matmuls on an H100
+  weights of up to 1024 columns are converted to float32 before the PDL wait. A probe kernel of that
+  structure took 7.16 against 8.81 µs for a SmolLM2 layer's four one-row matmuls on an H100
   (``benchmarks/results/probe_gemv_rows-h100-20261206-f4d478b.json``).
 
 Rounding follows transformers' modules step by step (residual sum, normalised value, norm-weight product,
@@ -410,6 +410,7 @@ def gemv_rope(
     preload_tiles: int = 1,
     norm_k: int | None = None,
     single_pass: bool = False,
+    check_slots: bool = True,
 ):
     """The merged Q/K/V projection of one decode token with RoPE and the cache write as its epilogue:
     :func:`gemv` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one kernel,
@@ -428,6 +429,8 @@ def gemv_rope(
         slot_mapping: [1] int32 — ``block * block_size + offset`` of the token; -1 = not written.
         num_heads: query heads.
         pdl, block_k, num_warps, preload_tiles, norm_k, single_pass: as :func:`gemv`.
+        check_slots: check that the slot lies in the pools or is -1 (:func:`~.reshape_and_cache.check_slot_range`:
+            one device-to-host read, skipped while a CUDA graph is captured); the decode step passes False.
 
     Returns:
         rotated q [1, num_heads * head_dim], or ``(q, x + residual)`` when ``residual`` is given.
@@ -435,14 +438,14 @@ def gemv_rope(
     Raises:
         ValueError: as :func:`gemv`, and for weight rows that are not (num_heads + 2 * num_kv_heads) x
             head_dim, an odd head_dim or one whose half is not a multiple of 2, cos/sin/cache/slot shapes,
-            dtypes or strides that differ.
+            dtypes or strides that differ; (``check_slots``) a slot below -1 or past the pools.
     """
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, False)
     if rows != 1:
         raise ValueError(f"gemv_rope takes one row, got {rows}")
     block_n = 2
     num_kv_heads, head_dim = check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads,
-                                             block_n)
+                                             block_n, check_slots)
     _, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps,
                                           whole_row=single_pass is True)
     preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)

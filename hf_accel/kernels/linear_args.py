@@ -75,7 +75,7 @@ def check_tiling(num_warps, block_n, block_k, eps) -> None:
 
 
 def check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, num_heads: int,
-                    lanes: int) -> tuple[int, int]:
+                    lanes: int, check_slots: bool = True) -> tuple[int, int]:
     """Checks shared by the Q/K/V projections with a RoPE + cache-write epilogue (:func:`fused_linear_rope`,
     :func:`~.gemv.gemv_rope`); ``lanes`` (rows per program) must divide ``head_dim / 2``. Returns
     ``(num_kv_heads, head_dim)``; raises ValueError naming what is wrong."""
@@ -103,4 +103,8 @@ def check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, n
     if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype, value_cache.dtype}) != 1:
         raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, key_cache {key_cache.dtype}, "
                          f"value_cache {value_cache.dtype}")
+    if check_slots:  # (``check_slots``: a slot past the pools would be written past them)
+        from hf_accel.kernels.reshape_and_cache import check_slot_range
+
+        check_slot_range(slot_mapping, key_cache)
     return num_kv_heads, head_dim

@@ -58,7 +58,15 @@ def _check(key, value, key_cache, value_cache, slot_mapping, check_slots: bool =
         raise ValueError(f"slot_mapping must be [num_tokens={key.shape[0]}]; got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
-    if check_slots and slot_mapping.numel() and not capturing(slot_mapping):
+    if check_slots:
+        check_slot_range(slot_mapping, key_cache)
+
+
+def check_slot_range(slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """ValueError unless every slot of ``slot_mapping`` lies in the pools of ``key_cache`` ([num_blocks,
+    block_size, ...]) or is -1 (skip): one device-to-host read of the slots' range, not done while a CUDA graph
+    is being captured (there the caller's slots are trusted). A slot past the pools would be written past them."""
+    if slot_mapping.numel() and not capturing(slot_mapping):
         num_slots = key_cache.shape[0] * key_cache.shape[1]
         low, high = (int(x) for x in torch.aminmax(slot_mapping))
         if low < -1 or high >= num_slots:

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.kernels.device import check_dense, check_launch_device
+from hf_accel.kernels.reshape_and_cache import check_slot_range
 
 from hf_accel.kernels.pdl import gdc_wait, use_pdl
 
@@ -76,7 +77,7 @@ def _rope_cache_kernel(
 
 def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_norm_weight=None,
                    k_norm_weight=None, eps: float = 1e-6, pdl: bool = False,
-                   k_out: torch.Tensor | None = None) -> torch.Tensor:
+                   k_out: torch.Tensor | None = None, check_slots: bool = True) -> torch.Tensor:
     """Rotate Q/K of one decode token per row, write K/V to the cache; returns rotated Q.
 
     Args:
@@ -92,13 +93,17 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
         k_out: optional [batch, num_kv_heads, head_dim] buffer of q's dtype, contiguous, that also receives the
             rotated K of every row (rows with slot -1 included): a prompt prefill's attention then reads K
             from it instead of the paged cache.
+        check_slots: check that every slot lies in the pools or is -1
+            (:func:`~.reshape_and_cache.check_slot_range`: one device-to-host read, skipped while a CUDA graph is
+            captured); the decode step passes False for the slots it made from its own block tables.
 
     Returns:
         [batch, num_heads, head_dim] rotated queries.
 
     Raises:
         ValueError: shape mismatches, caches of different layouts, a ``k_out`` of another shape, dtype or device,
-            or not contiguous.
+            or not contiguous; q/k/v/cos/sin or the caches not floating point; norm weights not [head_dim];
+            (``check_slots``) a slot below -1 or past the pools.
     """
     batch = q.shape[0]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -129,6 +134,16 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
                          f"{sin.stride(0)}")
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope_and_cache: give both q_norm_weight and k_norm_weight, or neither")
+    for name, t in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if t is not None and tuple(t.shape) != (head_dim,):
+            raise ValueError(f"rope_and_cache: {name} must be [head_dim={head_dim}], got {tuple(t.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("key_cache", key_cache)):
+        if not t.is_floating_point():
+            raise ValueError(f"rope_and_cache: {name} must be floating point, got {t.dtype}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rope_and_cache: slot_mapping must be int32/int64, got {slot_mapping.dtype}")
+    if check_slots:
+        check_slot_range(slot_mapping, key_cache)
     check_dense("rope_and_cache", q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, slot_mapping=slot_mapping)
     check_launch_device(q, "rope_and_cache")
     _rope_cache_kernel[(batch, num_heads + num_kv_heads)](
@@ -151,7 +166,7 @@ def _rotate_half(x):
 
 def rope_and_cache_ref(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_norm_weight=None,
                        k_norm_weight=None, eps: float = 1e-6, pdl: bool = False,
-                       k_out: torch.Tensor | None = None) -> torch.Tensor:
+                       k_out: torch.Tensor | None = None, check_slots: bool = True) -> torch.Tensor:
     """PyTorch reference of :func:`rope_and_cache` (transformers' ops), same arguments and result."""
     from hf_accel.kernels.reshape_and_cache import reshape_and_cache_ref
     from hf_accel.kernels.rms_norm import rms_norm_ref
@@ -166,7 +181,8 @@ def rope_and_cache_ref(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, 
     c, s = cos[:, None, :], sin[:, None, :]
     q_rot = qh * c + _rotate_half(qh) * s
     k_rot = kh * c + _rotate_half(kh) * s
-    reshape_and_cache_ref(k_rot, v.view(batch, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping)
+    reshape_and_cache_ref(k_rot, v.view(batch, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping,
+                          check_slots=check_slots)
     if k_out is not None:
         k_out.copy_(k_rot)
     return q_rot

@@ -71,3 +71,41 @@ def test_cache_layouts_it_cannot_write_are_refused(bad):
         vc = torch.full((6, 4, 2, 32), float("nan"), device=DEVICE)[..., ::2]
     with pytest.raises(ValueError, match="key_cache and value_cache must have one shape and one layout"):
         rope_and_cache(q, k, v, cos, sin, kc, vc, slots)
+
+
+@pytest.mark.parametrize("slot", [24, 10**8, -2])
+@pytest.mark.parametrize("op", ["rope_and_cache", "gemv_rope", "fused_linear_rope"])
+def test_slots_outside_the_pools_are_refused(op, slot):
+    """24 slots (6 blocks of 4): a slot past them would be written past the pools (the interpreter crashed the
+    process), one below -1 skipped silently; each launcher raises, and the caches stay untouched."""
+    from hf_accel.kernels.fused_linear import fused_linear_rope
+    from hf_accel.kernels.gemv import gemv_rope
+
+    q, k, v, cos, sin, kc, vc, slots = _inputs(b=2, h=2, hkv=1, d=32)  # head_dim / 2 a multiple of 16
+    slots = torch.tensor([3, slot], dtype=torch.int32, device=DEVICE)
+    before = kc.clone()
+    with pytest.raises(ValueError, match=r"slot_mapping holds slots in .*the pools have 24 slots"):
+        if op == "rope_and_cache":
+            rope_and_cache(q, k, v, cos, sin, kc, vc, slots)
+        else:
+            x = torch.randn(2 if op == "fused_linear_rope" else 1, 32, device=DEVICE)
+            w = torch.randn((2 + 2 * 1) * 32, 32, device=DEVICE)
+            fn = gemv_rope if op == "gemv_rope" else fused_linear_rope
+            n = x.shape[0]
+            fn(x, w, cos[:n], sin[:n], kc, vc, slots[-n:], 2)
+    assert torch.equal(torch.isnan(kc), torch.isnan(before))
+
+
+@pytest.mark.parametrize("bad", ["norm_length", "int_q", "float_slots"])
+def test_rope_and_cache_refuses_inputs_it_would_misread(bad):
+    q, k, v, cos, sin, kc, vc, slots = _inputs()
+    w = torch.ones(16, device=DEVICE)
+    if bad == "norm_length":
+        with pytest.raises(ValueError, match=r"q_norm_weight must be \[head_dim=16\]"):
+            rope_and_cache(q, k, v, cos, sin, kc, vc, slots, w[:5], w)
+    elif bad == "int_q":
+        with pytest.raises(ValueError, match="q must be floating point"):
+            rope_and_cache(q.int(), k, v, cos, sin, kc, vc, slots)
+    else:
+        with pytest.raises(ValueError, match="slot_mapping must be int32/int64"):
+            rope_and_cache(q, k, v, cos, sin, kc, vc, slots.float())
