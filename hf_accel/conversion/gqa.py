@@ -25,8 +25,10 @@ from hf_accel.conversion.heads import (
     attention_modules,
     expand_module_kv,
     head_dim_of,
+    module_state,
     permute_module_kv,
     pool_module_kv,
+    restore_module_state,
 )
 from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, is_accelerated
 
@@ -250,24 +252,30 @@ def convert_to_gqa(
 
     d = head_dim_of(model)
     r = current // num_kv_heads
-    for i, module in enumerate(tqdm(modules, desc=f"pool KV heads {current}->{num_kv_heads}",
-                                    disable=not progress, leave=False)):
-        if grouping == "similarity" and num_kv_heads > 1:
-            groups = balanced_groups(head_distances(module, current, moments[i]), num_kv_heads)
-            order = torch.tensor([h for g in groups for h in g])
-            permute_module_kv(module, heads, current, order)
-        device = module.k_proj.weight.device
-        if method == "mean":
-            dtype = torch.float64 if module.k_proj.weight.dtype == torch.float64 else torch.float32
-            a_k = a_v = pooling.mean_weights(num_kv_heads, r, d, dtype=dtype, device=device)
-        elif method == "norm":
-            a_k, a_v = pooling.norm_weights(module, current, num_kv_heads, d)
-        elif method == "activation":
-            a_k, a_v = pooling.activation_weights(module, heads, current, num_kv_heads, d, moments[i])
-        if method == "pca":
-            pca_pool_module(module, heads, current, num_kv_heads, d, moments[i])
-        else:
-            pool_module_kv(module, heads, a_k, a_v)
+    saved = [module_state(module) for module in modules]
+    try:
+        for i, module in enumerate(tqdm(modules, desc=f"pool KV heads {current}->{num_kv_heads}",
+                                        disable=not progress, leave=False)):
+            if grouping == "similarity" and num_kv_heads > 1:
+                groups = balanced_groups(head_distances(module, current, moments[i]), num_kv_heads)
+                order = torch.tensor([h for g in groups for h in g])
+                permute_module_kv(module, heads, current, order)
+            device = module.k_proj.weight.device
+            if method == "mean":
+                dtype = torch.float64 if module.k_proj.weight.dtype == torch.float64 else torch.float32
+                a_k = a_v = pooling.mean_weights(num_kv_heads, r, d, dtype=dtype, device=device)
+            elif method == "norm":
+                a_k, a_v = pooling.norm_weights(module, current, num_kv_heads, d)
+            elif method == "activation":
+                a_k, a_v = pooling.activation_weights(module, heads, current, num_kv_heads, d, moments[i])
+            if method == "pca":
+                pca_pool_module(module, heads, current, num_kv_heads, d, moments[i])
+            else:
+                pool_module_kv(module, heads, a_k, a_v)
+    except BaseException:  # a layer failed (e.g. a NaN weight in PCA): every layer as before, nothing half-done
+        for module, state in zip(modules, saved):
+            restore_module_state(module, state)
+        raise
     cfg.num_key_value_heads = num_kv_heads
     _drop_gguf_marker(model)
     logger.info(
@@ -306,8 +314,15 @@ def expand_kv_heads(model, num_kv_heads: int | None = None):
             f"num_kv_heads={given!r} must be a multiple of the current {current} KV heads that divides "
             f"the {heads} query heads; valid choices: {choices}"
         )
-    for module in attention_modules(model):
-        expand_module_kv(module, heads, current, target // current)
+    modules = attention_modules(model)
+    saved = [module_state(module) for module in modules]
+    try:
+        for module in modules:
+            expand_module_kv(module, heads, current, target // current)
+    except BaseException:
+        for module, state in zip(modules, saved):
+            restore_module_state(module, state)
+        raise
     cfg.num_key_value_heads = target
     _drop_gguf_marker(model)
     logger.info("hf-accel: expanded KV heads %d -> %d (exact)", current, target)

@@ -78,6 +78,29 @@ def _set_heads(linear: nn.Linear, w: torch.Tensor, b: torch.Tensor | None) -> No
     _set_linear(linear, w.reshape(-1, w.shape[-1]), None if b is None else b.reshape(-1))
 
 
+def module_state(module: nn.Module) -> tuple:
+    """What the head surgery of this module changes: the Parameters (and shapes) of its q/k/v/o projections and
+    its head-count attributes. The surgery replaces Parameters (:func:`_set_linear`) rather than editing them,
+    so :func:`restore_module_state` puts the module back exactly."""
+    linears = tuple((name, getattr(module, name), getattr(module, name).weight, getattr(module, name).bias,
+                     getattr(module, name).in_features, getattr(module, name).out_features)
+                    for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    attrs = tuple((name, getattr(module, name)) for name in ("num_key_value_groups", "num_key_value_heads")
+                  if hasattr(module, name))
+    return linears, attrs
+
+
+def restore_module_state(module: nn.Module, state: tuple) -> None:
+    """Undo a partial or complete surgery of ``module`` from its :func:`module_state`."""
+    linears, attrs = state
+    for name, linear, weight, bias, in_features, out_features in linears:
+        setattr(module, name, linear)
+        linear.weight, linear.bias = weight, bias
+        linear.in_features, linear.out_features = in_features, out_features
+    for name, value in attrs:
+        setattr(module, name, value)
+
+
 def _set_bookkeeping(module: nn.Module, num_heads: int, num_kv_heads: int) -> None:
     """Attributes transformers' attention modules derive from the config at construction time."""
     if hasattr(module, "num_key_value_groups"):

@@ -364,3 +364,44 @@ def test_activation_weights_equal_their_closed_form_on_sampled_inputs():
                           for g in range(new_kv)])
     assert (want_v - torch.eye(d, dtype=torch.float64) / r).abs().max() > 1e-2  # not the mean
     torch.testing.assert_close(a_v.double(), want_v, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("how", ["pool", "pool-similarity", "expand"])
+def test_a_layer_that_fails_leaves_every_layer_as_before(how, monkeypatch):
+    """The surgery of the last layer raises (as PCA's eigensolver did on a NaN weight): the layers done before it
+    are put back, so the model is whole (same Parameters, shapes, head counts, logits) and can be converted
+    again."""
+    from hf_accel.conversion import gqa
+
+    model = build("llama", num_heads=8, num_kv_heads=4, head_dim=8, layers=3, attention_bias=True)
+    ids = tokens(1, 12)
+    want = logits(model, ids)
+    params = {name: p for name, p in model.named_parameters()}
+    calls = []
+    name = "expand_module_kv" if how == "expand" else "pool_module_kv"
+    original = getattr(gqa, name)
+
+    def fail_last(module, *args):
+        calls.append(module)
+        if len(calls) == model.config.num_hidden_layers:
+            raise RuntimeError("linalg.eigh: failed to converge (simulated)")
+        return original(module, *args)
+
+    monkeypatch.setattr(gqa, name, fail_last)
+    with pytest.raises(RuntimeError, match="simulated"):
+        if how == "expand":
+            expand_kv_heads(model, 8)
+        else:
+            grouping = "similarity" if how == "pool-similarity" else "adjacent"
+            kw = dict(calibration_text=tokens(1, 64), calibration_tokens=64, context_length=32) \
+                if grouping == "similarity" else {}
+            convert_to_gqa(model, 2, grouping=grouping, **kw)
+    assert model.config.num_key_value_heads == 4
+    assert {name: p for name, p in model.named_parameters()} == params  # the same Parameter objects
+    for module in attention_modules(model):
+        assert module.k_proj.weight.shape == (32, 64) and module.k_proj.out_features == 32
+        assert module.num_key_value_groups == 2
+    torch.testing.assert_close(logits(model, ids), want, rtol=0, atol=0)
+    monkeypatch.setattr(gqa, name, original)
+    convert_to_gqa(model, 2)  # and the model still converts
+    assert all(m.k_proj.weight.shape == (16, 64) for m in attention_modules(model))
