@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_dense, check_launch_device
+from hf_accel.kernels.device import capturing, check_dense, check_launch_device
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, Counts, 
 
 def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
                  min_ngram: int = 1, with_ngram: bool = False, out=None, class_counts: torch.Tensor | None = None,
-                 active: torch.Tensor | None = None):
+                 active: torch.Tensor | None = None, check_lengths: bool = True):
     """Prompt-lookup drafts, one launch.
 
     Args:
@@ -69,13 +69,16 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
             written in the same launch with the match-gated chooser's class counts: ``class_counts[c]`` = 1 if
             the row is active and its class (matched n, clamped to ``num_classes - 1``) is c, else 0; the
             returned ngram is clamped likewise. Replaces a zero fill, a cast and a scatter-add.
+        check_lengths: check that ``0 <= starts <= lengths <= capacity`` (one device-to-host read, skipped while a
+            CUDA graph is captured; the speculative engine passes False for its own rows): a length past the
+            capacity would make the kernel read past the row.
 
     Returns:
         (drafts [batch, k] int64, valid [batch, k] bool, a prefix per row), as :func:`ngram_lookup_ref`;
         with ``with_ngram`` also ngram [batch] int64: the matched n (0 where nothing matched).
 
     Raises:
-        ValueError: bad shapes, dtypes or n-gram bounds.
+        ValueError: bad shapes, dtypes or n-gram bounds; (``check_lengths``) lengths or starts outside the rows.
     """
     if tokens.dim() != 2 or tokens.dtype != torch.long or tokens.stride(1) != 1:
         raise ValueError(f"tokens must be [batch, capacity] int64 with contiguous rows, got {tuple(tokens.shape)} "
@@ -83,8 +86,20 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
     b, cap = tokens.shape
     if lengths.shape != (b,) or starts.shape != (b,):
         raise ValueError(f"lengths {tuple(lengths.shape)} and starts {tuple(starts.shape)} must be [{b}]")
+    if lengths.dtype != torch.long or starts.dtype != torch.long:
+        raise ValueError(f"lengths and starts must be int64, got {lengths.dtype} and {starts.dtype}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (k, max_ngram, min_ngram)):
+        raise ValueError(f"k, max_ngram and min_ngram must be ints, got {k!r}, {max_ngram!r}, {min_ngram!r}")
     if k < 1 or not 1 <= min_ngram <= max_ngram:
         raise ValueError(f"need k >= 1 and 1 <= min_ngram <= max_ngram, got {k}, {min_ngram}, {max_ngram}")
+    if cap == 0:
+        raise ValueError("tokens has no columns (capacity 0)")
+    if check_lengths and b and not capturing(lengths):
+        lo_len, hi_len = (int(x) for x in torch.aminmax(lengths))
+        lo_start, hi_start = (int(x) for x in torch.aminmax(starts))
+        if lo_len < 0 or hi_len > cap or lo_start < 0 or bool((starts > lengths).any()):
+            raise ValueError(f"lengths must lie in [0, capacity={cap}] and starts in [0, length]; got lengths "
+                             f"{lo_len}..{hi_len}, starts {lo_start}..{hi_start}")
     if out is not None:
         drafts, valid, ngram = out
         for name, t, shape, dt in (("drafts", drafts, (b, k), torch.long), ("valid", valid, (b, k), torch.bool),

@@ -51,8 +51,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         ``y`` [rows, hidden] in ``weight``'s dtype, or ``(y, x + residual)``.
 
     Raises:
-        ValueError: shape mismatches or a non-contiguous last dimension.
+        ValueError: shape mismatches, a non-contiguous last dimension, non-floating-point tensors, a residual of
+            another dtype than ``x``, or an ``eps`` that is not a Python number.
     """
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise ValueError(f"eps must be a Python float, got {type(eps).__name__}")
+    for name, t in (("x", x), ("weight", weight), ("residual", residual)):
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"rms_norm: {name} must be floating point, got {t.dtype}")
+    if residual is not None and residual.dtype != x.dtype:
+        raise ValueError(f"rms_norm: residual dtype {residual.dtype} differs from x's {x.dtype}")
     if x.dim() != 2 or weight.shape != (x.shape[1],) or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, hidden] with contiguous rows and weight [hidden]; got "
                          f"{tuple(x.shape)} (strides {x.stride()}), {tuple(weight.shape)}")

@@ -32,10 +32,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         [rows, intermediate] in that dtype.
 
     Raises:
-        ValueError: shape mismatch or non-contiguous rows.
+        ValueError: shape mismatch, non-contiguous rows, or dtypes that are not one floating-point type.
     """
     if gate.shape != up.shape or gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must be equal 2-D with contiguous rows")
+    if not gate.is_floating_point() or up.dtype != gate.dtype:
+        raise ValueError(f"gate and up must have one floating-point dtype, got {gate.dtype} and {up.dtype}")
     rows, n = gate.shape
     out = torch.empty_like(gate)
     block = 1024

@@ -251,7 +251,8 @@ class SpeculativeEngine:
         counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES]
         if LOOKUP_CLASS_COUNTS_KERNEL and ctx["kernels"] and st.tokens.shape[0] == 1:  # counts in the same launch
             ngram_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram,
-                         out=(st.drafts, st.valid, st.ngram), class_counts=counts, active=st.active)
+                         out=(st.drafts, st.valid, st.ngram), class_counts=counts, active=st.active,
+                         check_lengths=False)  # the engine's own rows (no device read before a round)
             return
         prompt_lookup(st.tokens, st.lengths, st.starts, k_max, cfg.max_ngram, cfg.min_ngram, use_kernel=ctx["kernels"],
                       out=(st.drafts, st.valid, st.ngram))

@@ -37,9 +37,11 @@ def prompt_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Ten
     """
     kernel = use_kernel if use_kernel is not None else tokens.is_cuda
     if out is None:
-        return (ngram_lookup if kernel else ngram_lookup_ref)(tokens, lengths, starts, k, max_ngram, min_ngram)
+        if kernel:  # the engine's own rows: no device read of their lengths in a round
+            return ngram_lookup(tokens, lengths, starts, k, max_ngram, min_ngram, check_lengths=False)
+        return ngram_lookup_ref(tokens, lengths, starts, k, max_ngram, min_ngram)
     if kernel:
-        return ngram_lookup(tokens, lengths, starts, k, max_ngram, min_ngram, out=out)
+        return ngram_lookup(tokens, lengths, starts, k, max_ngram, min_ngram, out=out, check_lengths=False)
     for buf, value in zip(out, ngram_lookup_ref(tokens, lengths, starts, k, max_ngram, min_ngram, with_ngram=True)):
         buf.copy_(value)
     return out

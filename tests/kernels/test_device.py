@@ -154,3 +154,45 @@ def test_bfloat16_dot_kernels_refuse_under_the_interpreter(op):
     out = _dot_calls(torch.float16)[op]()
     out = out[0] if isinstance(out, tuple) else out
     assert torch.isfinite(out.float()).all() and out.float().abs().max() < 1e3
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bad", ["length_past_capacity", "negative_length", "start_past_length", "int32_lengths",
+                                 "float_k", "no_columns"])
+def test_ngram_lookup_refuses_rows_it_would_read_past(bad):
+    """A length past the row's capacity made the kernel read past the row and return drafts of tokens that are not
+    in it (found by a new-user trial); such rows, and arguments of the wrong type, raise."""
+    tokens = torch.tensor([[0, 0, 5, 6, 7, 8, 5, 6, 0, 0]])
+    lengths, starts, k = torch.tensor([8]), torch.tensor([2]), 3
+    if bad == "length_past_capacity":
+        lengths = torch.tensor([50])
+    elif bad == "negative_length":
+        lengths = torch.tensor([-1])
+    elif bad == "start_past_length":
+        starts = torch.tensor([9])
+    elif bad == "int32_lengths":
+        lengths = lengths.int()
+    elif bad == "float_k":
+        k = 2.5
+    else:
+        tokens = tokens[:, :0]
+    with pytest.raises(ValueError, match="lengths|capacity|must be ints|int64"):
+        ngram_lookup(tokens, lengths, starts, k)
+    drafts, valid = ngram_lookup(torch.tensor([[0, 0, 5, 6, 7, 8, 5, 6, 0, 0]]), torch.tensor([8]),
+                                 torch.tensor([2]), 3)
+    assert drafts[0, :2].tolist() == [7, 8] and valid[0, :2].all()  # after "5 6": "7 8" (then "5 6" again)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: swiglu(torch.tensor([[3, -2]], dtype=torch.int32), torch.tensor([[2, 2]], dtype=torch.int32)),
+     "floating-point dtype"),
+    (lambda: swiglu(torch.randn(2, 8), torch.randn(2, 8).half()), "floating-point dtype"),
+    (lambda: rms_norm(torch.ones(2, 8, dtype=torch.int64), torch.ones(8), 1e-6), "x must be floating point"),
+    (lambda: rms_norm(torch.randn(2, 8), torch.ones(8), torch.tensor(1e-6)), "eps must be a Python float"),
+    (lambda: rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(2, 8).double()), "residual dtype"),
+])
+def test_norm_and_swiglu_refuse_inputs_they_would_misread(call, match):
+    """Integer inputs were computed as integers (swiglu([[3, -2]], [[2, 2]]) gave [[4, 0]]), a tensor eps failed
+    inside Triton (found by a new-user trial): clear errors before any launch."""
+    with pytest.raises(ValueError, match=match):
+        call()
