@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_accel.kernels.reshape_and_cache import check_slot_range
+
 
 def check_linear_args(x, weight, bias, norm_weight, residual, swiglu) -> tuple[int, int, int]:
     """Shape / dtype / stride checks shared by :func:`fused_linear` and :func:`~.gemv.gemv`; returns
@@ -103,8 +105,6 @@ def check_rope_args(x, weight, key_cache, value_cache, cos, sin, slot_mapping, n
     if len({x.dtype, cos.dtype, sin.dtype, key_cache.dtype, value_cache.dtype}) != 1:
         raise ValueError(f"dtypes differ: x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}, key_cache {key_cache.dtype}, "
                          f"value_cache {value_cache.dtype}")
-    if check_slots:  # (``check_slots``: a slot past the pools would be written past them)
-        from hf_accel.kernels.reshape_and_cache import check_slot_range
-
+    if check_slots:  # a slot past the pools would be written past them
         check_slot_range(slot_mapping, key_cache)
     return num_kv_heads, head_dim
