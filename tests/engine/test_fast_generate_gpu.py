@@ -39,6 +39,33 @@ def test_fast_path_matches_stock_fp32(kind):
     assert steps and all(s.fused and s.use_graph for s in steps)
 
 
+@pytest.mark.parametrize("single_pass", [False, True])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_batch1_gemv_step_matches_stock_fp32(kind, single_pass, monkeypatch):
+    """Batch-1 steps run every matmul through gemv (with GEMV_SINGLE_PASS on or off) inside CUDA graphs with
+    PDL, and greedy tokens stay stock's in float32."""
+    from hf_accel.engine import decode_step, step_switches
+
+    monkeypatch.setattr(step_switches, "GEMV_SINGLE_PASS", single_pass)
+    passes = []
+    original = decode_step.gemv
+
+    def spy(*a, **k):
+        passes.append(k.get("single_pass"))
+        return original(*a, **k)
+
+    monkeypatch.setattr(decode_step, "gemv", spy)
+    model = _tiny(kind)
+    ids = torch.randint(8, 256, (1, 13), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    mask = torch.ones_like(ids)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    hf_accel.accelerate_model(model)
+    for _ in range(2):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+        assert torch.equal(ref, out)
+    assert passes and set(passes) == {single_pass}
+
+
 def test_fast_path_float32_with_inputs_too_wide_for_whole_k():
     """float32 down projections of 1536 inputs (SmolLM2's intermediate size) do not fit the whole-K path's
     shared memory (H200: 294,912 bytes asked of 232,448, an OutOfResources at the first generate before

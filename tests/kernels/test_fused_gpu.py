@@ -158,13 +158,14 @@ def test_fused_linear_whole_k_bf16(rows, hidden, out, mode):
     _check_linear_bf16(lambda x, w, **kw: fused_linear(x, w, whole_k=True, pdl=True, **kw), rows, hidden, out, mode)
 
 
+@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("hidden,out", [(576, 960), (4096, 6144), (14336, 4096), (4096, 128256)])
-def test_gemv_bf16(hidden, out, mode, pdl):
+@pytest.mark.parametrize("hidden,out", [(576, 960), (1536, 576), (4096, 6144), (14336, 4096), (4096, 128256)])
+def test_gemv_bf16(hidden, out, mode, pdl, single_pass):
     from hf_accel.kernels.gemv import gemv
 
-    _check_linear_bf16(lambda x, w, **kw: gemv(x, w, pdl=pdl, **kw), 1, hidden, out, mode)
+    _check_linear_bf16(lambda x, w, **kw: gemv(x, w, pdl=pdl, single_pass=single_pass, **kw), 1, hidden, out, mode)
 
 
 @pytest.mark.parametrize("trigger", [True, "after_keys"])
@@ -244,9 +245,10 @@ def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain(rows, trigger):
         assert (a.float() - b.float()).abs().mean() <= 0.01 * b.float().abs().mean()
 
 
+@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden", [(9, 3, 64, 576), (32, 8, 128, 4096)])
-def test_gemv_rope_bf16_is_gemv_then_rope_and_cache(heads, kv_heads, d, hidden, pdl):
+def test_gemv_rope_bf16_is_gemv_then_rope_and_cache(heads, kv_heads, d, hidden, pdl, single_pass):
     """Compiled for the GPU in bf16: the fused Q/K/V + RoPE + cache-write GEMV gives bitwise the results
     of gemv followed by rope_and_cache."""
     from hf_accel.kernels.gemv import gemv, gemv_rope
@@ -262,10 +264,11 @@ def test_gemv_rope_bf16_is_gemv_then_rope_and_cache(heads, kv_heads, d, hidden, 
     vc = torch.randn_like(kc)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     slots = torch.tensor([37], dtype=torch.int32, device="cuda")
-    qkv, res = gemv(x, w, norm_weight=nw, eps=1e-5, residual=r, pdl=pdl)
+    qkv, res = gemv(x, w, norm_weight=nw, eps=1e-5, residual=r, pdl=pdl, single_pass=single_pass)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
     want = rope_and_cache(q, k, v, cos, sin, kc1, vc1, slots, pdl=pdl)
-    got, got_res = gemv_rope(x, w, cos, sin, kc2, vc2, slots, heads, norm_weight=nw, eps=1e-5, residual=r, pdl=pdl)
+    got, got_res = gemv_rope(x, w, cos, sin, kc2, vc2, slots, heads, norm_weight=nw, eps=1e-5, residual=r, pdl=pdl,
+                             single_pass=single_pass)
     torch.cuda.synchronize()
     assert torch.equal(got_res, res) and torch.equal(got, want.reshape(1, -1))
     assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1) and not torch.equal(kc1, kc)
