@@ -114,10 +114,12 @@ GEMV_NORM_K = None
 
 #: ``single_pass`` of the one-row GEMVs (:func:`~hf_accel.kernels.gemv.gemv`): a small model's rows (<= 2048
 #: wide) as one weight tile, one read of the input row for the norm and the product, weights of up to 1024
-#: columns converted before the PDL wait. Off until timed in the step: a probe kernel of that structure took 7.16 against
-#: 8.81 µs for a SmolLM2 layer's four one-row matmuls on an H100 (``probe_gemv_rows-h100-20261206-f4d478b.json``),
-#: the change itself has not run on a GPU.
-GEMV_SINGLE_PASS = False
+#: columns converted before the PDL wait (wider models are unaffected). H100, bf16, on in turns with off at
+#: 9002324: SmolLM2-shaped one-row step (random weights, captured) 0.437-0.441 vs 0.488-0.496 ms at 305 / 600
+#: cached tokens (``profile_step_splits-single-pass-ab-*-h100-20261206-9002324.json``); real SmolLM2 bs1
+#: ``generate`` 2187 vs 1985 tok/s, bs16 unchanged (25189 vs 25049;
+#: ``bench_generate-smollm2-single-pass-ab-h100-20261206-9002324.json``).
+GEMV_SINGLE_PASS = True
 
 #: The same for the step's fused_linear calls (2-16 rows): 0 = one K tile per step (the kernel's default),
 #: 512 = what was tried. 0: the wider steps were slower on SmolLM2 (H200, one run each,

@@ -19,11 +19,11 @@ removes what it can of it:
 * the RMSNorm prologue reads the whole input row in one step (``norm_k``): walking it in K tiles cost one L2
   round trip per tile before the first weight tile could be used (~2 µs per normed projection of the
   Llama-3-8B shape, ``benchmarks/results/bench_gemv-norm-cost-20261201-4ca6f2d.json``). With ``single_pass``
-  (off by default: not yet timed on a GPU in this kernel) rows up to 2048 wide are one weight tile, and where
-  the preloaded weight columns cover the whole row, that one read also gives the normalised values, and
-  weights of up to 1024 columns are converted to float32 before the PDL wait. A probe kernel of that
-  structure took 7.16 against 8.81 µs for a SmolLM2 layer's four one-row matmuls on an H100
-  (``benchmarks/results/probe_gemv_rows-h100-20261206-f4d478b.json``).
+  (the decode step's default, ``GEMV_SINGLE_PASS``; off for a direct call) rows up to 2048 wide are one weight
+  tile, and where the preloaded weight columns cover the whole row, that one read also gives the normalised
+  values, and weights of up to 1024 columns are converted to float32 before the PDL wait. SmolLM2's captured
+  one-row step took 0.437-0.441 against 0.488-0.496 ms without it on an H100
+  (``benchmarks/results/profile_step_splits-single-pass-ab-*-h100-20261206-9002324.json``).
 
 Rounding follows transformers' modules step by step (residual sum, normalised value, norm-weight product,
 projection output and SiLU rounded to the model dtype), as :mod:`.fused_linear` does; only the order of the
