@@ -39,29 +39,24 @@ def test_fast_path_matches_stock_fp32(kind):
     assert steps and all(s.fused and s.use_graph for s in steps)
 
 
-@pytest.mark.parametrize("single_pass,merge_in_o", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_batch1_gemv_step_matches_stock_fp32(kind, single_pass, merge_in_o, monkeypatch):
-    """Batch-1 steps run every matmul through gemv (with GEMV_SINGLE_PASS on or off; with GEMV_MERGE_SPLITS,
-    o_proj merging the split-KV partials) inside CUDA graphs with PDL, and greedy tokens stay stock's in
-    float32."""
+def test_batch1_gemv_step_matches_stock_fp32(kind, single_pass, monkeypatch):
+    """Batch-1 steps run every matmul through gemv (with GEMV_SINGLE_PASS on or off) inside CUDA graphs with
+    PDL, and greedy tokens stay stock's in float32."""
     from hf_accel.engine import decode_step, step_switches
 
     monkeypatch.setattr(step_switches, "GEMV_SINGLE_PASS", single_pass)
-    monkeypatch.setattr(step_switches, "GEMV_MERGE_SPLITS", merge_in_o)
-    passes, merged = [], []
-    original, original_merge = decode_step.gemv, decode_step.gemv_merge_splits
+    passes = []
+    original = decode_step.gemv
 
     def spy(*a, **k):
         passes.append(k.get("single_pass"))
         return original(*a, **k)
 
     monkeypatch.setattr(decode_step, "gemv", spy)
-    monkeypatch.setattr(decode_step, "gemv_merge_splits",
-                        lambda parts, *a, **k: merged.append(parts.shape[0]) or original_merge(parts, *a, **k))
     model = _tiny(kind)
-    # 200 prompt tokens: a block table of > 192 keys, split at least 3 ways
-    ids = torch.randint(8, 256, (1, 200), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    ids = torch.randint(8, 256, (1, 13), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     mask = torch.ones_like(ids)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
     hf_accel.accelerate_model(model)
@@ -69,7 +64,6 @@ def test_batch1_gemv_step_matches_stock_fp32(kind, single_pass, merge_in_o, monk
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
         assert torch.equal(ref, out)
     assert passes and set(passes) == {single_pass}
-    assert (min(merged) >= 3) if merge_in_o else not merged
 
 
 def test_fast_path_float32_with_inputs_too_wide_for_whole_k():

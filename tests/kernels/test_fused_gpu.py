@@ -168,33 +168,6 @@ def test_gemv_bf16(hidden, out, mode, pdl, single_pass):
     _check_linear_bf16(lambda x, w, **kw: gemv(x, w, pdl=pdl, single_pass=single_pass, **kw), 1, hidden, out, mode)
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("heads,kv_heads,d,splits", [(9, 3, 64, 8), (9, 3, 64, 16), (32, 8, 128, 10)])
-def test_gemv_merge_splits_bf16_is_merge_kernel_then_gemv(heads, kv_heads, d, splits, pdl):
-    """bf16 paged attention left unmerged, merged by o_proj's GEMV prologue: within one bf16 rounding of the
-    merge kernel + gemv pair (another float32 summation order), over a scattered block table."""
-    from hf_accel.kernels.gemv import gemv, gemv_merge_splits
-    from hf_accel.kernels.paged_attention import SplitPartials, paged_attention
-
-    torch.manual_seed(splits)
-    dt, block_size, ctx = torch.bfloat16, 16, 700
-    blocks = ctx // block_size + 2
-    kc = torch.randn(blocks, block_size, kv_heads, d, device="cuda", dtype=dt)
-    vc = torch.randn_like(kc)
-    table = torch.randperm(blocks, device="cuda", dtype=torch.int32)[None]
-    seq_lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
-    q = torch.randn(1, heads, 1, d, device="cuda", dtype=dt)
-    w = (torch.randn(heads * d, heads * d, device="cuda") / (heads * d) ** 0.5).to(dt)
-    merged = paged_attention(q, kc, vc, table, seq_lens, blocks * block_size, num_splits=splits, pdl=pdl)
-    parts = paged_attention(q, kc, vc, table, seq_lens, blocks * block_size, num_splits=splits, pdl=pdl, merge=False)
-    assert isinstance(parts, SplitPartials) and parts.out.shape[0] == splits
-    want = gemv(merged.view(1, -1), w, pdl=pdl, single_pass=True)
-    got = gemv_merge_splits(parts.out, parts.lse, w, pdl=pdl, single_pass=True)
-    torch.cuda.synchronize()
-    err = (got.float() - want.float()).abs()
-    assert torch.isfinite(got).all() and err.mean() <= 0.01 * want.float().abs().mean() and err.max() <= 0.05
-
-
 @pytest.mark.parametrize("trigger", [True, "after_keys"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain(rows, trigger):
