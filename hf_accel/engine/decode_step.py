@@ -39,8 +39,8 @@ from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import greedy_tail, scratch_for
 from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope
 from hf_accel.kernels.fused_linear_tiles import max_rows, split_k_for, whole_k_fits
-from hf_accel.kernels.gemv import gemv, gemv_merge_splits, gemv_rope
-from hf_accel.kernels.paged_attention import SplitPartials, paged_attention
+from hf_accel.kernels.gemv import gemv, gemv_rope
+from hf_accel.kernels.paged_attention import paged_attention
 from hf_accel.kernels.paged_attention_torch import paged_attention_sdpa
 from hf_accel.kernels.prefill import prefill_attention
 from hf_accel.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
@@ -267,8 +267,6 @@ class DecodeStep:
                    "preload_kv": switches.ATTENTION_PRELOAD and overlap}
         if attention_row_blocks(t * (h // self.num_kv_heads)) * b * self.num_kv_heads > self.merge_counters.numel():
             attn_kw["merge_counters"] = None  # a forward over more rows than the step's own (prefill)
-        # one-row steps: o_proj merges the attention's split-KV partials (no merge kernel)
-        merge_in_o = one_row and switches.GEMV_MERGE_SPLITS and d & (d - 1) == 0
         # a prompt prefill attends over its own K/V (the rotated K also from the RoPE kernel, V the projection's)
         contiguous = fresh and switches.PREFILL_CONTIGUOUS_ATTENTION and rope_linear is None
         if contiguous:
@@ -327,16 +325,11 @@ class DecodeStep:
                 o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
                                     seq_lens, max_seq, key_mask, causal=True, sm_scale=attn.scaling,
                                     num_splits=splits, num_stages=switches.DECODE_ATTENTION_STAGES,
-                                    pdl=pdl and switches.ATTENTION_PDL, check_blocks=False, merge=not merge_in_o,
-                                    **attn_kw)
+                                    pdl=pdl and switches.ATTENTION_PDL, check_blocks=False, **attn_kw)
             ln = layer.post_attention_layernorm
             if linear is not None:
                 o_proj, down_proj = plain_linear(attn.o_proj), plain_linear(mlp.down_proj)
-                if isinstance(o, SplitPartials):  # the split-KV merge as o_proj's prologue
-                    delta = gemv_merge_splits(o.out, o.lse, o_proj.weight, bias=o_proj.bias, pdl=pdl,
-                                              single_pass=switches.GEMV_SINGLE_PASS)
-                else:
-                    delta = linear(o.view(n, h * d), o_proj.weight, bias=o_proj.bias, pdl=pdl)
+                delta = linear(o.view(n, h * d), o_proj.weight, bias=o_proj.bias, pdl=pdl)
                 act, residual = linear(delta, mw.gate_up_weight, norm_weight=ln.weight, eps=ln.variance_epsilon,
                                        residual=residual, swiglu=True, pdl=pdl)
                 delta = linear(act, down_proj.weight, bias=down_proj.bias, pdl=pdl)

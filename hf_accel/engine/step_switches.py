@@ -121,11 +121,6 @@ GEMV_NORM_K = None
 #: ``bench_generate-smollm2-single-pass-ab-h100-20261206-9002324.json``).
 GEMV_SINGLE_PASS = True
 
-#: One-row steps merge the paged attention's split-KV partials in the prologue of the o_proj GEMV
-#: (:func:`~hf_accel.kernels.gemv.gemv_merge_splits`) instead of a merge kernel per layer (head_dim a power of
-#: two). Off until timed on a GPU.
-GEMV_MERGE_SPLITS = False
-
 #: The same for the step's fused_linear calls (2-16 rows): 0 = one K tile per step (the kernel's default),
 #: 512 = what was tried. 0: the wider steps were slower on SmolLM2 (H200, one run each,
 #: ``profile_speculative_round-*-20261201-023be27.json``: 16-token verify forward 0.904 ms with 512 vs

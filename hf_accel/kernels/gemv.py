@@ -40,7 +40,6 @@ import triton.language as tl
 
 from hf_accel.kernels.device import check_launch_device
 
-from hf_accel.kernels.split_merge import _merged_tile, merge_chunk
 from hf_accel.kernels.linear_args import check_linear_args, check_rope_args
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 
@@ -127,19 +126,9 @@ def _gemv_kernel(
     PRELOAD: tl.constexpr,
     NORM_K: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
-    Lse=None, num_splits=1, stride_xs=0, stride_ls=0, num_q_heads=1,
-    MERGE_S: tl.constexpr = 0,
-    MERGE_CS: tl.constexpr = 1,
-    MERGE_D: tl.constexpr = 16,
 ):
-    # MERGE_S > 0: X holds split-KV partial attention outputs [num_splits, K] (float32) and Lse their
-    # log2-sum-exp2 [num_splits, num_q_heads]; the input row is their merge, rounded to the weight dtype
-    # (:func:`gemv_merge_splits`)
     pid = tl.program_id(0)
-    if MERGE_S > 0:
-        dt = W.dtype.element_ty
-    else:
-        dt = X.dtype.element_ty
+    dt = X.dtype.element_ty
     if ROPE:
         # BLOCK_N lanes of one head's first half and their partners ``up_offset`` (= head_dim / 2) rows on
         lanes_per_head = up_offset // BLOCK_N
@@ -191,10 +180,7 @@ def _gemv_kernel(
             ss += xf * xf
         rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
 
-    if MERGE_S > 0:
-        x = _merged_tile(X, Lse, 0, num_splits, stride_xs, stride_ls, num_q_heads, dt, PRELOAD * BLOCK_K, MERGE_S,
-                         MERGE_CS, MERGE_D)
-    elif not SINGLE_PASS:
+    if not SINGLE_PASS:
         x = _x_tile(X, R, NormW, offs_pre, pre_ok, rstd, NORM, RESIDUAL)
     if PRELOAD == 1:
         acc = w.to(tl.float32) * x[None, :]
@@ -214,11 +200,7 @@ def _gemv_kernel(
         wt = tl.load(w_rows + o[None, :], mask=wm, other=0.0)
         if SWIGLU or ROPE:
             wut = tl.load(w_rows + up_offset * stride_wn + o[None, :], mask=wm, other=0.0)
-        if MERGE_S > 0:
-            xt = _merged_tile(X, Lse, k0, num_splits, stride_xs, stride_ls, num_q_heads, dt, BLOCK_K, MERGE_S,
-                              MERGE_CS, MERGE_D)
-        else:
-            xt = _x_tile(X, R, NormW, o, om, rstd, NORM, RESIDUAL)
+        xt = _x_tile(X, R, NormW, o, om, rstd, NORM, RESIDUAL)
         acc += wt.to(tl.float32) * xt[None, :]
         if SWIGLU or ROPE:
             acc_up += wut.to(tl.float32) * xt[None, :]
@@ -406,77 +388,6 @@ def gemv(
         num_warps=num_warps, num_stages=1, **extra,
     )
     return (y, r_out) if residual is not None else y
-
-
-def gemv_merge_splits(
-    parts: torch.Tensor,
-    lse: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    pdl: bool = False,
-    single_pass: bool = False,
-):
-    """``y = merge(parts, lse) @ weight.T + bias`` for one token: the attention output projection with the
-    split-KV merge of FlashDecoding as its prologue (:mod:`.split_merge`), in place of a merge kernel followed
-    by :func:`gemv`. The merged row is rounded to ``weight``'s dtype before the product, as the merge kernel
-    rounds its output; results within float32 summation order of that pair.
-
-    Args:
-        parts: [num_splits, ..., num_heads, head_dim] float32, one token's partial outputs per split, each
-            normalised within its split (``paged_attention(..., merge=False)``'s ``out``; the middle dimensions
-            must be 1), contiguous. head_dim a power of two, at most 1024 / 2048 columns of a weight tile.
-        lse: [num_splits, ..., num_heads] float32, their log2-sum-exp2 (-inf for a split that saw no key).
-        weight: [out_features, num_heads * head_dim], fp16/bf16/fp32, contiguous last dimension.
-        bias: optional [out_features], weight's dtype.
-        out_dtype: output dtype (default weight's); the value is rounded to weight's dtype first either way.
-        pdl, single_pass: as :func:`gemv` (``single_pass``: rows up to 2048 wide as one weight tile).
-
-    Returns:
-        ``y`` [1, out_features].
-
-    Raises:
-        ValueError: non-float32 or non-contiguous partials, shapes that do not match one another or the weight,
-            a head_dim that is not a power of two or wider than the weight tile, and as :func:`gemv`.
-    """
-    if parts.dtype != torch.float32 or lse.dtype != torch.float32:
-        raise ValueError(f"parts and lse must be float32, got {parts.dtype} and {lse.dtype}")
-    if parts.dim() < 3 or lse.shape != parts.shape[:-1] or any(n != 1 for n in parts.shape[1:-2]):
-        raise ValueError(f"parts must be [num_splits, (1, ...), num_heads, head_dim] and lse the same without "
-                         f"head_dim; got {tuple(parts.shape)} and {tuple(lse.shape)}")
-    if not parts.is_contiguous() or not lse.is_contiguous():
-        raise ValueError("parts and lse must be contiguous")
-    num_splits, num_heads, head_dim = parts.shape[0], parts.shape[-2], parts.shape[-1]
-    x = parts.view(num_splits, num_heads * head_dim)
-    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"weight must be [out, {x.shape[1]}] (num_heads x head_dim), got {tuple(weight.shape)}")
-    if parts.device != weight.device or lse.device != weight.device:
-        raise ValueError(f"parts, lse and weight must be on one device, got {parts.device}, {lse.device}, "
-                         f"{weight.device}")
-    _, k, out_features = check_linear_args(weight[:1], weight, bias, None, None, False)  # weight and bias
-    block_n, block_k, num_warps = _launch_tiles(out_features, k, 1e-6, None, None, None,
-                                                whole_row=single_pass is True)
-    if head_dim & (head_dim - 1) or head_dim > block_k:
-        raise ValueError(f"head_dim must be a power of two of at most {block_k} columns, got {head_dim}")
-    block_s, chunk_s = merge_chunk(num_splits, block_k, head_dim)
-    y = torch.empty(1, out_features, dtype=out_dtype or weight.dtype, device=weight.device)
-    pdl = use_pdl(pdl, weight)
-    extra = {"launch_pdl": True} if pdl else {}
-    check_launch_device(weight, "gemv_merge_splits", "merge_splits_ref, then fused_linear_ref")
-    _gemv_kernel[(triton.cdiv(out_features, block_n),)](
-        x, x, x, weight, bias if bias is not None else x, y, y,
-        x, x, x, x, x,  # RoPE operands (unused)
-        out_features, k, 0, weight.stride(0),
-        1e-6,
-        0, 0, 0, 0, 0, 0, 0,
-        NORM=False, RESIDUAL=False, SWIGLU=False, HAS_BIAS=bias is not None,
-        PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, ROPE=False, PRELOAD=1, NORM_K=16, SINGLE_PASS=False,
-        Lse=lse, num_splits=num_splits, stride_xs=x.stride(0), stride_ls=num_heads, num_q_heads=num_heads,
-        MERGE_S=block_s, MERGE_CS=chunk_s, MERGE_D=head_dim,
-        num_warps=num_warps, num_stages=1, **extra,
-    )
-    return y
 
 
 def gemv_rope(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import NamedTuple
 
 import torch
 import triton
@@ -306,18 +305,6 @@ def _check_block_ids(block_table: torch.Tensor, seq_lens: torch.Tensor, block_si
                          f"every block id a sequence uses must be in [0, {num_blocks - 1}]")
 
 
-class SplitPartials(NamedTuple):
-    """Unmerged split-KV results of :func:`paged_attention` (``merge=False``).
-
-    out: [num_splits, batch, q_len, num_heads, head_dim] float32, each split's output normalised within it.
-    lse: [num_splits, batch, q_len, num_heads] float32, its log2-sum-exp2 of the scaled scores (-inf where
-        the split saw no key).
-    """
-
-    out: torch.Tensor
-    lse: torch.Tensor
-
-
 #: Tokens per chunk of block ids (see ``chunk_tokens``); 2048 measured 1-2% above 1024 at B16 S8k.
 CHUNK_TOKENS = 2048
 #: The chunked kernel is used when the grid has at most this many programs per SM (the shared memory of
@@ -356,8 +343,7 @@ def paged_attention(
     preload_kv: bool = False,
     split_multiple: int | None = None,
     check_blocks: bool = True,
-    merge: bool = True,
-) -> torch.Tensor | SplitPartials:
+) -> torch.Tensor:
     """Attention of ``q_len`` new query tokens per sequence over that sequence's paged KV cache.
 
     Args:
@@ -411,13 +397,9 @@ def paged_attention(
             kernel will read (the first ``ceil(seq_lens[b] / block_size)`` entries of each row, within the table)
             names a block of the pools (one device-to-host read; skipped while a CUDA graph is captured). The
             decode step passes False: its tables come from the block manager.
-        merge: False leaves split-KV partials unmerged for the next kernel to merge
-            (:func:`~hf_accel.kernels.gemv.gemv_merge_splits`): with more than one split the result is a
-            :class:`SplitPartials`, and ``merge_counters`` is ignored.
 
     Returns:
-        [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0. With ``merge=False``
-        and more than one split: :class:`SplitPartials`.
+        [batch, q_len, num_heads, head_dim], query's dtype; rows that see no key are 0.
 
     Raises:
         ValueError: shape/dtype mismatches (``out`` included), head_dim > 256, a ``key_mask`` narrower than
@@ -510,7 +492,7 @@ def paged_attention(
     if preload_kv:
         chunk_blocks = 0
     grid = (m_blocks, batch * num_kv_heads, num_splits)
-    fused_merge = split and merge and merge_counters is not None and num_splits <= MAX_FUSED_MERGE_SPLITS
+    fused_merge = split and merge_counters is not None and num_splits <= MAX_FUSED_MERGE_SPLITS
     if not (isinstance(trigger, bool) or trigger in ("after_wait", "after_keys")):
         raise ValueError(f"trigger must be False, True, 'after_wait' or 'after_keys', got {trigger!r}")
     if merge_counters is not None:
@@ -535,8 +517,6 @@ def paged_attention(
         PRELOAD_KV=bool(preload_kv),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
-    if split and not merge:
-        return SplitPartials(part_out, part_lse)
     if split and not fused_merge:
         out_rows = out.view(batch * q_len * num_heads, head_dim) if out.is_contiguous() else None
         target = out_rows if out_rows is not None else torch.empty(batch * q_len * num_heads, head_dim,

@@ -120,40 +120,6 @@ def test_batch1_fused_step_runs_gemv(model_type, gemv_rope, head_norm, single_pa
     assert set(passes) == {single_pass}
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("merge_in_o", [False, True])
-def test_batch1_split_kv_merged_by_o_proj(merge_in_o, tiny, monkeypatch):
-    """With split-KV forced on (3 splits; CPU steps use 1), GEMV_MERGE_SPLITS hands each layer's partials to
-    o_proj's GEMV (no merge kernel), and greedy tokens stay stock's in float32."""
-    import hf_accel.kernels.paged_attention as pa
-    from hf_accel.engine import decode_step, step_switches
-
-    monkeypatch.setattr(step_switches, "GEMV_MERGE_SPLITS", merge_in_o)
-    monkeypatch.setattr(decode_step, "default_num_splits", lambda *a: 3)
-    merged, merge_kernels = [], []
-    original = decode_step.gemv_merge_splits
-    monkeypatch.setattr(decode_step, "gemv_merge_splits",
-                        lambda parts, *a, **k: merged.append(parts.shape[0]) or original(parts, *a, **k))
-    kernel = pa._merge_splits_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            merge_kernels.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(pa, "_merge_splits_kernel", Spy())
-    model = tiny.model("llama")
-    ids, mask = tiny.batch(seed=4, lengths=(150,))  # a table of > 128 keys: 3 splits of 64
-    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None)
-    out = _generate(_accelerated(model, fused=True), ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None)
-    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
-    layers = model.config.num_hidden_layers
-    if merge_in_o:
-        assert merged and set(merged) == {3} and len(merged) == 5 * layers and not merge_kernels
-    else:
-        assert not merged and len(merge_kernels) == 5 * layers
-
-
 def _fused_five_tokens_match_stock(tiny, seed: int, *model_args, **model_kwargs):
     """A tiny model and its fused-step accelerated copy; 5 greedy tokens of ``tiny.batch(seed)`` (float32,
     no EOS) must be identical. Returns ``(model, accelerated)``."""
