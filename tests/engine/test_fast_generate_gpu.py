@@ -21,6 +21,16 @@ def _tiny(kind, intermediate_size=256):
     return cls[1](cfg).cuda().eval()
 
 
+def _accelerated_gives_stocks_tokens(model, ids, mask, max_new_tokens):
+    """Stock greedy tokens of ``model``, then ``accelerate_model(model)``'s, twice (the second call replays the
+    captured graphs): they must be identical."""
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    hf_accel.accelerate_model(model)
+    for _ in range(2):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+        assert torch.equal(ref, out)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_fast_path_matches_stock_fp32(kind):
     model = _tiny(kind)
@@ -30,11 +40,7 @@ def test_fast_path_matches_stock_fp32(kind):
     mask[0, :5] = 0
     mask[2, :1] = 0
     ids[mask == 0] = 0
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
-    hf_accel.accelerate_model(model)
-    for _ in range(2):  # the second call replays the captured graphs
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
-        assert torch.equal(ref, out)
+    _accelerated_gives_stocks_tokens(model, ids, mask, 40)
     steps = list(model._hf_accel_engine.steps.values())
     assert steps and all(s.fused and s.use_graph for s in steps)
 
@@ -58,11 +64,7 @@ def test_batch1_gemv_step_matches_stock_fp32(kind, single_pass, monkeypatch):
     model = _tiny(kind)
     ids = torch.randint(8, 256, (1, 13), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     mask = torch.ones_like(ids)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
-    hf_accel.accelerate_model(model)
-    for _ in range(2):
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
-        assert torch.equal(ref, out)
+    _accelerated_gives_stocks_tokens(model, ids, mask, 40)
     assert passes and set(passes) == {single_pass}
 
 
@@ -315,11 +317,7 @@ def test_merged_peft_lora_takes_the_fused_graph_step_fp32(rows):
     g = torch.Generator(device="cuda").manual_seed(3)
     ids = torch.randint(8, 256, (rows, 11), device="cuda", generator=g)
     mask = torch.ones_like(ids)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
-    hf_accel.accelerate_model(model)
-    for _ in range(2):
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
-        assert torch.equal(ref, out)
+    _accelerated_gives_stocks_tokens(model, ids, mask, 24)
     steps = list(base._hf_accel_engine.steps.values())
     assert steps and all(s.fused and s.use_graph and s.gemv_lm_head for s in steps)
     hf_accel.revert_model(model)
