@@ -324,7 +324,7 @@ class DecodeStep:
             else:
                 o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
                                     seq_lens, max_seq, key_mask, causal=True, sm_scale=attn.scaling,
-                                    num_splits=splits, num_stages=switches.DECODE_ATTENTION_STAGES,
+                                    num_splits=splits, num_stages=self._attention_stages(b, t),
                                     pdl=pdl and switches.ATTENTION_PDL, check_blocks=False, **attn_kw)
             ln = layer.post_attention_layernorm
             if linear is not None:
@@ -367,6 +367,14 @@ class DecodeStep:
         hidden, _ = rms_norm(delta.contiguous(), norm.weight, norm.variance_epsilon, residual.contiguous())
         logits = model.lm_head(hidden).float()
         return logits if (last_only or logits_index is not None) else logits.view(b, t, -1)
+
+    def _attention_stages(self, batch: int, rows: int) -> int:
+        """Pipeline stages of the paged attention for ``rows`` new tokens per sequence:
+        :data:`~hf_accel.engine.step_switches.VERIFY_ATTENTION_STAGES` for a batch-1 verify pass (the step's own
+        rows, more than one), else :data:`~hf_accel.engine.step_switches.DECODE_ATTENTION_STAGES`."""
+        if batch == 1 and rows == self.q_len > 1:
+            return switches.VERIFY_ATTENTION_STAGES
+        return switches.DECODE_ATTENTION_STAGES
 
     @staticmethod
     def _gemv(x, weight, **kw):
@@ -418,7 +426,7 @@ class DecodeStep:
             write(k, v, pools.keys, pools.values, slot_mapping, check_slots=False)
             kwargs = dict(causal=True, sm_scale=attn.scaling)
             if on_cuda:
-                kwargs["num_stages"] = switches.DECODE_ATTENTION_STAGES
+                kwargs["num_stages"] = self._attention_stages(b, t)
                 kwargs["check_blocks"] = False  # the block manager's tables: no device read per layer
                 if t == self.q_len:
                     kwargs["num_splits"] = self.num_splits

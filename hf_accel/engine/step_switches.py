@@ -72,7 +72,10 @@ GEMV_ROPE = True
 #: vs 235.2 without; SmolLM2 bs1 1613.6 vs 1660.0. SmolLM2 verify pass of 16 tokens
 #: (``profile_speculative_round`` at 2f27f97, one run per switch setting; only the all-on run's JSON,
 #: ``profile_speculative_round-20261201-2f27f97.json``, was kept): 0.962 ms without it vs 0.988 with it
-#: (trigger and split-K on in both); all three switches off 0.849 ms.
+#: (trigger and split-K on in both); all three switches off 0.849 ms. Again on an H100 at d20b15c (today's
+#: kernels, random SmolLM2-shaped weights, ``profile_step_splits-switch-sweep-*-h100-20261206-d20b15c.json``):
+#: one-row step 0.461 / 0.494 ms with it vs 0.437 / 0.438, 16-token verify pass 0.767 / 1.028 vs 0.620 / 0.627 at
+#: 305 / 600 cached tokens. :data:`FUSED_LINEAR_LM_HEAD` in the same sweep: verify 0.647 / 0.653 ms.
 FUSED_MERGE = False
 
 #: With PDL, the paged attention kernel of one-row steps lets the next kernel (the split merge) launch early:
@@ -225,6 +228,14 @@ PREFILL_CONTIGUOUS_ATTENTION = True
 #: Pipeline stages of the paged attention kernel inside the step: 3 (the kernel's default too; every
 #: end-to-end number in ``bench_generate`` / ``bench_speculative`` was measured with it).
 DECODE_ATTENTION_STAGES = 3
+
+#: Pipeline stages of the paged attention in batch-1 verify passes (the step's own 2+ token rows; other steps
+#: of several rows keep :data:`DECODE_ATTENTION_STAGES`). H100, random SmolLM2-shaped bf16 weights, forwards in
+#: CUDA graphs, 2 vs 3 stages in turns, two runs each (``profile_step_splits-verify-stages-ab-*-h100-20261206-
+#: d20b15c.json``): 16-token verify pass 0.603 / 0.609 vs 0.627 / 0.628 ms at 600 cached tokens, 0.623 / 0.629
+#: vs 0.648 / 0.648 at 1000, 0.623 / 0.625 vs 0.623 / 0.622 at 305; the one-row step was not changed by it
+#: (0.438-0.458 ms either way). End to end not measured.
+VERIFY_ATTENTION_STAGES = 2
 
 #: Fewest keys per KV split of the step's paged attention
 #: (:func:`~hf_accel.engine.decode_step.default_num_splits`). H200, Llama-3-8B

@@ -191,3 +191,33 @@ def test_prompt_lookup_on_a_merged_lora_model_through_the_fused_step(tiny):
     assert torch.equal(greedy(model, ids, mask, tiny.PAD, max_new_tokens=10, eos_token_id=None), stock)
     assert engine.steps and all(s.fused and s.small_linear for s in engine.steps.values())
     assert speculative_stats(model)["verify_steps"] > 0
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rows", [1, 3])
+def test_batch1_verify_passes_take_their_own_attention_stages(tiny, rows, monkeypatch):
+    """Batch-1 verify passes launch the paged attention with VERIFY_ATTENTION_STAGES, one-row steps and verify
+    passes of larger batches with DECODE_ATTENTION_STAGES (set apart here: 5 / 4); greedy stays stock's."""
+    from hf_accel.engine import decode_step, step_switches
+
+    monkeypatch.setattr(step_switches, "VERIFY_ATTENTION_STAGES", 5)
+    monkeypatch.setattr(step_switches, "DECODE_ATTENTION_STAGES", 4)
+    seen = set()
+    original = decode_step.paged_attention
+
+    def spy(q, *a, **k):
+        seen.add((q.shape[0], q.shape[2], k.get("num_stages")))
+        return original(q, *a, **k)
+
+    monkeypatch.setattr(decode_step, "paged_attention", spy)
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ids, mask = ids[:rows], mask[:rows]
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=8, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("early_exit", num_draft_tokens=2,
+                                                                               adaptive=False))
+    ours._hf_accel_engine.fused = True
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=8, eos_token_id=None)
+    assert torch.equal(out, stock)
+    assert (rows, 3, 5 if rows == 1 else 4) in seen and (rows, 1, 4) in seen, seen
+    assert all(stages == (5 if (b, t) == (1, 3) else 4) for b, t, stages in seen), seen
