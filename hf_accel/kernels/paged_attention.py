@@ -500,7 +500,7 @@ def paged_attention(
     pdl = use_pdl(pdl, query)
     pdl_launch = {"launch_pdl": True} if pdl else {}
     check_dense("paged_attention", seq_lens=seq_lens)
-    check_launch_device(query, "paged_attention")
+    check_launch_device(query, "paged_attention", "hf_accel.kernels.paged_attention_torch.paged_attention_ref")
     check_interpreter_dot(query, "paged_attention")
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,

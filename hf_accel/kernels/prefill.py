@@ -143,7 +143,11 @@ def _launch(q4, k4, v4, o4, lse, key_mask, kv_start, cu_q, cu_k, *, batch, num_h
     else:
         lse_strides = (0, 0, 0)
     mask_strides = (key_mask.stride(0), key_mask.stride(1)) if key_mask is not None else (0, 0)
-    check_launch_device(q4, "prefill_attention")
+    if varlen:
+        check_launch_device(q4, "prefill_attention_varlen",
+                            "hf_accel.kernels.prefill_reference.prefill_attention_varlen_ref")
+    else:
+        check_launch_device(q4, "prefill_attention", "hf_accel.kernels.prefill_reference.prefill_attention_ref")
     check_interpreter_dot(q4, "prefill_attention")
     _prefill_fwd_kernel[grid](
         q4, k4, v4, o4, lse, key_mask, kv_start, cu_q, cu_k,
