@@ -207,6 +207,10 @@ def _run_generate(args) -> int:
     else:
         text = prompt
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
+    embedding_rows = model.get_input_embeddings().num_embeddings
+    if inputs["input_ids"].numel() and int(inputs["input_ids"].max()) >= embedding_rows:
+        raise CLIError(f"the tokenizer gives token id {int(inputs['input_ids'].max())}, past the model's "
+                       f"{embedding_rows} embedding rows: the tokenizer does not belong to this model")
     max_new = _within_context(args.max_new_tokens, inputs["input_ids"].shape[1], model.config)
     gen = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
 
@@ -247,11 +251,14 @@ def _run_generate(args) -> int:
         if hint:
             print(hint)
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"device": device, "dtype": dtype, "prompt": prompt, "identical": identical, "speculative": spec,
-                       "stock": stock.as_dict(), "hf_accel": ours.as_dict(),
-                       "answer": tokenizer.decode(ours.sequences[0, inputs["input_ids"].shape[1]:],
-                                                  skip_special_tokens=True)}, f, indent=2)
+        try:
+            with open(args.json_out, "w") as f:
+                json.dump({"device": device, "dtype": dtype, "prompt": prompt, "identical": identical,
+                           "speculative": spec, "stock": stock.as_dict(), "hf_accel": ours.as_dict(),
+                           "answer": tokenizer.decode(ours.sequences[0, inputs["input_ids"].shape[1]:],
+                                                      skip_special_tokens=True)}, f, indent=2)
+        except OSError as e:
+            raise CLIError(f"--json {args.json_out}: could not write the results ({e.strerror or e})") from None
     return 0
 
 

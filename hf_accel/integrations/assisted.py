@@ -63,8 +63,8 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     if early and isinstance(early, int) and not isinstance(early, bool) and layers is not None and early > layers:
         # transformers' loop would set the model config to that many layers for its draft, a cache of more layers
         # than the model runs would fail the draft's call, and the config would stay changed
-        raise ValueError(f"assistant_early_exit={early} is more than the model's {layers} layers: the draft is "
-                         f"its first 1 .. {layers - 1} layers")
+        raise ValueError(f"assistant_early_exit={early} is more than the model's {layers} layers: hf-accel drafts "
+                         f"with its first 1 .. {layers - 1} layers ({layers} runs transformers' own assisted loop)")
     if early and layers is not None and int(early) >= layers:
         return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"
     if assistant is not None:  # the model itself too: transformers' assisted loop takes it, hf-accel does not

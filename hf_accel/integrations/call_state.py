@@ -37,7 +37,11 @@ def cache_in_use(model) -> PagedCache | None:
     running the call (a streamer's ``put``) it is that call's cache; from another thread, the cache of the one
     call running (None while several run at once). None between calls, for a call on transformers' own cache
     (beam search, a DynamicCache the caller passed, ...) and for a model never accelerated; never raises. Read it
-    only: the running call owns it (it is released, or reused by the next call, when the call returns).
+    only: the running call owns it (it is released, or reused by the next call, when the call returns). During a
+    fast-path call its sequences hold their reserved length: ``memory_stats()["tokens_stored"]`` counts the slots
+    reserved for the whole answer (prompt + ``max_new_tokens`` + the decode step's lookahead), not the tokens
+    written so far, and ``get_seq_length()`` stays at the prompt's length until the call returns (the written
+    lengths live on the GPU); blocks and bytes are exact.
 
     Args:
         model: the model ``generate`` was called on (a transformers model, or a peft ``PeftModel`` wrapping one).

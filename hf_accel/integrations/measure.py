@@ -6,6 +6,8 @@ it measures exactly what a user's ``generate`` call does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -115,9 +117,16 @@ def measure_generate(model, inputs: dict, streamer: BaseStreamer | None = None, 
         :class:`GenerationStats`; tokens after the first EOS of a row are not counted.
 
     Raises:
+        TypeError: ``inputs`` is not a mapping holding an ``input_ids`` tensor of shape [batch, prompt_len].
         Whatever ``model.generate`` raises for these arguments.
     """
-    device = inputs["input_ids"].device
+    if not isinstance(inputs, Mapping):
+        raise TypeError(f"inputs must be a mapping (a tokenizer's output) holding input_ids, got {type(inputs).__name__}")
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        got = f"a tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"inputs['input_ids'] must be a [batch, prompt_len] tensor, got {got}")
+    device = ids.device
     on_cuda = device.type == "cuda"
     if on_cuda:
         torch.cuda.synchronize(device)

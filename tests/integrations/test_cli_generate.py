@@ -223,3 +223,57 @@ def test_unknown_dtype_names_the_choices(capsys):
         build_parser(argv).parse_args(argv)
     assert "invalid choice: 'float64' (choose from float32, float16, bfloat16, fp32, fp16, bf16)" in \
         capsys.readouterr().err
+
+
+def _stub_tokenizer(ids):
+    """A tokenizer stand-in whose every text encodes to ``ids`` (no chat template)."""
+    import torch
+    from transformers import BatchEncoding
+
+    class Stub:
+        chat_template = None
+        pad_token_id = 0
+
+        def __call__(self, text, **kwargs):
+            t = torch.tensor([ids])
+            return BatchEncoding({"input_ids": t, "attention_mask": torch.ones_like(t)})
+
+        def decode(self, ids, **kwargs):
+            return " ".join(str(int(i)) for i in ids)
+
+    return Stub()
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_refused(tiny, tmp_path, capsys, monkeypatch):
+    """Token ids at or past the embedding's rows (another model's tokenizer) get one line, not an IndexError from
+    inside the first generate."""
+    import hf_accel
+    import hf_accel.models as models
+
+    model = tiny.model("llama")  # 128 embedding rows
+    (tmp_path / "m").mkdir()
+    model.config.save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(models, "load_model", lambda path, **k: (model, _stub_tokenizer([5, 300])))
+    monkeypatch.setattr(hf_accel, "measure_generate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    assert main(["generate", "--prompt", "hi", "--device", "cpu", "--model", str(tmp_path / "m")]) == EXIT_USAGE
+    assert "token id 300, past the model's 128 embedding rows" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_json_file_that_cannot_be_written_at_the_end_is_one_line(tiny, tmp_path, capsys, monkeypatch):
+    """--json passes the start-up check but the write fails (a full disk: /dev/full): exit 2 with a message, after
+    the answers were printed."""
+    import hf_accel.models as models
+
+    model = tiny.model("llama")
+    (tmp_path / "m").mkdir()
+    model.config.save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(models, "load_model", lambda path, **k: (model, _stub_tokenizer([5, 6, 7])))
+    try:
+        code = main(["generate", "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2", "--json", "/dev/full",
+                     "--model", str(tmp_path / "m")])
+    finally:
+        revert_model(model)
+    captured = capsys.readouterr()
+    assert code == EXIT_USAGE and "greedy tokens identical: yes" in captured.out
+    assert "--json /dev/full: could not write the results" in captured.err

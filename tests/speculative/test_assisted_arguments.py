@@ -127,7 +127,9 @@ def test_per_call_assisted_arguments_follow_each_call(tiny, hf_log):
                        greedy(model, ids[:1], mask[:1], tiny.PAD, eos_token_id=None))
     assert _messages(hf_log, f"assistant_early_exit={LAYERS} is not below the model's {LAYERS} layers")
     # past the last layer: refused before transformers' loop changes the model config for its draft
-    with pytest.raises(ValueError, match=f"assistant_early_exit={LAYERS + 1} is more than the model's {LAYERS} layers"):
+    with pytest.raises(ValueError, match=rf"assistant_early_exit={LAYERS + 1} is more than the model's {LAYERS} "
+                       rf"layers: hf-accel drafts with its first 1 \.\. {LAYERS - 1} layers \({LAYERS} runs "
+                       "transformers' own"):
         greedy(ours, ids[:1], mask[:1], tiny.PAD, eos_token_id=None, assistant_early_exit=LAYERS + 1)
     assert ours.config.num_hidden_layers == LAYERS
     assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, no_repeat_ngram_size=50),
