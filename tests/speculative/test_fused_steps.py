@@ -20,18 +20,25 @@ from hf_accel.kernels.ngram_lookup import ngram_lookup_ref
 from hf_accel.speculative.draft_length import _GatedChooser
 
 
+def _fused_matches_stock(tiny, config: SpeculativeConfig, max_new_tokens: int, rows: int | None = None):
+    """Greedy ``generate`` of a tiny llama with ``config`` on the fused step's Triton kernels (interpreter) over
+    ``repetitive_batch`` (its first ``rows`` rows) must equal stock greedy (no EOS); returns the accelerated copy."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    ids, mask = ids[:rows], mask[:rows]
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=max_new_tokens, eos_token_id=None)
+    ours = accelerate_model(copy.deepcopy(model), speculative=config)
+    ours._hf_accel_engine.fused = True
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=max_new_tokens, eos_token_id=None)
+    assert torch.equal(out, stock)
+    return ours
+
+
 @pytest.mark.interpreter
 def test_fused_triton_step_greedy_identical(tiny):
     """The fused step's Triton kernels (interpreter) verifying q_len = k + 1 tokens per row."""
-    model = tiny.model("llama", num_hidden_layers=LAYERS)
-    ids, mask = repetitive_batch(tiny)
-    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=10, eos_token_id=None)
-    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("early_exit", num_draft_tokens=2,
-                                                                               adaptive=False))
-    ours._hf_accel_engine.fused = True
-    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=10, eos_token_id=None)
+    ours = _fused_matches_stock(tiny, SpeculativeConfig("early_exit", num_draft_tokens=2, adaptive=False), 10)
     assert ours._hf_accel_engine.steps and all(s.fused for s in ours._hf_accel_engine.steps.values())
-    assert torch.equal(out, stock)
     assert speculative_stats(ours)["verify_steps"] > 0
 
 
@@ -48,14 +55,7 @@ def test_match_gated_fused_triton_step_with_every_draft_length(tiny, monkeypatch
         return max(picks[-1], 0), 1
 
     monkeypatch.setattr(_GatedChooser, "choose", choose)
-    model = tiny.model("llama", num_hidden_layers=LAYERS)
-    ids, mask = repetitive_batch(tiny)
-    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
-    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", num_draft_tokens=4,
-                                                                               match_gated=True))
-    ours._hf_accel_engine.fused = True
-    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=12, eos_token_id=None)
-    assert torch.equal(out, stock)
+    ours = _fused_matches_stock(tiny, SpeculativeConfig("prompt_lookup", num_draft_tokens=4, match_gated=True), 12)
     assert {1, 2, 4} <= set(picks) and speculative_stats(ours)["match_gated"], picks
     (engine,) = ours.__dict__["_hf_accel_spec_engines"].values()
     (st,) = engine.states.values()
@@ -210,14 +210,6 @@ def test_batch1_verify_passes_take_their_own_attention_stages(tiny, rows, monkey
         return original(q, *a, **k)
 
     monkeypatch.setattr(decode_step, "paged_attention", spy)
-    model = tiny.model("llama", num_hidden_layers=LAYERS)
-    ids, mask = repetitive_batch(tiny)
-    ids, mask = ids[:rows], mask[:rows]
-    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=8, eos_token_id=None)
-    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("early_exit", num_draft_tokens=2,
-                                                                               adaptive=False))
-    ours._hf_accel_engine.fused = True
-    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=8, eos_token_id=None)
-    assert torch.equal(out, stock)
+    _fused_matches_stock(tiny, SpeculativeConfig("early_exit", num_draft_tokens=2, adaptive=False), 8, rows)
     assert (rows, 3, 5 if rows == 1 else 4) in seen and (rows, 1, 4) in seen, seen
     assert all(stages == (5 if (b, t) == (1, 3) else 4) for b, t, stages in seen), seen
