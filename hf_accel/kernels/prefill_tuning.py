@@ -51,22 +51,22 @@ def interpreting() -> bool:
 
 
 def candidate_configs(head_dim: int, q_bucket: int, dtype: torch.dtype) -> list[PrefillConfig]:
-    """The tuner's search space, by head_dim (``q_bucket``, the query-length bucket, no longer changes it).
+    """The tuner's search space, by head_dim and dtype (``q_bucket``, the query-length bucket, no longer changes it).
 
-    The candidates of one key give bitwise the same output: the same key tile (``BLOCK_N``) and warps, so every
-    query row folds the same key tiles in the same order; they differ only in the load path (TMA / pointers). Even
-    32 instead of 64 query rows per program changed head_dim-128 outputs by an ulp on an H100 (not head_dim 64),
-    so the 32-row tile of short prompts is left out too. A choice between tiles whose outputs differ would make
-    bf16 results, and greedy tokens after a near-tie, depend on the timing noise of the process that tuned:
-    on an H100 the choice for one key moved between 64x32 and 32x64 tiles (SmolLM2, 48-64-token prompts) and
-    between 64x64 and 128x128/8-warp tiles (Llama-3-8B shape, 256 tokens) from one process to the next, and
-    those tiles' outputs differ by up to 0.0039
-    (``benchmarks/results/probe_prefill_tuner-process*-h100-20261206-87bf69e.json``). Left out for that reason:
-    64x128 at head_dim 64 (a SmolLM2 layer 266 against 251 TFLOP/s for 64x64 on an H200) and 128x128 / 8 warps
-    at head_dim 128 (the tuner's pick at 16k tokens; 453 against 492 TFLOP/s at B4 L4k, docs/prefill.md)."""
+    The candidates of one key give bitwise the same output: the same tile shape and warps, so every query row
+    folds the same key tiles in the same order; they differ only in the load path (TMA / pointers). A choice
+    between tiles whose outputs differ would make results, and greedy tokens after a bf16 near-tie, depend on the
+    timing noise of the process that tuned: on an H100 the choice for one key moved between 64x32 and 32x64 tiles
+    (SmolLM2, 48-64-token prompts) and between 64x64 and 128x128/8-warp tiles (Llama-3-8B shape, 256 tokens) from
+    one process to the next, and those tiles' outputs differ by up to 0.0039
+    (``benchmarks/results/probe_prefill_tuner-process*-h100-20261206-87bf69e.json``). Even 32 instead of 64 query
+    rows per program changed head_dim-128 outputs by an ulp (not head_dim 64), so 32-row tiles are left out too
+    (float32's candidates were 64x32 and 32x32). Given up for this: 64x128 at head_dim 64 (a SmolLM2 layer 266
+    against 251 TFLOP/s for 64x64 on an H200) and 128x128 / 8 warps at head_dim 128 (the tuner's pick at 16k
+    tokens; 453 against 492 TFLOP/s at B4 L4k, docs/prefill.md)."""
     C = PrefillConfig
-    if dtype == torch.float32:  # tests only: fp32 tiles are twice the bytes
-        return [C(64, 32, 4, 2), C(32, 32, 4, 2)]
+    if dtype == torch.float32:  # fp32 tiles are twice the bytes
+        return [C(64, 32, 4, 2), C(64, 32, 4, 2, use_tma=False)]
     if head_dim <= 128:
         return [C(64, 64, 4, 3), C(64, 64, 4, 3, use_tma=False)]
     return [C(64, 64, 4, 2), C(64, 64, 4, 2, use_tma=False)]

@@ -82,18 +82,19 @@ def test_paged_attention_cuda_matches_reference(case, dtype):
     assert err <= 2 * torch_err + 1e-5, f"kernel error {err:.3g} vs PyTorch's own {torch_err:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("h,hkv,d,q_len", [(9, 3, 64, 48), (9, 3, 64, 300), (32, 8, 128, 40), (32, 8, 128, 333),
                                            (4, 1, 256, 200)])
-def test_prefill_candidates_of_one_key_give_bitwise_the_same_output(h, hkv, d, q_len):
+def test_prefill_candidates_of_one_key_give_bitwise_the_same_output(h, hkv, d, q_len, dtype):
     """The tuner may pick any candidate of a key (by timing, which varies between processes): all must give
-    bitwise the same bf16 output, so greedy tokens do not depend on which one won."""
+    bitwise the same output, so greedy tokens do not depend on which one won."""
     from hf_accel.kernels.prefill import prefill_attention
     from hf_accel.kernels.prefill_tuning import bucket, candidate_configs
 
     g = torch.Generator(device="cuda").manual_seed(q_len + d)
-    q = torch.randn(2, h, q_len, d, device="cuda", generator=g).bfloat16()
-    k = torch.randn(2, hkv, q_len, d, device="cuda", generator=g).bfloat16()
-    v = torch.randn(2, hkv, q_len, d, device="cuda", generator=g).bfloat16()
+    q = torch.randn(2, h, q_len, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(2, hkv, q_len, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(2, hkv, q_len, d, device="cuda", generator=g).to(dtype)
     mask = torch.ones(2, q_len, dtype=torch.int32, device="cuda")
     mask[1, : q_len // 3] = 0  # left padding on one row
     outs = [prefill_attention(q, k, v, mask, config=cfg) for cfg in candidate_configs(d, bucket(q_len), q.dtype)]

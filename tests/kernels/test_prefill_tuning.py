@@ -67,11 +67,12 @@ def test_searches_the_query_bucket_and_dtype_of_its_key(tuner):
         assert set(calls) == set(cands)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128, 256])
 @pytest.mark.parametrize("bucket", [16, 64, 128, 4096, 16384])
-def test_candidates_of_one_key_share_the_key_tile_and_warps(head_dim, bucket):
+def test_candidates_of_one_key_share_the_key_tile_and_warps(head_dim, bucket, dtype):
     """Candidates whose outputs could differ (another tile shape or warp count) must not share a key: the tuner's
     timing-dependent choice would then change bf16 outputs from process to process."""
-    cands = pt.candidate_configs(head_dim, bucket, torch.bfloat16)
+    cands = pt.candidate_configs(head_dim, bucket, dtype)
     assert len(cands) >= 2
     assert len({(c.block_m, c.block_n, c.num_warps) for c in cands}) == 1, [c.short() for c in cands]
