@@ -46,7 +46,8 @@ def _switch_attention(hf_model, name: str) -> str:
 
 def _restore_attention(hf_model, original: str) -> None:
     """Undo :func:`_switch_attention`: the config gets ``original`` back once no other accelerated model shares it
-    (until then those models keep hf-accel's attention, and so does this one: logged)."""
+    (until then those models keep hf-accel's attention, and so does this one: logged), unless the caller set another
+    attention after ``accelerate_model`` (that one stays, logged)."""
     config = hf_model.config
     entry = _SWITCHED_CONFIGS.get(id(config))
     if entry is not None and entry[2]() is config:
@@ -58,6 +59,13 @@ def _restore_attention(hf_model, original: str) -> None:
             return
         del _SWITCHED_CONFIGS[id(config)]
         original = entry[0]
+    from hf_accel.integrations.attention import ATTN_NAME
+
+    current = config._attn_implementation
+    if current != ATTN_NAME:  # the caller chose another attention after accelerate_model: theirs stays
+        logger.info("hf-accel: %s keeps attention %r, set after accelerate_model (it had %r before)",
+                    type(hf_model).__name__, current, original)
+        return
     hf_model.set_attn_implementation(original)
 
 

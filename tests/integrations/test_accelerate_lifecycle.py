@@ -76,6 +76,20 @@ def test_revert_restores_eager_implementation(tiny):
     assert torch.equal(tiny.logits(model, ids, mask), before)
 
 
+def test_revert_keeps_an_attention_chosen_after_accelerate_model(tiny):
+    """set_attn_implementation("eager") after accelerate_model is the caller's choice: revert_model leaves it (and
+    the model computes what stock eager computes)."""
+    model = tiny.model("llama", seed=12)
+    ids, mask = tiny.batch(seed=13)
+    stock = tiny.model("llama", seed=12)
+    stock.set_attn_implementation("eager")
+    accelerate_model(model)
+    model.set_attn_implementation("eager")
+    revert_model(model)
+    assert model.config._attn_implementation == "eager"
+    assert torch.equal(tiny.logits(model, ids, mask), tiny.logits(stock, ids, mask))
+
+
 # --- per instance, shared configs ---------------------------------------------------------------------
 
 
