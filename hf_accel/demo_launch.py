@@ -32,7 +32,8 @@ def _port(text: str) -> int:
 def add_arguments(parser) -> None:
     """The options of ``hf-accel demo`` (the same as ``python demo/app.py``)."""
     parser.add_argument("--model", default=None,
-                        help="local HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                        help="local HF model directory or .gguf file ('default' or omitted: the embedded "
+                             "SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=7860, help="port, 1-65535 (default: 7860)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")

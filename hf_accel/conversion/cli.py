@@ -163,7 +163,8 @@ def _config_dtype(config):
     """The torch dtype a checkpoint's config names (``dtype``, or ``torch_dtype`` in older configs) if it is
     float32, bfloat16 or float16; else None (a GGUF's config names none)."""
     for name in ("dtype", "torch_dtype"):
-        value = getattr(config, name, None)
+        # torch_dtype from the instance's own attributes: transformers 5's property warns that it is deprecated
+        value = getattr(config, "dtype", None) if name == "dtype" else vars(config).get("torch_dtype")
         if isinstance(value, str):
             value = getattr(torch, value, None)
         if value in (torch.float32, torch.bfloat16, torch.float16):
@@ -205,8 +206,9 @@ def _run(args) -> int:
             raise CliError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.num_kv_heads < 1:  # before the model loads (its own head count is checked after)
         raise CliError(f"--num-kv-heads must be >= 1; got {args.num_kv_heads}")
-    if args.eval_tokens < 0 or args.recovery_steps < 0:
-        raise CliError("--eval-tokens and --recovery-steps must be >= 0")
+    for name in ("eval_tokens", "recovery_steps"):
+        if getattr(args, name) < 0:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(args, name)}")
     if 0 < args.eval_tokens < 2:
         raise CliError("--eval-tokens must be 0 (skip) or >= 2")
     if not args.out.strip():  # Path("") is the current directory

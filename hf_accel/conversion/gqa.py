@@ -247,6 +247,8 @@ def convert_to_gqa(
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise ValueError(f"calibration token ids must lie in [0, {vocab}) (the model's vocabulary); got "
                              f"{int(ids.min())} .. {int(ids.max())}")
+        if isinstance(calibration_tokens, bool) or not isinstance(calibration_tokens, int) or calibration_tokens < 1:
+            raise ValueError(f"calibration_tokens must be an int >= 1; got {calibration_tokens!r}")
         windows = calibration_windows(ids, context_length, calibration_tokens)
         moments = collect_input_moments(model, windows, batch_size=batch_size, progress=progress)
 

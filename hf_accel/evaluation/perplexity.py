@@ -68,11 +68,18 @@ def perplexity(
         :class:`PerplexityResult`.
 
     Raises:
-        ValueError: fewer than 2 tokens, a batch dimension other than 1, a bad length/stride/batch_size, or a
-            ``context_length`` above the model's ``max_position_embeddings``.
+        ValueError: ``input_ids`` not an int64 tensor, fewer than 2 tokens, a batch dimension other than 1, a
+            length/stride/batch_size that is not an int or out of range, or a ``context_length`` above the model's
+            ``max_position_embeddings``.
     """
     from tqdm.auto import tqdm
 
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64:
+        got = f"{input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be an int64 tensor of token ids; got {got}")
+    for name, value in (("context_length", context_length), ("stride", stride), ("batch_size", batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be an int; got {value!r}")
     if input_ids.dim() == 2:
         if input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [n] or [1, n]; got shape {tuple(input_ids.shape)}")

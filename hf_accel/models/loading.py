@@ -84,8 +84,9 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
     """Load (model, tokenizer) for inference, in eval mode, on ``device``.
 
     Args:
-        model: ``None`` for the embedded SmolLM2 (see :func:`find_default_gguf`), a ``.gguf`` file, or a
-            local transformers model directory (``config.json`` + weights). Nothing is downloaded.
+        model: ``None`` (or ``"default"``, where no file or folder of that name exists) for the embedded SmolLM2
+            (see :func:`find_default_gguf`), a ``.gguf`` file (any case of the suffix), or a local transformers
+            model directory (``config.json`` + weights). Nothing is downloaded.
         dtype: torch dtype or one of "float32", "float16", "bfloat16" (aliases fp32/fp16/bf16).
         device: "cpu", "cuda" or "cuda:N" (or a ``torch.device``); checked before loading (:func:`check_device`).
         tokenizer: False: load no tokenizer and return None in its place (a draft model, which shares the
@@ -124,7 +125,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
 
 def _model_path(model) -> Path:
     """The file or directory ``model`` names (None: the embedded model); ModelNotFoundError as load_model."""
-    if model is None:
+    if model is None or (str(model) == "default" and not Path("default").exists()):
         path = find_default_gguf()
     else:
         if not str(model).strip():  # Path("") is the current directory
@@ -132,7 +133,7 @@ def _model_path(model) -> Path:
         path = Path(model).expanduser()
         if not path.exists():
             raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
-    if path.is_file() and path.suffix != ".gguf":
+    if path.is_file() and path.suffix.lower() != ".gguf":
         raise ModelNotFoundError(f"{str(path)!r} is a file but not a .gguf; pass a model directory or a .gguf")
     if path.is_dir() and not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{str(path)!r} is not a transformers model directory (no config.json)")

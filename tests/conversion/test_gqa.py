@@ -134,6 +134,8 @@ def test_bad_arguments_raise():
     for bad in (0, -1, 2.5):  # 0 raised range()'s "arg 3 must not be zero"
         with pytest.raises(ValueError, match=rf"batch_size \(calibration windows per forward pass\) must be an int >= 1; got {bad}"):
             convert_to_gqa(model, 2, method="activation", calibration_text=torch.arange(90), batch_size=bad)
+    with pytest.raises(ValueError, match="calibration_tokens must be an int >= 1; got 0"):
+        convert_to_gqa(model, 2, method="activation", calibration_text=torch.arange(90), calibration_tokens=0)
     with pytest.raises(ValueError, match="needs calibration_text"):
         convert_to_gqa(model, 2, method="activation")
     with pytest.raises(ValueError, match="needs calibration_text"):

@@ -74,6 +74,13 @@ def test_bad_inputs_raise(model):
         perplexity(model, torch.zeros(10, dtype=torch.long), context_length=4, stride=5)
     with pytest.raises(ValueError, match="batch_size must be >= 1; got 0"):
         perplexity(model, torch.zeros(10, dtype=torch.long), context_length=4, batch_size=0)
+    # ids of another type, and lengths that are not ints (were errors from inside torch / Python)
+    with pytest.raises(ValueError, match="input_ids must be an int64 tensor of token ids; got torch.float32 tensor"):
+        perplexity(model, torch.zeros(10), context_length=4)
+    with pytest.raises(ValueError, match="got list"):
+        perplexity(model, [1, 2, 3, 4], context_length=4)
+    with pytest.raises(ValueError, match="context_length must be an int; got 4.5"):
+        perplexity(model, torch.zeros(10, dtype=torch.long), context_length=4.5)
     # windows past the trained positions (the CLI refused them, the function scored them)
     positions = model.config.max_position_embeddings
     ids = torch.zeros(positions + 10, dtype=torch.long)

@@ -277,3 +277,21 @@ def test_a_json_file_that_cannot_be_written_at_the_end_is_one_line(tiny, tmp_pat
     captured = capsys.readouterr()
     assert code == EXIT_USAGE and "greedy tokens identical: yes" in captured.out
     assert "--json /dev/full: could not write the results" in captured.err
+
+
+def test_model_default_names_the_embedded_model(capsys, monkeypatch):
+    """--model default (as convert-gqa takes it) reaches the loader, which maps it to the embedded model, instead of
+    being refused as a missing path."""
+    import hf_accel.models as models
+    from hf_accel.models import ModelNotFoundError
+
+    asked = []
+
+    def load(path, **kwargs):
+        asked.append(path)
+        raise ModelNotFoundError("stop here")
+
+    monkeypatch.setattr(models, "load_model", load)
+    assert main(["generate", "--prompt", "hi", "--device", "cpu", "--model", "default"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert asked == ["default"] and "stop here" in err and "does not exist" not in err

@@ -275,3 +275,21 @@ def test_default_model_in_bf16_is_dense_and_loads_without_a_packed_weights_warni
     q_proj = model.model.layers[0].self_attn.q_proj
     assert type(q_proj) is torch.nn.Linear and q_proj.weight.dtype == torch.bfloat16
     assert not [w for w in warnings if "packed" in w], warnings
+
+
+def test_default_names_the_embedded_model_and_the_gguf_suffix_ignores_case(monkeypatch, tmp_path):
+    """"default" (as convert-gqa documents it) means the embedded model for every loader, unless a file or folder
+    of that name is there; a .GGUF file is taken as a .gguf."""
+    from hf_accel.models import loading
+
+    embedded = tmp_path / "embedded.gguf"
+    embedded.write_bytes(b"GGUF")
+    monkeypatch.setattr(loading, "find_default_gguf", lambda: embedded)
+    monkeypatch.chdir(tmp_path)
+    assert loading._model_path("default") == embedded
+    (tmp_path / "default").mkdir()  # a local folder of that name wins (and is checked as a model folder)
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        loading._model_path("default")
+    upper = tmp_path / "Model.GGUF"
+    upper.write_bytes(b"GGUF")
+    assert loading._model_path(str(upper)) == upper
