@@ -47,7 +47,8 @@ def _dtype_name(value: str) -> str:
 def _add_generate(sub):
     p = sub.add_parser("generate", help="stream an answer and compare stock HF generate vs hf-accel")
     p.add_argument("--prompt", required=True, help="the user prompt (chat template applied if the tokenizer has one)")
-    p.add_argument("--model", default=None, help="local HF model directory or .gguf file ('default' or omitted: embedded SmolLM2)")
+    p.add_argument("--model", default=None,
+                   help="local HF model directory or .gguf file ('default' or omitted: embedded SmolLM2)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, type=_dtype_name, metavar="{float32,float16,bfloat16}",
