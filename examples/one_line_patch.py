@@ -2,6 +2,7 @@
 
     python examples/one_line_patch.py                  # embedded SmolLM2-135M-Instruct
     python examples/one_line_patch.py --model DIR      # any local llama/mistral/qwen2/qwen3 directory
+    python examples/one_line_patch.py --max-new-tokens 16
 """
 
 import argparse
@@ -16,7 +17,10 @@ from hf_accel.models import ModelNotFoundError, load_model
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=None, help="local HF model directory or .gguf (default: embedded SmolLM2)")
 parser.add_argument("--prompt", default="Give me three tips for writing clear Python code.")
+parser.add_argument("--max-new-tokens", type=int, default=96)
 args = parser.parse_args()
+if args.max_new_tokens < 1:
+    parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 logging.basicConfig(level=logging.INFO, format="%(message)s")  # shows what hf-accel patched
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,4 +40,5 @@ except ValueError as e:  # a model type hf-accel does not run: the message lists
 messages = [{"role": "user", "content": args.prompt}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 inputs = inputs.to(device)
-model.generate(**inputs, max_new_tokens=96, do_sample=False, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
+               streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))

@@ -216,6 +216,13 @@ def _run(args) -> int:
     out = Path(args.out)
     _check_out(out, args.overwrite)
     device = _pick_device(args.device)
+    if args.dtype != "auto":
+        from hf_accel.models.loading import _resolve_dtype
+
+        try:
+            _resolve_dtype(args.dtype)
+        except ValueError as e:
+            raise CliError(f"--dtype: {e}, or auto") from None
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     calibration = None
     if args.calibration_file is not None:

@@ -75,9 +75,10 @@ def _resolve_dtype(dtype) -> torch.dtype:
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype not in names:
+    key = dtype.lower() if isinstance(dtype, str) else dtype
+    if key not in names:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(names)}")
-    return names[dtype]
+    return names[key]
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype="float32", device="cpu", tokenizer: bool = True):

@@ -70,6 +70,8 @@ def test_a_kv_head_count_the_model_cannot_take_is_refused_before_its_weights_loa
     (["--num-kv-heads", "2", "--calibration-file", "/nonexistent/file.txt"], "is not a file"),
     (["--num-kv-heads", "2", "--eval-tokens", "-1"], "--eval-tokens must be >= 0; got -1"),
     (["--num-kv-heads", "2", "--recovery-steps", "-3"], "--recovery-steps must be >= 0; got -3"),
+    (["--num-kv-heads", "2", "--dtype", "float64"], "--dtype: unknown dtype 'float64'; choose one of float32, fp32, "
+                                                    "float16, fp16, bfloat16, bf16, or auto"),
 ])
 def test_user_errors_are_one_line_and_exit_2(model_dir, tmp_path, capsys, argv, message):
     rc = main(["--model", str(model_dir), "--out", str(tmp_path / "o"), *ARGS, *argv])

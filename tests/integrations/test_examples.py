@@ -28,6 +28,12 @@ def test_speculative_example_refuses_a_non_positive_length_before_loading():
     assert run.stderr.strip().splitlines()[-1].endswith("error: --max-new-tokens must be >= 1, got 0")
 
 
+def test_one_line_patch_refuses_a_non_positive_length_before_loading():
+    run = _run("one_line_patch.py", "--max-new-tokens", "-2", "--model", "/nonexistent")
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1].endswith("error: --max-new-tokens must be >= 1, got -2")
+
+
 def test_examples_name_a_missing_model_in_one_line():
     for script in ("one_line_patch.py", "speculative_decoding.py", "pipeline_streamer_peft.py"):
         run = _run(script, "--model", "/nonexistent/model")

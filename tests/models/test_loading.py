@@ -293,3 +293,9 @@ def test_default_names_the_embedded_model_and_the_gguf_suffix_ignores_case(monke
     upper = tmp_path / "Model.GGUF"
     upper.write_bytes(b"GGUF")
     assert loading._model_path(str(upper)) == upper
+
+
+def test_dtype_names_ignore_case():
+    from hf_accel.models.loading import _resolve_dtype
+
+    assert _resolve_dtype("FP16") is torch.float16 and _resolve_dtype("BFloat16") is torch.bfloat16
