@@ -46,6 +46,14 @@ def test_env_pointing_to_a_directory(monkeypatch, tmp_path):
         find_default_gguf()
 
 
+def test_env_pointing_to_a_file_that_is_not_a_gguf_says_so(monkeypatch, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    monkeypatch.setenv(DEFAULT_GGUF_ENV, str(text))
+    with pytest.raises(ModelNotFoundError, match=rf"{DEFAULT_GGUF_ENV}=.*notes.txt is not a .gguf file"):
+        load_default_model()
+
+
 def test_env_wins_over_the_package(monkeypatch, tmp_path):
     fake = tmp_path / "other.gguf"
     fake.write_bytes(b"GGUF")
