@@ -22,13 +22,12 @@ from hf_accel.conversion.calibration import (
     head_distances,
 )
 from hf_accel.conversion.heads import (
+    all_or_nothing,
     attention_modules,
     expand_module_kv,
     head_dim_of,
-    module_state,
     permute_module_kv,
     pool_module_kv,
-    restore_module_state,
 )
 from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, is_accelerated
 
@@ -254,8 +253,8 @@ def convert_to_gqa(
 
     d = head_dim_of(model)
     r = current // num_kv_heads
-    saved = [module_state(module) for module in modules]
-    try:
+    # a layer that fails (e.g. a NaN weight in PCA) leaves every layer as before: nothing half-done
+    with all_or_nothing(modules):
         for i, module in enumerate(tqdm(modules, desc=f"pool KV heads {current}->{num_kv_heads}",
                                         disable=not progress, leave=False)):
             if grouping == "similarity" and num_kv_heads > 1:
@@ -274,10 +273,6 @@ def convert_to_gqa(
                 pca_pool_module(module, heads, current, num_kv_heads, d, moments[i])
             else:
                 pool_module_kv(module, heads, a_k, a_v)
-    except BaseException:  # a layer failed (e.g. a NaN weight in PCA): every layer as before, nothing half-done
-        for module, state in zip(modules, saved):
-            restore_module_state(module, state)
-        raise
     cfg.num_key_value_heads = num_kv_heads
     _drop_gguf_marker(model)
     logger.info(
@@ -317,14 +312,9 @@ def expand_kv_heads(model, num_kv_heads: int | None = None):
             f"the {heads} query heads; valid choices: {choices}"
         )
     modules = attention_modules(model)
-    saved = [module_state(module) for module in modules]
-    try:
+    with all_or_nothing(modules):
         for module in modules:
             expand_module_kv(module, heads, current, target // current)
-    except BaseException:
-        for module, state in zip(modules, saved):
-            restore_module_state(module, state)
-        raise
     cfg.num_key_value_heads = target
     _drop_gguf_marker(model)
     logger.info("hf-accel: expanded KV heads %d -> %d (exact)", current, target)

@@ -14,6 +14,9 @@ other change; pooling before Qwen3's ``k_norm`` (an RMSNorm, not linear) is the 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -88,6 +91,19 @@ def module_state(module: nn.Module) -> tuple:
     attrs = tuple((name, getattr(module, name)) for name in ("num_key_value_groups", "num_key_value_heads")
                   if hasattr(module, name))
     return linears, attrs
+
+
+@contextlib.contextmanager
+def all_or_nothing(modules) -> Iterator[None]:
+    """Head surgery over several attention modules as one step: if the block raises, every module gets its
+    :func:`module_state` from before the block back (no half-converted model), and the error propagates."""
+    saved = [module_state(module) for module in modules]
+    try:
+        yield
+    except BaseException:
+        for module, state in zip(modules, saved):
+            restore_module_state(module, state)
+        raise
 
 
 def restore_module_state(module: nn.Module, state: tuple) -> None:

@@ -121,7 +121,8 @@ def measure_generate(model, inputs: dict, streamer: BaseStreamer | None = None, 
         Whatever ``model.generate`` raises for these arguments.
     """
     if not isinstance(inputs, Mapping):
-        raise TypeError(f"inputs must be a mapping (a tokenizer's output) holding input_ids, got {type(inputs).__name__}")
+        raise TypeError(f"inputs must be a mapping (a tokenizer's output) holding input_ids, got "
+                        f"{type(inputs).__name__}")
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         got = f"a tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__

@@ -37,7 +37,8 @@ def find_default_gguf() -> Path:
         if not path.is_file():
             raise ModelNotFoundError(f"{DEFAULT_GGUF_ENV}={env} is not a file")
         if path.suffix.lower() != ".gguf":
-            raise ModelNotFoundError(f"{DEFAULT_GGUF_ENV}={env} is not a .gguf file (it names the default model's GGUF)")
+            raise ModelNotFoundError(f"{DEFAULT_GGUF_ENV}={env} is not a .gguf file (it names the default "
+                                     f"model's GGUF)")
         return path
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is not None and spec.submodule_search_locations:
