@@ -205,11 +205,6 @@ MULTI_ROW_ATTENTION_OVERLAP = True
 #: prompts, 5100 vs 3671 on the code prompts, 13074 vs 9560 open-ended.
 FUSED_LINEAR_WHOLE_K = True
 
-#: ``k_batches`` of the step's whole-K fused_linear / fused_linear_rope calls: each program's product over K as up
-#: to this many independent K slices (a batched MMA spread over the warps, summed at the end) instead of one chain
-#: of dependent MMAs over all of K. 1 = one chain.
-FUSED_LINEAR_K_BATCHES = 1
-
 #: The in-graph greedy loop's pick + bookkeeping (argmax, pad for finished rows, token write, EOS check,
 #: next-step inputs, counters) runs as one :func:`~hf_accel.kernels.argmax.greedy_tail` launch on CUDA
 #: instead of ~10 PyTorch kernels (``torch.argmax`` of a 49k-entry row alone is a multi-block reduction).

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from hf_accel.kernels.arrival import check_counters, last_to_arrive, reset_arrivals
 from hf_accel.kernels.device import check_launch_device, check_interpreter_dot
-from hf_accel.kernels.fused_linear_tiles import _tiles, _whole_k_tiles, k_slice_batches, max_rows
+from hf_accel.kernels.fused_linear_tiles import _tiles, _whole_k_tiles, max_rows
 from hf_accel.kernels.linear_args import check_linear_args, check_rope_args, check_tiling, norm_prologue_step
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 from hf_accel.kernels.rms_norm import rms_norm_ref
@@ -56,24 +56,6 @@ def _dot_t(x, w, IEEE_DOT: tl.constexpr):
     if IEEE_DOT:
         return tl.dot(x, tl.trans(w), input_precision="ieee")
     return tl.dot(x, tl.trans(w))
-
-
-@triton.jit
-def _batched_dot_t(x, w, BATCHES: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """``x @ w.T`` (x [M, K], w [N, K]) as ``BATCHES`` independent products over K / BATCHES columns each, summed:
-    one batched (3-D) ``tl.dot`` whose batches Triton spreads over the warps, so each warp runs a short chain of
-    MMAs instead of one chain over all of K (a single accumulator: each MMA waits for the one before). The sum
-    of the partial products is in another order than one chain's."""
-    if BATCHES == 1:
-        return _dot_t(x, w, IEEE_DOT)
-    m: tl.constexpr = x.shape[0]
-    n: tl.constexpr = w.shape[0]
-    kb: tl.constexpr = x.shape[1] // BATCHES
-    x3 = tl.permute(tl.reshape(x, [m, BATCHES, kb]), (1, 0, 2))
-    w3 = tl.permute(tl.reshape(w, [n, BATCHES, kb]), (1, 2, 0))
-    if IEEE_DOT:
-        return tl.sum(tl.dot(x3, w3, input_precision="ieee"), 0)
-    return tl.sum(tl.dot(x3, w3), 0)
 
 
 @triton.jit
@@ -155,14 +137,12 @@ def _normed(x, NormW, offs_k, k_ok, rstd, dt):
 def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K, up_offset, stride_wn, stride_rom,
                       eps, store_sum, dt, NORM: tl.constexpr, RESIDUAL: tl.constexpr, TWO: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
-                      IEEE_DOT: tl.constexpr, PDL: tl.constexpr, BATCHES_A: tl.constexpr = 1,
-                      BATCHES_B: tl.constexpr = 1):
+                      IEEE_DOT: tl.constexpr, PDL: tl.constexpr):
     """The whole-K path of :func:`_fused_linear_kernel`: the program's weights, all of K as two power-of-two
     column chunks ``[0, BLOCK_K)`` (full) and ``[BLOCK_K, BLOCK_K + BLOCK_K2)`` (masked past K; none when
     BLOCK_K2 is 0), are loaded before the PDL wait; after it one load of the input rows feeds the norm and
     both products. No loop: one memory round trip after the wait. Returns the float32 products with the
-    weight rows and (``TWO``) with the rows ``up_offset`` further on. ``BATCHES_A`` / ``BATCHES_B``: each chunk's
-    product as that many independent K slices (:func:`_batched_dot_t`)."""
+    weight rows and (``TWO``) with the rows ``up_offset`` further on."""
     offs_a = tl.arange(0, BLOCK_K)
     wa = tl.load(w_rows + offs_a[None, :], mask=n_ok[:, None], other=0.0)
     if TWO:
@@ -196,14 +176,14 @@ def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K
         xa = _normed(xa, NormW, offs_a, offs_a < K, rstd, dt)
         if BLOCK_K2 > 0:
             xb = _normed(xb, NormW, offs_b, kb_ok, rstd, dt)
-    acc = _batched_dot_t(xa, wa, BATCHES_A, IEEE_DOT)
+    acc = _dot_t(xa, wa, IEEE_DOT)
     acc_up = tl.zeros_like(acc)
     if TWO:
-        acc_up = _batched_dot_t(xa, wua, BATCHES_A, IEEE_DOT)
+        acc_up = _dot_t(xa, wua, IEEE_DOT)
     if BLOCK_K2 > 0:
-        acc += _batched_dot_t(xb, wb, BATCHES_B, IEEE_DOT)
+        acc += _dot_t(xb, wb, IEEE_DOT)
         if TWO:
-            acc_up += _batched_dot_t(xb, wub, BATCHES_B, IEEE_DOT)
+            acc_up += _dot_t(xb, wub, IEEE_DOT)
     return acc, acc_up
 
 
@@ -231,8 +211,6 @@ def _fused_linear_kernel(
     ROPE: tl.constexpr,
     WHOLE_K: tl.constexpr = False,
     BLOCK_K2: tl.constexpr = 0,
-    BATCHES_A: tl.constexpr = 1,
-    BATCHES_B: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -259,8 +237,7 @@ def _fused_linear_kernel(
     if WHOLE_K:
         acc, acc_up = _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K, up_offset,
                                         stride_wn, stride_rom, eps, pid_n == 0, dt, NORM, RESIDUAL,
-                                        SWIGLU or ROPE, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT, PDL,
-                                        BATCHES_A, BATCHES_B)
+                                        SWIGLU or ROPE, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT, PDL)
         if ROPE:
             _rope_epilogue2d(acc, acc_up, Bias, Y, Cos, Sin, KCache, VCache, SlotMapping, rows, row_ok, head, lane,
                              dt, stride_ym, stride_cm, num_heads, num_kv_heads, head_dim, block_size, stride_kcb,
@@ -371,7 +348,6 @@ def fused_linear(
     norm_k: int | None = None,
     small_tiles: bool = False,
     whole_k: bool = False,
-    k_batches: int = 1,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows (:data:`WHOLE_K_MAX_ROWS` with
     ``whole_k``), in one kernel.
@@ -415,19 +391,15 @@ def fused_linear(
             while its tiles fit shared memory); ``block_n`` default 32; rows in blocks of :data:`WHOLE_K_BLOCK_M`
             (one program per block and output tile); not with ``split_k`` > 1; ``block_k``, ``num_stages``,
             ``preload``, ``norm_k`` and ``small_tiles`` do not apply.
-        k_batches: with ``whole_k``, each program's product over K as up to this many independent K slices
-            (:func:`~.fused_linear_tiles.k_slice_batches`: at least 64 columns each), one batched MMA whose batches
-            Triton spreads over the warps, summed at the end: shorter dependent MMA chains per warp, another
-            summation order (outputs differ from ``k_batches=1`` by rounding). 1: one chain per output tile.
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
 
     Raises:
         ValueError: more rows than :func:`max_rows` allows, shape/dtype mismatches, a combination the kernel does
-            not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``), ``split_k`` or
-            ``k_batches`` not an int >= 1, ``num_warps`` not a power of two <= 16, ``counters`` that are not a
-            contiguous int32 tensor of enough elements on x's device, or ``whole_k`` where :func:`whole_k_fits` is False; bfloat16 CPU
+            not take (``residual`` without ``norm_weight``, ``bias`` with ``swiglu``), ``split_k`` not an int
+            >= 1, ``num_warps`` not a power of two <= 16, ``counters`` that are not a contiguous int32 tensor of
+            enough elements on x's device, or ``whole_k`` where :func:`whole_k_fits` is False; bfloat16 CPU
             tensors under Triton's interpreter (:func:`~hf_accel.kernels.device.check_interpreter_dot`).
     """
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
@@ -446,14 +418,12 @@ def fused_linear(
                                                               block_n, block_k, num_warps, num_stages, small_tiles)
     block_k2 = 0
     m_blocks = 1
-    batches_a = batches_b = k_slice_batches(16, k_batches)  # checks the argument
     if whole_k:
         if split_k != 1:
             raise ValueError("whole_k does not take split_k > 1")
         block_m, m_blocks, block_n, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(rows, k, given_n,
                                                                                               given_warps, x,
                                                                                               2 if swiglu else 1)
-        batches_a, batches_b = k_slice_batches(block_k, k_batches), k_slice_batches(block_k2, k_batches)
     r_in = residual if residual is not None else x
     norm_k = norm_prologue_step(norm_k, block_k)
     pdl = use_pdl(pdl, x)
@@ -486,7 +456,7 @@ def fused_linear(
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0 and k_per_split % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=split_k, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=False,
-        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2, BATCHES_A=batches_a, BATCHES_B=batches_b,
+        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (y, r_out) if residual is not None else y
@@ -533,7 +503,6 @@ def fused_linear_rope(
     preload: bool = False,
     whole_k: bool = False,
     check_slots: bool = True,
-    k_batches: int = 1,
 ):
     """The merged Q/K/V projection of a few token rows with RoPE and the cache write as its epilogue:
     :func:`fused_linear` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one
@@ -553,7 +522,7 @@ def fused_linear_rope(
             contiguous last dimension.
         slot_mapping: [rows] int32 — ``block * block_size + offset`` of each row's token; -1 = not written.
         num_heads: query heads.
-        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k, k_batches: as
+        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k: as
             :func:`fused_linear` (``preload`` default False); ``block_n`` (default the largest of 32 and 16 that
             divides it) must divide ``head_dim / 2``.
         check_slots: check that every slot lies in the pools or is -1
@@ -584,11 +553,9 @@ def fused_linear_rope(
     block_m, _, block_k, num_warps, num_stages = _tiles(rows, out_features, k, norm_weight is not None, True,
                                                         block_n, block_k, num_warps, num_stages, small_tiles)
     block_k2, m_blocks = 0, 1
-    batches_a = batches_b = k_slice_batches(16, k_batches)  # checks the argument
     if whole_k:
         block_m, m_blocks, _, block_k, block_k2, num_warps, num_stages = _whole_k_tiles(rows, k, block_n,
                                                                                         given_warps, x, 2)
-        batches_a, batches_b = k_slice_batches(block_k, k_batches), k_slice_batches(block_k2, k_batches)
     norm_k = norm_prologue_step(norm_k, block_k)
     q = torch.empty(rows, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q
@@ -611,7 +578,7 @@ def fused_linear_rope(
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=1, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=True,
-        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2, BATCHES_A=batches_a, BATCHES_B=batches_b,
+        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (q, r_out) if residual is not None else q

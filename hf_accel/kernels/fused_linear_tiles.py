@@ -157,22 +157,6 @@ def whole_k_chunks(k: int) -> tuple[int, int]:
     return a, (max(16, triton.next_power_of_2(rest)) if rest else 0)
 
 
-#: Fewest K columns per batch of :func:`k_slice_batches` (a batched MMA's K slice).
-K_BATCH_MIN_COLUMNS = 64
-
-
-def k_slice_batches(chunk: int, wanted: int) -> int:
-    """Independent K slices of a whole-K ``chunk`` of columns (a power of two) for ``wanted`` batches: the largest
-    power of two <= ``wanted`` that leaves each slice at least :data:`K_BATCH_MIN_COLUMNS` columns (1 = one MMA
-    chain over the chunk; 0 columns -> 1). 512 columns, 8 wanted -> 8; 64 -> 1; 1024 -> 8."""
-    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
-        raise ValueError(f"k_batches must be an int >= 1, got {wanted!r}")
-    b = 1
-    while b * 2 <= wanted and chunk // (b * 2) >= K_BATCH_MIN_COLUMNS:
-        b *= 2
-    return b
-
-
 def split_k_for(out_features: int, k: int, target_programs: float, rows: int = 16) -> int:
     """A ``split_k`` for :func:`fused_linear` with default tiles: about ``target_programs`` programs in all,
     at least one K tile (``block_k`` columns) per program."""

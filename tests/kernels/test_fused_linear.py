@@ -190,33 +190,6 @@ def test_whole_k_matches_reference_fp32(rows, hidden, out, mode):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,hidden,out,k_batches", [(3, 576, 32, 8), (16, 1536, 16, 8), (5, 256, 48, 2),
-                                                       (2, 333, 16, 4)])
-@pytest.mark.parametrize("mode", ["norm_residual", "norm_residual_swiglu"])
-def test_whole_k_batched_mma_matches_reference_fp32(rows, hidden, out, k_batches, mode):
-    """``k_batches``: the products over K as independent K slices summed at the end (576 = 512 in 8 slices of 64
-    + one chain over 64; 1536 = 1024 in 8 + 512 in 8; 256 in 2; 333 = 256 in 4 + a masked 128 in 2)."""
-    x, r, w, nw, b = linear_inputs(rows, hidden, out * (2 if "swiglu" in mode else 1), torch.float32, seed=hidden)
-    kw = linear_kwargs(mode, r, nw, b)
-    want = fused_linear_ref(x, w, **kw)
-    got = fused_linear(x, w, whole_k=True, k_batches=k_batches, **kw)
-    if "residual" in mode:
-        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
-        got, want = got[0], want[0]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_k_slice_batches():
-    from hf_accel.kernels.fused_linear_tiles import k_slice_batches
-
-    assert [k_slice_batches(c, 8) for c in (512, 64, 1024, 128, 0, 16)] == [8, 1, 8, 2, 1, 1]
-    assert [k_slice_batches(1024, w) for w in (1, 2, 3, 5, 16)] == [1, 2, 2, 4, 16]
-    x, _, w, _, _ = linear_inputs(2, 64, 32, torch.float32)
-    for bad in (0, -1, True, 2.0):
-        with pytest.raises(ValueError, match="k_batches must be an int >= 1"):
-            fused_linear(x, w, whole_k=True, k_batches=bad)
-
-
 def test_whole_k_chunks_and_bad_arguments():
     from hf_accel.kernels.fused_linear_tiles import WHOLE_K_MAX, whole_k_chunks
 
