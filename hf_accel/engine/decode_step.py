@@ -325,7 +325,6 @@ class DecodeStep:
                 o = paged_attention(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table,
                                     seq_lens, max_seq, key_mask, causal=True, sm_scale=attn.scaling,
                                     num_splits=splits, num_stages=self._attention_stages(b, t),
-                                    block_m=self._attention_block_m(b, t),
                                     pdl=pdl and switches.ATTENTION_PDL, check_blocks=False, **attn_kw)
             ln = layer.post_attention_layernorm
             if linear is not None:
@@ -376,13 +375,6 @@ class DecodeStep:
         if batch == 1 and rows == self.q_len > 1:
             return switches.VERIFY_ATTENTION_STAGES
         return switches.DECODE_ATTENTION_STAGES
-
-    def _attention_block_m(self, batch: int, rows: int) -> int | None:
-        """Query rows per paged attention program: :data:`~hf_accel.engine.step_switches.VERIFY_ATTENTION_BLOCK_M`
-        for a batch-1 verify pass, else None (the launcher's default)."""
-        if batch == 1 and rows == self.q_len > 1:
-            return switches.VERIFY_ATTENTION_BLOCK_M
-        return None
 
     @staticmethod
     def _gemv(x, weight, **kw):

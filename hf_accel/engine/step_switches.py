@@ -237,11 +237,6 @@ DECODE_ATTENTION_STAGES = 3
 #: (0.438-0.458 ms either way). End to end not measured.
 VERIFY_ATTENTION_STAGES = 2
 
-#: Query rows per program (``block_m`` of :func:`~hf_accel.kernels.paged_attention.paged_attention`) in batch-1
-#: verify passes; None = the launcher's default (the smallest of 16 / 32 / 64 that holds q_len x GQA group rows).
-#: Smaller blocks give more programs per KV head, so fewer KV splits (and merges) are needed for the same grid.
-VERIFY_ATTENTION_BLOCK_M = None
-
 #: Fewest keys per KV split of the step's paged attention
 #: (:func:`~hf_accel.engine.decode_step.default_num_splits`). H200, Llama-3-8B
 #: shape bs1 (``bench_generate-gemv-rope-ab-20261201-3899aa9.json``): 234.7 tok/s at 64, 230.7 at 128,
