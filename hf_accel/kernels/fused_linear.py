@@ -187,38 +187,37 @@ def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K
     if PDL:
         gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
     if QUARTERS:
-        acc, acc_up = _whole_k_quarters(x_rows, r_rows, NormW, ROut, rows, row_ok, K, stride_rom, eps, store_sum,
-                                        dt, w0, w1, w2, w3, wu0, wu1, wu2, wu3, wb, wub, offs_b, kb_ok,
-                                        NORM, RESIDUAL, TWO, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT)
-    else:
-        xa = _load_row_chunk(x_rows, r_rows, offs_a, row_ok[:, None], dt, RESIDUAL)
+        return _whole_k_quarters(x_rows, r_rows, NormW, ROut, rows, row_ok, K, stride_rom, eps, store_sum, dt,
+                                 w0, w1, w2, w3, wu0, wu1, wu2, wu3, wb, wub, offs_b, kb_ok,
+                                 NORM, RESIDUAL, TWO, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT)
+    xa = _load_row_chunk(x_rows, r_rows, offs_a, row_ok[:, None], dt, RESIDUAL)
+    if BLOCK_K2 > 0:
+        xmb = row_ok[:, None] & kb_ok[None, :]
+        xb = _load_row_chunk(x_rows, r_rows, offs_b, xmb, dt, RESIDUAL)
+    if RESIDUAL:
+        if store_sum:
+            r_out = ROut + rows[:, None].to(tl.int64) * stride_rom
+            tl.store(r_out + offs_a[None, :], xa, mask=row_ok[:, None])
+            if BLOCK_K2 > 0:
+                tl.store(r_out + offs_b[None, :], xb, mask=xmb)
+    if NORM:
+        xf = xa.to(tl.float32)
+        ss = tl.sum(xf * xf, 1)
         if BLOCK_K2 > 0:
-            xmb = row_ok[:, None] & kb_ok[None, :]
-            xb = _load_row_chunk(x_rows, r_rows, offs_b, xmb, dt, RESIDUAL)
-        if RESIDUAL:
-            if store_sum:
-                r_out = ROut + rows[:, None].to(tl.int64) * stride_rom
-                tl.store(r_out + offs_a[None, :], xa, mask=row_ok[:, None])
-                if BLOCK_K2 > 0:
-                    tl.store(r_out + offs_b[None, :], xb, mask=xmb)
-        if NORM:
-            xf = xa.to(tl.float32)
-            ss = tl.sum(xf * xf, 1)
-            if BLOCK_K2 > 0:
-                xbf = xb.to(tl.float32)
-                ss += tl.sum(xbf * xbf, 1)
-            rstd = tl.rsqrt(ss / K + eps)
-            xa = _normed(xa, NormW, offs_a, offs_a < K, rstd, dt)
-            if BLOCK_K2 > 0:
-                xb = _normed(xb, NormW, offs_b, kb_ok, rstd, dt)
-        acc = _dot_t(xa, wa, IEEE_DOT)
-        acc_up = tl.zeros_like(acc)
+            xbf = xb.to(tl.float32)
+            ss += tl.sum(xbf * xbf, 1)
+        rstd = tl.rsqrt(ss / K + eps)
+        xa = _normed(xa, NormW, offs_a, offs_a < K, rstd, dt)
+        if BLOCK_K2 > 0:
+            xb = _normed(xb, NormW, offs_b, kb_ok, rstd, dt)
+    acc = _dot_t(xa, wa, IEEE_DOT)
+    acc_up = tl.zeros_like(acc)
+    if TWO:
+        acc_up = _dot_t(xa, wua, IEEE_DOT)
+    if BLOCK_K2 > 0:
+        acc += _dot_t(xb, wb, IEEE_DOT)
         if TWO:
-            acc_up = _dot_t(xa, wua, IEEE_DOT)
-        if BLOCK_K2 > 0:
-            acc += _dot_t(xb, wb, IEEE_DOT)
-            if TWO:
-                acc_up += _dot_t(xb, wub, IEEE_DOT)
+            acc_up += _dot_t(xb, wub, IEEE_DOT)
     return acc, acc_up
 
 
