@@ -258,8 +258,7 @@ class DecodeStep:
                                             check_slots=False,
                                             preload=switches.FUSED_LINEAR_PRELOAD,
                                             whole_k=switches.FUSED_LINEAR_WHOLE_K and whole_k_fits(
-                                                hidden.shape[1], hidden.dtype, hidden.device, 64),
-                                            k_quarters=switches.FUSED_LINEAR_K_QUARTERS)
+                                                hidden.shape[1], hidden.dtype, hidden.device, 64))
         pdl = switches.DECODE_PDL
         overlap = pdl and switches.ATTENTION_PDL and (
             one_row or (switches.MULTI_ROW_ATTENTION_OVERLAP and rope_linear is not None))
@@ -394,7 +393,7 @@ class DecodeStep:
                                 switches.FUSED_LINEAR_SPLIT_PROGRAMS_PER_SM * self.sms)
         if switches.FUSED_LINEAR_WHOLE_K and whole_k_fits(weight.shape[1], x.dtype, x.device,
                                                           64 if kw.get("swiglu") else 32):
-            return fused_linear(x, weight, whole_k=True, k_quarters=switches.FUSED_LINEAR_K_QUARTERS, **kw)
+            return fused_linear(x, weight, whole_k=True, **kw)
         return fused_linear(x, weight, split_k=split, counters=self.linear_counters,
                             norm_k=switches.FUSED_LINEAR_NORM_K, small_tiles=switches.FUSED_LINEAR_SMALL_TILES,
                             preload=switches.FUSED_LINEAR_PRELOAD or None, **kw)

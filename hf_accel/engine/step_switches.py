@@ -205,10 +205,6 @@ MULTI_ROW_ATTENTION_OVERLAP = True
 #: prompts, 5100 vs 3671 on the code prompts, 13074 vs 9560 open-ended.
 FUSED_LINEAR_WHOLE_K = True
 
-#: ``k_quarters`` of the step's whole-K fused_linear / fused_linear_rope calls: the first column chunk of each
-#: product as four quarters, four independent MMA chains per warp, summed.
-FUSED_LINEAR_K_QUARTERS = False
-
 #: The in-graph greedy loop's pick + bookkeeping (argmax, pad for finished rows, token write, EOS check,
 #: next-step inputs, counters) runs as one :func:`~hf_accel.kernels.argmax.greedy_tail` launch on CUDA
 #: instead of ~10 PyTorch kernels (``torch.argmax`` of a 49k-entry row alone is a multi-block reduction).

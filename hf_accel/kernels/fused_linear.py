@@ -59,14 +59,6 @@ def _dot_t(x, w, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _dot_acc(x, w, acc, IEEE_DOT: tl.constexpr):
-    """``acc + x @ w.T`` as one dot."""
-    if IEEE_DOT:
-        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-    return tl.dot(x, tl.trans(w), acc)
-
-
-@triton.jit
 def _epilogue(acc, acc_up, Bias, Y, rows, row_ok, offs_n, n_ok, stride_ym, dt, SWIGLU: tl.constexpr,
               HAS_BIAS: tl.constexpr):
     """Bias, rounding to the model dtype, SwiGLU; stores the output tile."""
@@ -145,34 +137,16 @@ def _normed(x, NormW, offs_k, k_ok, rstd, dt):
 def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K, up_offset, stride_wn, stride_rom,
                       eps, store_sum, dt, NORM: tl.constexpr, RESIDUAL: tl.constexpr, TWO: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
-                      IEEE_DOT: tl.constexpr, PDL: tl.constexpr, QUARTERS: tl.constexpr = False):
+                      IEEE_DOT: tl.constexpr, PDL: tl.constexpr):
     """The whole-K path of :func:`_fused_linear_kernel`: the program's weights, all of K as two power-of-two
     column chunks ``[0, BLOCK_K)`` (full) and ``[BLOCK_K, BLOCK_K + BLOCK_K2)`` (masked past K; none when
     BLOCK_K2 is 0), are loaded before the PDL wait; after it one load of the input rows feeds the norm and
     both products. No loop: one memory round trip after the wait. Returns the float32 products with the
-    weight rows and (``TWO``) with the rows ``up_offset`` further on. ``QUARTERS``: chunk a in four column
-    quarters (:func:`_whole_k_quarters`)."""
+    weight rows and (``TWO``) with the rows ``up_offset`` further on."""
     offs_a = tl.arange(0, BLOCK_K)
-    if QUARTERS:
-        # chunk a as four quarters of columns, each its own product (four independent MMA chains, summed)
-        q: tl.constexpr = BLOCK_K // 4
-        offs_q = tl.arange(0, q)
-        w_up = w_rows + up_offset * stride_wn
-        w0 = tl.load(w_rows + offs_q[None, :], mask=n_ok[:, None], other=0.0)
-        w1 = tl.load(w_rows + q + offs_q[None, :], mask=n_ok[:, None], other=0.0)
-        w2 = tl.load(w_rows + 2 * q + offs_q[None, :], mask=n_ok[:, None], other=0.0)
-        w3 = tl.load(w_rows + 3 * q + offs_q[None, :], mask=n_ok[:, None], other=0.0)
-        if TWO:
-            wu0 = tl.load(w_up + offs_q[None, :], mask=n_ok[:, None], other=0.0)
-            wu1 = tl.load(w_up + q + offs_q[None, :], mask=n_ok[:, None], other=0.0)
-            wu2 = tl.load(w_up + 2 * q + offs_q[None, :], mask=n_ok[:, None], other=0.0)
-            wu3 = tl.load(w_up + 3 * q + offs_q[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            wu0, wu1, wu2, wu3 = w0, w1, w2, w3  # not used
-    else:
-        wa = tl.load(w_rows + offs_a[None, :], mask=n_ok[:, None], other=0.0)
-        if TWO:
-            wua = tl.load(w_rows + up_offset * stride_wn + offs_a[None, :], mask=n_ok[:, None], other=0.0)
+    wa = tl.load(w_rows + offs_a[None, :], mask=n_ok[:, None], other=0.0)
+    if TWO:
+        wua = tl.load(w_rows + up_offset * stride_wn + offs_a[None, :], mask=n_ok[:, None], other=0.0)
     if BLOCK_K2 > 0:
         offs_b = BLOCK_K + tl.arange(0, BLOCK_K2)
         kb_ok = offs_b < K
@@ -180,16 +154,8 @@ def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K
         wb = tl.load(w_rows + offs_b[None, :], mask=wmb, other=0.0)
         if TWO:
             wub = tl.load(w_rows + up_offset * stride_wn + offs_b[None, :], mask=wmb, other=0.0)
-        else:
-            wub = wb  # not used
-    elif QUARTERS:
-        offs_b, kb_ok, wb, wub = offs_q, offs_q < K, w0, w0  # not used
     if PDL:
         gdc_wait()  # x, the residual and the outputs may belong to the previous kernel
-    if QUARTERS:
-        return _whole_k_quarters(x_rows, r_rows, NormW, ROut, rows, row_ok, K, stride_rom, eps, store_sum, dt,
-                                 w0, w1, w2, w3, wu0, wu1, wu2, wu3, wb, wub, offs_b, kb_ok,
-                                 NORM, RESIDUAL, TWO, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT)
     xa = _load_row_chunk(x_rows, r_rows, offs_a, row_ok[:, None], dt, RESIDUAL)
     if BLOCK_K2 > 0:
         xmb = row_ok[:, None] & kb_ok[None, :]
@@ -222,61 +188,6 @@ def _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K
 
 
 @triton.jit
-def _whole_k_quarters(x_rows, r_rows, NormW, ROut, rows, row_ok, K, stride_rom, eps, store_sum, dt,
-                      w0, w1, w2, w3, wu0, wu1, wu2, wu3, wb, wub, offs_b, kb_ok,
-                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """After the wait, :func:`_whole_k_products` with chunk a in four column quarters: the input rows' quarters,
-    the norm over all of K, one product per quarter (independent MMA chains) and the chunk-b product, summed."""
-    q: tl.constexpr = BLOCK_K // 4
-    offs_q = tl.arange(0, q)
-    xm = row_ok[:, None]
-    x0 = _load_row_chunk(x_rows, r_rows, offs_q, xm, dt, RESIDUAL)
-    x1 = _load_row_chunk(x_rows, r_rows, q + offs_q, xm, dt, RESIDUAL)
-    x2 = _load_row_chunk(x_rows, r_rows, 2 * q + offs_q, xm, dt, RESIDUAL)
-    x3 = _load_row_chunk(x_rows, r_rows, 3 * q + offs_q, xm, dt, RESIDUAL)
-    if BLOCK_K2 > 0:
-        xmb = row_ok[:, None] & kb_ok[None, :]
-        xb = _load_row_chunk(x_rows, r_rows, offs_b, xmb, dt, RESIDUAL)
-    if RESIDUAL:
-        if store_sum:
-            r_out = ROut + rows[:, None].to(tl.int64) * stride_rom
-            tl.store(r_out + offs_q[None, :], x0, mask=xm)
-            tl.store(r_out + q + offs_q[None, :], x1, mask=xm)
-            tl.store(r_out + 2 * q + offs_q[None, :], x2, mask=xm)
-            tl.store(r_out + 3 * q + offs_q[None, :], x3, mask=xm)
-            if BLOCK_K2 > 0:
-                tl.store(r_out + offs_b[None, :], xb, mask=xmb)
-    if NORM:
-        f0, f1, f2, f3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
-        ss = tl.sum(f0 * f0, 1) + tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1) + tl.sum(f3 * f3, 1)
-        if BLOCK_K2 > 0:
-            xbf = xb.to(tl.float32)
-            ss += tl.sum(xbf * xbf, 1)
-        rstd = tl.rsqrt(ss / K + eps)
-        x0 = _normed(x0, NormW, offs_q, offs_q < K, rstd, dt)
-        x1 = _normed(x1, NormW, q + offs_q, q + offs_q < K, rstd, dt)
-        x2 = _normed(x2, NormW, 2 * q + offs_q, 2 * q + offs_q < K, rstd, dt)
-        x3 = _normed(x3, NormW, 3 * q + offs_q, 3 * q + offs_q < K, rstd, dt)
-        if BLOCK_K2 > 0:
-            xb = _normed(xb, NormW, offs_b, kb_ok, rstd, dt)
-    # a zero the compiler cannot see (eps * 0): a dot whose accumulator is a constant zero, added to another
-    # product, is folded into that product's MMA chain, which is what the quarters avoid
-    zero = tl.full([BLOCK_M, w0.shape[0]], 0.0, tl.float32) + eps * 0.0
-    acc = (_dot_acc(x0, w0, zero, IEEE_DOT) + _dot_acc(x1, w1, zero, IEEE_DOT)) + (
-        _dot_acc(x2, w2, zero, IEEE_DOT) + _dot_acc(x3, w3, zero, IEEE_DOT))
-    acc_up = tl.zeros_like(acc)
-    if TWO:
-        acc_up = (_dot_acc(x0, wu0, zero, IEEE_DOT) + _dot_acc(x1, wu1, zero, IEEE_DOT)) + (
-            _dot_acc(x2, wu2, zero, IEEE_DOT) + _dot_acc(x3, wu3, zero, IEEE_DOT))
-    if BLOCK_K2 > 0:
-        acc += _dot_t(xb, wb, IEEE_DOT)
-        if TWO:
-            acc_up += _dot_t(xb, wub, IEEE_DOT)
-    return acc, acc_up
-
-
-@triton.jit
 def _fused_linear_kernel(
     X, R, NormW, W, Bias, Y, ROut, Part, Counters,
     Cos, Sin, KCache, VCache, SlotMapping,
@@ -300,7 +211,6 @@ def _fused_linear_kernel(
     ROPE: tl.constexpr,
     WHOLE_K: tl.constexpr = False,
     BLOCK_K2: tl.constexpr = 0,
-    QUARTERS: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -327,7 +237,7 @@ def _fused_linear_kernel(
     if WHOLE_K:
         acc, acc_up = _whole_k_products(x_rows, r_rows, NormW, w_rows, ROut, rows, row_ok, n_ok, K, up_offset,
                                         stride_wn, stride_rom, eps, pid_n == 0, dt, NORM, RESIDUAL,
-                                        SWIGLU or ROPE, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT, PDL, QUARTERS)
+                                        SWIGLU or ROPE, BLOCK_M, BLOCK_K, BLOCK_K2, IEEE_DOT, PDL)
         if ROPE:
             _rope_epilogue2d(acc, acc_up, Bias, Y, Cos, Sin, KCache, VCache, SlotMapping, rows, row_ok, head, lane,
                              dt, stride_ym, stride_cm, num_heads, num_kv_heads, head_dim, block_size, stride_kcb,
@@ -438,7 +348,6 @@ def fused_linear(
     norm_k: int | None = None,
     small_tiles: bool = False,
     whole_k: bool = False,
-    k_quarters: bool = False,
 ):
     """``y = f(g(x) @ weight.T + bias)`` for at most :data:`MAX_ROWS` rows (:data:`WHOLE_K_MAX_ROWS` with
     ``whole_k``), in one kernel.
@@ -482,10 +391,6 @@ def fused_linear(
             while its tiles fit shared memory); ``block_n`` default 32; rows in blocks of :data:`WHOLE_K_BLOCK_M`
             (one program per block and output tile); not with ``split_k`` > 1; ``block_k``, ``num_stages``,
             ``preload``, ``norm_k`` and ``small_tiles`` do not apply.
-        k_quarters: with ``whole_k``, the first column chunk (:func:`whole_k_chunks`; at least 64 columns) as four
-            quarters, each its own product, summed: four independent MMA chains per warp instead of one over the
-            chunk (each MMA of a chain waits for the one before). Another summation order: outputs differ by
-            rounding from ``k_quarters=False``. Ignored without ``whole_k`` or for a narrower chunk.
 
     Returns:
         ``y`` [rows, out_features (// 2 with swiglu)], or ``(y, x + residual)`` when ``residual`` is given.
@@ -551,7 +456,7 @@ def fused_linear(
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0 and k_per_split % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=split_k, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=False,
-        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2, QUARTERS=bool(whole_k and k_quarters and block_k >= 64),
+        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (y, r_out) if residual is not None else y
@@ -598,7 +503,6 @@ def fused_linear_rope(
     preload: bool = False,
     whole_k: bool = False,
     check_slots: bool = True,
-    k_quarters: bool = False,
 ):
     """The merged Q/K/V projection of a few token rows with RoPE and the cache write as its epilogue:
     :func:`fused_linear` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one
@@ -618,7 +522,7 @@ def fused_linear_rope(
             contiguous last dimension.
         slot_mapping: [rows] int32 — ``block * block_size + offset`` of each row's token; -1 = not written.
         num_heads: query heads.
-        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k, k_quarters: as
+        pdl, block_n, block_k, num_warps, num_stages, norm_k, small_tiles, preload, whole_k: as
             :func:`fused_linear` (``preload`` default False); ``block_n`` (default the largest of 32 and 16 that
             divides it) must divide ``head_dim / 2``.
         check_slots: check that every slot lies in the pools or is -1
@@ -674,7 +578,7 @@ def fused_linear_rope(
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=False, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, PDL=pdl, SPLIT_K=1, PRELOAD=bool(preload), NORM_K=norm_k, ROPE=True,
-        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2, QUARTERS=bool(whole_k and k_quarters and block_k >= 64),
+        WHOLE_K=bool(whole_k), BLOCK_K2=block_k2,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return (q, r_out) if residual is not None else q

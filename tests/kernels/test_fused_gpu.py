@@ -158,16 +158,6 @@ def test_fused_linear_whole_k_bf16(rows, hidden, out, mode):
     _check_linear_bf16(lambda x, w, **kw: fused_linear(x, w, whole_k=True, pdl=True, **kw), rows, hidden, out, mode)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("rows,hidden,out", [(2, 576, 960), (16, 576, 3072), (16, 1536, 576), (5, 4096, 1024),
-                                             (32, 1536, 576)])
-def test_fused_linear_whole_k_quarters_bf16(rows, hidden, out, mode):
-    from hf_accel.kernels.fused_linear import fused_linear
-
-    _check_linear_bf16(lambda x, w, **kw: fused_linear(x, w, whole_k=True, k_quarters=True, pdl=True, **kw), rows,
-                       hidden, out, mode)
-
-
 @pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("mode", MODES)

@@ -190,22 +190,6 @@ def test_whole_k_matches_reference_fp32(rows, hidden, out, mode):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,hidden,out", [(3, 576, 32), (16, 1536, 16), (5, 256, 48), (2, 333, 16), (4, 64, 16),
-                                             (2, 32, 16)])
-@pytest.mark.parametrize("mode", ["plain", "norm_residual", "norm_residual_swiglu"])
-def test_whole_k_quarters_match_reference_fp32(rows, hidden, out, mode):
-    """``k_quarters``: the first column chunk as four quarter products, summed (576 = 4 x 128 + 64; 1536 = 4 x 256
-    + 512; 256 = 4 x 64; 333 = 4 x 64 + a masked 128; 64 = 4 x 16, no second chunk; 32: too narrow, one chunk)."""
-    x, r, w, nw, b = linear_inputs(rows, hidden, out * (2 if "swiglu" in mode else 1), torch.float32, seed=hidden)
-    kw = linear_kwargs(mode, r, nw, b)
-    want = fused_linear_ref(x, w, **kw)
-    got = fused_linear(x, w, whole_k=True, k_quarters=True, **kw)
-    if "residual" in mode:
-        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
-        got, want = got[0], want[0]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
 def test_whole_k_chunks_and_bad_arguments():
     from hf_accel.kernels.fused_linear_tiles import WHOLE_K_MAX, whole_k_chunks
 
@@ -250,7 +234,7 @@ def test_inputs_narrower_than_16_take_the_k_loop_and_whole_k_refuses_them(k):
 
 @pytest.mark.parametrize("rows,preload,whole_k", [(1, False, False), (5, False, False), (16, False, False),
                                                   (5, True, False), (3, False, True), (16, False, True),
-                                                  (27, False, True), (50, False, True), (16, False, "quarters")])
+                                                  (27, False, True), (50, False, True)])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden,bias", [(3, 1, 32, 96, False), (2, 1, 64, 80, True)])
 def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preload, whole_k, heads, kv_heads, d,
                                                                      hidden, bias):
@@ -277,8 +261,6 @@ def test_fused_linear_rope_is_fused_linear_then_rope_and_cache_fp32(rows, preloa
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     want_q = rope_and_cache_ref(q, k, v, cos, sin, kc1, vc1, slots)
     tiles = dict(block_k=16, preload=True) if preload else ({"whole_k": True} if whole_k else {})
-    if whole_k == "quarters":  # hidden 96 / 80: the first chunk of 64 columns as four products of 16
-        tiles["k_quarters"] = True
     got_q, got_res = fused_linear_rope(x, w, cos, sin, kc2, vc2, slots, heads, bias=b, norm_weight=nw, eps=1e-5,
                                        residual=r, **tiles)
     torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
