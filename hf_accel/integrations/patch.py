@@ -23,6 +23,9 @@ from hf_accel.integrations.lora_fingerprints import (
 #: and grouped-query attention as transformers implements them); other types raise ValueError.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATE_ATTR = "_hf_accel_state"
+#: Set on a base model when hf-accel reverted itself before a peft call (:func:`_revert_for`): what was called, for
+#: the error of a later ``revert_model``; cleared by the next ``accelerate_model``.
+_AUTO_REVERTED_ATTR = "_hf_accel_reverted_for"
 
 #: Config objects switched to hf-accel's attention, by id: [the attention before the first switch, how many
 #: accelerated models share the config, a weak reference to it]. transformers keeps the attention choice in the
@@ -149,6 +152,7 @@ def _revert_for(peft_model, what: str) -> None:
         logger.warning("hf-accel: %s on a PeftModel whose LoRA adapters hf-accel merged: reverted hf-accel first "
                        "(accelerate_model again afterwards for inference)", what)
         revert_model(peft_model)
+        peft_model.get_base_model().__dict__[_AUTO_REVERTED_ATTR] = what
 
 
 def _peft_revert_first(peft_model, owner, name: str, *args, **kwargs):
@@ -438,6 +442,7 @@ def accelerate_model(
         _restore(hf_model, peft_model, state)
         raise
     setattr(hf_model, _STATE_ATTR, state)
+    hf_model.__dict__.pop(_AUTO_REVERTED_ATTR, None)
     path = "Triton kernel" if hf_model.device.type == "cuda" else "PyTorch (scaled_dot_product_attention; no GPU for this model)"
     logger.info(
         "hf-accel: %s (%s, %d layers) now uses attention %r: %s%s%s",
@@ -468,14 +473,20 @@ def revert_model(model):
 
     Raises:
         TypeError: ``model`` is not a transformers/peft model.
-        ValueError: the model was not accelerated.
+        ValueError: the model is not accelerated (never was, was reverted already, or hf-accel reverted itself
+            before a peft call such as ``disable_adapter()`` or ``train()``: the message says which).
     """
     hf_model, peft_model = _unwrap_peft(model)
     if not isinstance(hf_model, PreTrainedModel):
         raise TypeError(f"revert_model expects a transformers PreTrainedModel; got {type(model).__qualname__}")
     state = getattr(hf_model, _STATE_ATTR, None)
     if state is None:
-        raise ValueError("this model was not accelerated by hf_accel.accelerate_model")
+        what = hf_model.__dict__.get(_AUTO_REVERTED_ATTR)
+        if what is not None:
+            raise ValueError(f"this model is not accelerated: hf-accel already reverted it itself when {what} was "
+                             "called on the PeftModel (logged); accelerate_model(model) accelerates it again")
+        raise ValueError("this model is not accelerated: accelerate_model was not called on it, or revert_model "
+                         "already undid it")
     _restore(hf_model, peft_model, state)
     logger.info("hf-accel: reverted %s to attention %r", type(hf_model).__name__, state["attn_implementation"])
     return model

@@ -100,7 +100,8 @@ class SpeculativeConfig:
         apply them).
 
         Raises:
-            TypeError: anything else. ValueError: a config whose fields were set to invalid values.
+            TypeError: anything else (a peft model as the draft: with a hint to merge it). ValueError: a config whose
+                fields were set to invalid values.
         """
         if isinstance(arg, cls):
             return dataclasses.replace(arg)
@@ -110,6 +111,10 @@ class SpeculativeConfig:
 
         if isinstance(arg, PreTrainedModel):
             return cls(method="draft_model", draft_model=arg)
+        if type(arg).__module__.startswith("peft."):
+            raise TypeError(f"a peft {type(arg).__qualname__} cannot be the draft model of speculative=: merge its "
+                            "adapters into a transformers model first (draft.merge_and_unload()); as "
+                            "generate(assistant_model=...) it runs in transformers' assisted loop")
         raise TypeError("speculative must be a SpeculativeConfig, one of "
                         f"{', '.join(repr(m) for m in METHODS)} or a draft model; got {type(arg).__qualname__}")
 
@@ -139,7 +144,9 @@ def check_draft(target, draft) -> None:
     from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, is_accelerated
 
     if not isinstance(draft, PreTrainedModel) or not hasattr(draft, "lm_head"):
-        raise ValueError(f"the draft model must be a transformers causal LM, got {type(draft).__qualname__}")
+        hint = (" (merge a peft model's adapters into it first: draft.merge_and_unload())"
+                if type(draft).__module__.startswith("peft.") else "")
+        raise ValueError(f"the draft model must be a transformers causal LM, got {type(draft).__qualname__}{hint}")
     if draft is target:
         raise ValueError("the draft model is the target itself; use method 'early_exit' for self-speculation")
     if getattr(draft.config, "model_type", None) not in SUPPORTED_MODEL_TYPES:

@@ -251,6 +251,37 @@ def test_peft_adapter_calls_revert_first_and_keep_the_base_weights_exact(call, t
         assert torch.equal(got[name], value), name
 
 
+def test_revert_after_hf_accels_own_revert_says_so(tiny, hf_log):
+    """A script's own revert_model after hf-accel reverted itself before a peft call raises an error that names that
+    call (it said the model was never accelerated); accelerating again clears it, and a plain second revert_model
+    says the model is not accelerated."""
+    ours = accelerate_model(_lora_model(tiny, seed=31))
+    ids, mask = tiny.batch(seed=32)
+    with ours.disable_adapter():
+        tiny.greedy(ours, ids, mask, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"hf-accel already reverted it itself when disable_adapter\(\) was called"):
+        revert_model(ours)
+    accelerate_model(ours)
+    revert_model(ours)
+    with pytest.raises(ValueError, match="not accelerated: accelerate_model was not called on it, or revert_model "
+                                         "already undid it"):
+        revert_model(ours)
+
+
+def test_peft_model_as_speculative_draft_is_refused_with_a_hint(tiny):
+    """A PeftModel given as ``speculative=`` (or as a config's draft_model) is refused with a hint to merge its
+    adapters (it said "a draft model; got PeftModel")."""
+    from hf_accel import SpeculativeConfig
+
+    target = tiny.model("llama", seed=33)
+    draft = _lora_model(tiny, seed=34)
+    with pytest.raises(TypeError, match=r"a peft PeftModel cannot be the draft model.*merge_and_unload"):
+        accelerate_model(target, speculative=draft)
+    with pytest.raises(ValueError, match=r"transformers causal LM, got PeftModel \(merge .*merge_and_unload"):
+        accelerate_model(target, speculative=SpeculativeConfig("draft_model", draft_model=draft))
+    assert not is_accelerated(target)
+
+
 @pytest.mark.parametrize("wrap", ["lora_on_embed_tokens", "trainable_tokens"])
 def test_peft_wrapped_embedding_gives_stock_tokens_on_the_fast_path(wrap, tiny, hf_log):
     """peft wraps the input embedding when LoRA or trainable tokens target it (``lora.Embedding``,
