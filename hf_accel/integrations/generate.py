@@ -403,8 +403,11 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
                                                         assisted=True)
         if out is not None:
             return out
-        log_once(f"assisted-stock:{reason}", "hf-accel: assisted generation runs transformers' own loop"
-                 + (f": {reason}" if reason else ""))
+        ids = _input_ids(args, kwargs)
+        rows = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
+        batch_note = f" (transformers' assisted generation takes one row; this call has {rows})" if rows > 1 else ""
+        log_once(f"assisted-stock:{reason}:{rows > 1}", "hf-accel: assisted generation runs transformers' own loop"
+                 + (f": {reason}" if reason else "") + batch_note)
         return original_generate(*args, **kwargs)
     if assisted_reason is not None:
         log_once(f"assisted-stock:{assisted_reason}", f"hf-accel: transformers' assisted generation runs: {assisted_reason}")

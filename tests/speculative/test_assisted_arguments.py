@@ -191,6 +191,23 @@ def test_an_assistant_model_hf_accel_cannot_draft_with_runs_transformers_assiste
         accelerate_model(copy.deepcopy(model), speculative=assistant)
 
 
+def test_assisted_batch_left_to_transformers_loop_is_logged_as_one_row_only(tiny, hf_log):
+    """A batch of several rows whose assisted call hf-accel leaves to transformers' loop (a sliding window shorter
+    than the sequence) is refused by transformers (one row only), as in stock; the log line says so (it only said
+    that transformers' loop runs)."""
+    model = tiny.model("mistral", sliding_window=8)
+    ids, mask = repetitive_batch(tiny)
+    assert ids.shape[0] > 1
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        greedy(model, ids, mask, tiny.PAD, max_new_tokens=6, prompt_lookup_num_tokens=3)
+    ours = accelerate_model(copy.deepcopy(model))
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        greedy(ours, ids, mask, tiny.PAD, max_new_tokens=6, prompt_lookup_num_tokens=3)
+    assert any("assisted generation runs transformers' own loop" in r.getMessage() and
+               f"transformers' assisted generation takes one row; this call has {ids.shape[0]}" in r.getMessage()
+               for r in hf_log.records)
+
+
 def test_the_model_itself_as_assistant_runs_transformers_assisted_loop(tiny, hf_log):
     """``generate(assistant_model=model)`` (the accelerated model drafting for itself) works as in stock: transformers'
     assisted loop runs it, logged (it raised "the draft model is the target itself" from inside generate)."""
