@@ -111,12 +111,17 @@ class SpeculativeConfig:
 
         if isinstance(arg, PreTrainedModel):
             return cls(method="draft_model", draft_model=arg)
-        if type(arg).__module__.startswith("peft."):
+        if _is_peft(arg):
             raise TypeError(f"a peft {type(arg).__qualname__} cannot be the draft model of speculative=: merge its "
                             "adapters into a transformers model first (draft.merge_and_unload()); as "
                             "generate(assistant_model=...) it runs in transformers' assisted loop")
         raise TypeError("speculative must be a SpeculativeConfig, one of "
                         f"{', '.join(repr(m) for m in METHODS)} or a draft model; got {type(arg).__qualname__}")
+
+
+def _is_peft(obj) -> bool:
+    """Whether ``obj`` is a peft model (a PeftModel or tuner wrapper): a draft hf-accel takes only once merged."""
+    return type(obj).__module__.startswith("peft.")
 
 
 _NO_DRAFT_STEP = ("the draft model was accelerated without fast_decode; it has no decode step to draft with "
@@ -144,8 +149,7 @@ def check_draft(target, draft) -> None:
     from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, is_accelerated
 
     if not isinstance(draft, PreTrainedModel) or not hasattr(draft, "lm_head"):
-        hint = (" (merge a peft model's adapters into it first: draft.merge_and_unload())"
-                if type(draft).__module__.startswith("peft.") else "")
+        hint = " (merge a peft model's adapters into it first: draft.merge_and_unload())" if _is_peft(draft) else ""
         raise ValueError(f"the draft model must be a transformers causal LM, got {type(draft).__qualname__}{hint}")
     if draft is target:
         raise ValueError("the draft model is the target itself; use method 'early_exit' for self-speculation")
