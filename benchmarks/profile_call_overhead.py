@@ -11,7 +11,8 @@ For the plain fast path and prompt lookup, on the grounded-text prompts of ``ben
 
 Also writes, under ``$OUT`` (or a temporary folder), cProfile dumps of 20 one-token calls per provider
 (``call_<provider>.prof``, read with ``pstats``) and a Chrome trace of one call each
-(``trace_<provider>.json``, torch.profiler, CPU + CUDA) for reading offline.
+(``trace_<provider>.json``, torch.profiler, CPU + CUDA) for reading offline; with ``--stack``, the trace is of one
+128-token call with Python functions recorded too (``with_stack``; ``trace_<provider>.json.gz``).
 
 Also: the prefill graph's GPU time and the host time of its ``replay()`` for ``PREFILL_NUM_SPLITS`` None / 1 / 2,
 the host time of a decode step's replay, and with ``--ab-copies`` the call timings again with the EOS ids
@@ -21,7 +22,7 @@ copied from pageable host memory at every call, as before ``hf_accel.engine.tran
 With ``--timings-only`` it skips the prefill variants, the cProfile dumps and the traces, and runs the two
 providers ``--passes N`` times, interleaved (default 1): for an A/B of two trees run one after the other.
 
-    python benchmarks/profile_call_overhead.py [--ab-copies] [--timings-only] [--passes N]
+    python benchmarks/profile_call_overhead.py [--ab-copies] [--timings-only] [--passes N] [--stack]
 """
 import cProfile
 import os
@@ -229,10 +230,18 @@ def main():
         pr.disable()
         pr.dump_stats(str(out_dir / f"call_{provider}.prof"))
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            gen(ids, mask, 1)
+        stack = "--stack" in sys.argv  # Python functions in the trace too (with_stack): a host timeline
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof:
+            gen(ids, mask, 128 if stack else 1)
             sync()
-        prof.export_chrome_trace(str(out_dir / f"trace_{provider}.json"))
+        trace = out_dir / f"trace_{provider}.json"
+        prof.export_chrome_trace(str(trace))
+        if stack:  # large: compressed
+            import gzip
+            import shutil
+            with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            trace.unlink()
         hf_accel.revert_model(model)
     set_blocking_copies(False)
     blocking_now[0] = False
