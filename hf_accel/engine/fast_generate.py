@@ -39,6 +39,7 @@ from hf_accel.engine.decode_step import DecodeStep
 from hf_accel.engine.eligibility import MAX_LOOKAHEAD, CallChecks
 from hf_accel.engine.merged_weights import merge_projections, projections_share_storage, unmerge_projections
 from hf_accel.engine.weight_snapshot import weight_snapshot
+from hf_accel.kernels.prefill_inputs import prefill_inputs
 
 
 #: Decode steps in CUDA graphs (no streamer): the host reads each step's end-of-sequence flags this many steps
@@ -276,9 +277,15 @@ class FastEngine(CallChecks):
         pool_blocks = batch * -(-(prompt_len + max_new + max(lookahead, MAX_LOOKAHEAD)) // bs) + 1
         cache = self._ensure_cache(batch * blocks_per_row + 1, pool_blocks)
         step = self._step_for(batch, blocks_per_row)
-        position_ids = attention_mask.long().cumsum(-1) - 1
-        position_ids.masked_fill_(attention_mask == 0, 1)
         cached = prefix.get_seq_length() if prefix is not None else 0
+        # the bucketed prefill graph: its inputs and the decode step's buffers are written by one kernel
+        # (prefill_inputs) instead of ~20 eager ops the GPU would wait for
+        bucketed = (step.fused and not cached and prompt_len <= max(16, 8192 // batch)
+                    and prefill_bucket(prompt_len) <= step.capacity)
+        position_ids = None
+        if not bucketed:
+            position_ids = attention_mask.long().cumsum(-1) - 1
+            position_ids.masked_fill_(attention_mask == 0, 1)
         try:
             if step.fused or cached:
                 attn0 = model.model.layers[0].self_attn
@@ -302,42 +309,43 @@ class FastEngine(CallChecks):
                 t = m.block_table(s)
                 table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
             step.block_table.copy_(table)
-            step.key_mask.zero_()
-            step.key_mask[:batch, :prompt_len] = attention_mask.to(torch.uint8)
-            step.key_mask[:batch, prompt_len:] = 1
-            step.cache_lens.zero_()
-            if cached:
-                copy_kv(prefix, prefix.seq_ids, cache, cache.seq_ids, 0, cached)
-            if (step.fused and not cached and prompt_len <= max(16, 8192 // batch)
-                    and prefill_bucket(prompt_len) <= step.capacity):
-                logits = self._prefill_bucketed(step, input_ids, position_ids, batch, prompt_len)
-            elif step.fused or cached:
-                chunk = max(16, 8192 // batch)
-                zeros = step.cache_lens[:batch]
-                with torch.inference_mode():
-                    for c in range(cached, prompt_len, chunk):
-                        e = min(prompt_len, c + chunk)
-                        logits = step.forward_tokens(input_ids[:, c:e], position_ids[:, c:e], zeros + c,
-                                                     step.block_table[:batch], step.key_mask[:batch],
-                                                     last_only=True)
-            step.cache_lens[:batch] = prompt_len
-            step.position_ids.zero_()
-            step.position_ids[:batch, 0] = attention_mask.long().sum(-1)
-            step.input_ids.zero_()
+            if bucketed:
+                logits = self._prefill_bucketed(step, input_ids, attention_mask, batch, prompt_len)
+            else:
+                step.key_mask.zero_()
+                step.key_mask[:batch, :prompt_len] = attention_mask.to(torch.uint8)
+                step.key_mask[:batch, prompt_len:] = 1
+                step.cache_lens.zero_()
+                if cached:
+                    copy_kv(prefix, prefix.seq_ids, cache, cache.seq_ids, 0, cached)
+                if step.fused or cached:
+                    chunk = max(16, 8192 // batch)
+                    zeros = step.cache_lens[:batch]
+                    with torch.inference_mode():
+                        for c in range(cached, prompt_len, chunk):
+                            e = min(prompt_len, c + chunk)
+                            logits = step.forward_tokens(input_ids[:, c:e], position_ids[:, c:e], zeros + c,
+                                                         step.block_table[:batch], step.key_mask[:batch],
+                                                         last_only=True)
+                step.cache_lens[:batch] = prompt_len
+                step.position_ids.zero_()
+                step.position_ids[:batch, 0] = attention_mask.long().sum(-1)
+                step.input_ids.zero_()
         except BaseException:
             cache.release()
             raise
         return step, logits
 
     @torch.inference_mode()
-    def _prefill_bucketed(self, step, input_ids, position_ids, batch: int, prompt_len: int) -> torch.Tensor:
+    def _prefill_bucketed(self, step, input_ids, attention_mask, batch: int, prompt_len: int) -> torch.Tensor:
         """Prefill the whole prompt in one fused forward over static buffers of a bucketed length
         (:func:`prefill_bucket`), captured as a CUDA graph per (batch bucket, table bucket, length bucket) on the GPU: the
         eager prefill launched ~10 kernels per layer from Python, which on a slow host made the time to
         first token host-bound. The padding tokens after the prompt write K/V into slots the decode steps
         overwrite before reading them (or into the scratch block past a row's reservation); the prompt's
-        own tokens never attend to them (causal). Returns the logits of the last prompt token [batch,
-        vocab] float32."""
+        own tokens never attend to them (causal). One kernel (:func:`~hf_accel.kernels.prefill_inputs.prefill_inputs`)
+        writes the graph's inputs and sets the decode step's key mask, cache lengths, positions and ids for the
+        first new token. Returns the logits of the last prompt token [batch, vocab] float32."""
         length = prefill_bucket(prompt_len)
         key = ("prefill", length)
         bufs = step.prefill_buffers.get(length)
@@ -348,12 +356,12 @@ class FastEngine(CallChecks):
                     "zeros": torch.zeros(step.batch, dtype=torch.int32, device=dev),
                     "index": torch.zeros(1, dtype=torch.long, device=dev)}
             step.prefill_buffers[length] = bufs
-        bufs["ids"].zero_()
-        bufs["ids"][:batch, :prompt_len] = input_ids
-        tail = torch.arange(1, length - prompt_len + 1, device=input_ids.device)
-        bufs["pos"][:batch, :prompt_len] = position_ids
-        bufs["pos"][:batch, prompt_len:] = position_ids[:, -1:] + tail
-        bufs["index"].fill_(prompt_len - 1)
+        if input_ids.dtype != torch.long or input_ids.stride(-1) != 1:
+            input_ids = input_ids.long().contiguous()
+        if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex or attention_mask.stride(-1) != 1:
+            attention_mask = attention_mask.long().contiguous()
+        prefill_inputs(input_ids, attention_mask, bufs["ids"], bufs["pos"], step.key_mask, step.cache_lens,
+                       step.position_ids, step.input_ids, bufs["index"])
 
         def prefill():
             return step.forward_tokens(bufs["ids"], bufs["pos"], bufs["zeros"], step.block_table, step.key_mask,
