@@ -393,13 +393,16 @@ class FastEngine(CallChecks):
         if max_new <= 0:
             return input_ids
         attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids, self.vocab_size)
-        eos_t = torch.tensor(eos_list, dtype=torch.long, device=device)
 
         processors = LogitsProcessorList()
         if repetition_penalty(gc) is not None:  # first, as in transformers' processor list
             processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty(gc)))
         # transformers' _prepare_generated_length: min_new_tokens, when set, takes precedence over min_length
         min_length = (gc.min_length or 0) if gc.min_new_tokens is None else prompt_len + gc.min_new_tokens
+        # the EOS ids on the device, made only for the length processors and the eager loop below (a copy from host
+        # memory that the host waits for, before the prefill; the graphed greedy loop writes its own with fills)
+        eos_t = (torch.tensor(eos_list, dtype=torch.long, device=device)
+                 if eos_list and (min_length > 0 or (gc.min_new_tokens or 0) > 0) else None)
         if eos_list and min_length > 0:
             processors.append(MinLengthLogitsProcessor(min_length, eos_t, device=device))
         if eos_list and (gc.min_new_tokens or 0) > 0:
@@ -415,6 +418,8 @@ class FastEngine(CallChecks):
                 n, tokens = self._greedy_in_graph(step, logits, input_ids, batch, prompt_len, max_new, pad, eos_list)
                 self.last_stats = cache.memory_stats(length=prompt_len + n - 1)
                 return self._output(gc, tokens[:, : prompt_len + n], prefix)
+            if eos_t is None:
+                eos_t = torch.tensor(eos_list, dtype=torch.long, device=device)
             tokens = torch.full((batch, prompt_len + max_new), pad, dtype=torch.long, device=device)
             tokens[:, :prompt_len] = input_ids
             unfinished = torch.ones(batch, dtype=torch.bool, device=device)

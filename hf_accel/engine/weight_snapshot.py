@@ -43,7 +43,7 @@ class WeightSnapshot:
     count, forward pre-hooks, their count, ``__dict__``, whether it holds a ``forward``, ``_parameters``,
     ``_buffers``, ``_modules``, their number of entries together) of every module; ``scalars``: (``__dict__``, name,
     value) of each module's :data:`STEP_SCALARS` and of a peft layer's :data:`ADAPTER_STATE` (lists copied);
-    ``folded``: (``_buffers``, name, copy) of each buffer of :data:`FOLDED_BUFFERS`. Tensors and submodules as weak
+    ``folded``: (``_buffers``, name, host copy) of each buffer of :data:`FOLDED_BUFFERS`. Tensors and submodules as weak
     references (the modules' dicts are held)."""
 
     __slots__ = ("tensors", "children", "hooks", "scalars", "folded")
@@ -75,8 +75,9 @@ def weight_snapshot(model: torch.nn.Module) -> WeightSnapshot:
         if "merged_adapters" in attrs:
             scalars.extend((attrs, name, list(attrs[name]) if isinstance(attrs[name], list) else attrs[name])
                            for name in ADAPTER_STATE if name in attrs)
-        folded.extend((module._buffers, name, module._buffers[name].detach().clone()) for name in FOLDED_BUFFERS
-                      if isinstance(module._buffers.get(name), torch.Tensor))
+        # a host copy: each call compares it with one device-to-host copy (no comparison kernels to launch)
+        folded.extend((module._buffers, name, module._buffers[name].detach().to("cpu", copy=True))
+                      for name in FOLDED_BUFFERS if isinstance(module._buffers.get(name), torch.Tensor))
     return WeightSnapshot(tuple(tensors), tuple(children), tuple(hooks), tuple(scalars), tuple(folded))
 
 
@@ -92,7 +93,7 @@ def snapshot_intact(snapshot: WeightSnapshot) -> bool:
             return False
     for store, name, copy in snapshot.folded:  # one small device-to-host read each
         t = store.get(name)
-        if t is None or t.shape != copy.shape or not torch.equal(t, copy):
+        if t is None or t.shape != copy.shape or t.dtype != copy.dtype or not torch.equal(t.detach().cpu(), copy):
             return False
     for store, name, ref, ptr in snapshot.tensors:
         t = store.get(name)

@@ -341,7 +341,8 @@ class SpeculativeEngine:
         max_new = fast._max_new(gc, prompt_len)
         attention_mask, eos_list, pad = call_inputs(gc, model_kwargs, input_ids, fast.vocab_size)
         warp = sampling_warpers(gc)
-        no_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        # (the warpers' unused input ids: made only when there are warpers, not as a launch before every prefill)
+        no_ids = torch.zeros(1, 1, dtype=torch.long, device=device) if len(warp) else None
 
         def warp_fn(scores):
             return warp(no_ids, scores) if len(warp) else scores
