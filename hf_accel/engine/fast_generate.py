@@ -339,8 +339,8 @@ class FastEngine(CallChecks):
     @torch.inference_mode()
     def _prefill_bucketed(self, step, input_ids, attention_mask, batch: int, prompt_len: int) -> torch.Tensor:
         """Prefill the whole prompt in one fused forward over static buffers of a bucketed length
-        (:func:`prefill_bucket`), captured as a CUDA graph per (batch bucket, table bucket, length bucket) on the GPU: the
-        eager prefill launched ~10 kernels per layer from Python, which on a slow host made the time to
+        (:func:`prefill_bucket`), captured as a CUDA graph per (batch bucket, table bucket, length bucket) on the GPU:
+        the eager prefill launched ~10 kernels per layer from Python, which on a slow host made the time to
         first token host-bound. The padding tokens after the prompt write K/V into slots the decode steps
         overwrite before reading them (or into the scratch block past a row's reservation); the prompt's
         own tokens never attend to them (causal). One kernel (:func:`~hf_accel.kernels.prefill_inputs.prefill_inputs`)
