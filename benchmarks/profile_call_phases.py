@@ -63,7 +63,8 @@ def install() -> None:
         (generate, "_prepared_or_none"), (generate, "_skip_reason"), (generate, "_try_fast"),
         (generate, "_check_passed_length"), (generate, "expand_return_sequences"), (generate, "_run_fast"),
         (registry, "engine_for"), (eligibility, "snapshot_intact"),
-        (eligibility.CallChecks, "check"), (eligibility.CallChecks, "_model_reason"), (fast_generate.FastEngine, "generate"),
+        (eligibility.CallChecks, "check"), (eligibility.CallChecks, "_model_reason"),
+        (fast_generate.FastEngine, "generate"),
         (fast_generate.FastEngine, "start"), (fast_generate.FastEngine, "_ensure_cache"),
         (fast_generate.FastEngine, "_step_for"), (fast_generate.FastEngine, "_prefill_bucketed"),
         (fast_generate.FastEngine, "_greedy_in_graph"), (fast_generate.FastEngine, "_output"),
@@ -139,7 +140,8 @@ def main() -> None:
                     ph["wall_us"] = wall
                     for k, v in ph.items():
                         per[k].append(v)
-            shape = {"model": "smollm2-135m", "dtype": str(next(model.parameters()).dtype).split(".")[-1], "bs": 1, "category": "grounded-text",
+            shape = {"model": "smollm2-135m", "dtype": str(next(model.parameters()).dtype).split(".")[-1], "bs": 1,
+                     "category": "grounded-text",
                      "max_new_tokens": new, "calls": len(per["wall_us"])}
             print(f"== {provider} max_new_tokens={new} ({len(per['wall_us'])} calls): median us", flush=True)
             for k in sorted(per, key=lambda k: -statistics.median(per[k])):
