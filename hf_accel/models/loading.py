@@ -6,9 +6,11 @@ transformers dequantises the GGUF (Q4_1) into ordinary weights of the requested 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+import struct
 from pathlib import Path
 
 import torch
@@ -100,7 +102,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
         ModelNotFoundError: the model path is empty or does not exist, is a file but not a ``.gguf``, is a
             directory without ``config.json``, the default model is not installed, or (with ``tokenizer``) a
             model directory has no tokenizer files.
-        ValueError: unknown dtype, or a device that is not there (:func:`check_device`).
+        ValueError: unknown dtype, a device that is not there (:func:`check_device`), or a ``.gguf`` that ends early
+            (truncated or corrupt).
         OSError / ValueError from transformers: the files do not load (no weights, not a GGUF, ...).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -113,11 +116,12 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
 
         kwargs = {"gguf_file": path.name, "local_files_only": True}
         where = str(path.parent)
-        tok = AutoTokenizer.from_pretrained(where, **kwargs) if tokenizer else None
-        # dense weights of ``dtype`` (hf-accel's kernels read plain nn.Linear weights), also where transformers
-        # could keep the GGUF blocks packed (its GGUF matmul kernels), which it would then run in float32
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=torch_dtype, quantization_config=GgufConfig(dequantize=True), **kwargs)
+        with _gguf_errors(path):
+            tok = AutoTokenizer.from_pretrained(where, **kwargs) if tokenizer else None
+            # dense weights of ``dtype`` (hf-accel's kernels read plain nn.Linear weights), also where transformers
+            # could keep the GGUF blocks packed (its GGUF matmul kernels), which it would then run in float32
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                where, dtype=torch_dtype, quantization_config=GgufConfig(dequantize=True), **kwargs)
     else:
         tok = _load_tokenizer(path) if tokenizer else None
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
@@ -149,14 +153,32 @@ def load_config(model: str | os.PathLike | None = None):
     a directory's ``config.json``, or a GGUF file's metadata (seconds instead of the dequantized load).
 
     Raises:
-        ModelNotFoundError: as :func:`load_model`.
+        ModelNotFoundError: as :func:`load_model`. ValueError: a ``.gguf`` that ends early (truncated or corrupt).
     """
     from transformers import AutoConfig
 
     path = _model_path(model)
     if path.is_file():
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        with _gguf_errors(path):
+            return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+@contextlib.contextmanager
+def _gguf_errors(path: Path):
+    """A GGUF file that ends early (cut off in a copy or a download) as a ValueError naming the file: the GGUF
+    reader fails on it with a bare ``struct.error`` (the header or metadata ends early) or numpy's ``cannot reshape
+    array`` (the tensor data ends early). Other errors pass unchanged."""
+    try:
+        yield
+    except struct.error as e:
+        raise ValueError(f"{str(path)!r} could not be read as a GGUF file: its header or metadata ends early "
+                         f"(a truncated or corrupt file; {e})") from e
+    except ValueError as e:
+        if "cannot reshape array" not in str(e):
+            raise
+        raise ValueError(f"{str(path)!r} could not be read as a GGUF file: its tensor data ends early (a truncated "
+                         f"or corrupt file; {e})") from e
 
 
 def _load_tokenizer(path: Path):
