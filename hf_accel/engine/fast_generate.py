@@ -31,6 +31,7 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
 )
 
+from hf_accel._logging import log_once
 from hf_accel.cache.kv_copy import copy_kv
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.call_lock import CallLock
@@ -294,9 +295,17 @@ class FastEngine(CallChecks):
                 m = cache.manager
                 cache.seq_ids = [m.allocate(0) for _ in range(batch)]
             else:
-                # Prefill through the model itself (hf-accel attention on the paged cache).
-                out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+                # Prefill through the model itself (hf-accel attention on the paged cache). A forward compiled in
+                # place (model.compile()) runs uncompiled here: the paged cache's bookkeeping in Python breaks its
+                # graph in every layer, and the recompiles made calls ~5x slower (SmolLM2 on a CPU)
+                forward = model
+                if getattr(model, "_compiled_call_impl", None) is not None:
+                    log_once("fast-uncompiled-prefill", "hf-accel: the model's forward is compiled (model.compile()); "
+                             "hf-accel's decode path runs the prompt's forward uncompiled (its paged cache would "
+                             "break the compiled graph in every layer)")
+                    forward = model._call_impl
+                out = forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
                 logits = out.logits[:, -1, :].float()
                 m = cache.manager
             for s in cache.seq_ids:
