@@ -51,8 +51,8 @@ def validate_request(prompt, max_new_tokens, decoding, temperature, top_p, run_m
         temperature, top_p = float(temperature), float(top_p)
     except (TypeError, ValueError):
         raise ValueError("Temperature and top-p must be numbers") from None
-    if do_sample and not temperature > 0:
-        raise ValueError(f"Temperature must be > 0 for sampling (got {temperature})")
+    if do_sample and not 0 < temperature < math.inf:
+        raise ValueError(f"Temperature must be > 0 and finite for sampling (got {temperature})")
     if do_sample and not 0 < top_p <= 1:
         raise ValueError(f"Top-p must be in (0, 1] (got {top_p})")
     if run_mode not in RUN_MODES:

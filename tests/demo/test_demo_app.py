@@ -144,6 +144,8 @@ def test_validate_request_ok_and_stripped():
     (dict(prompt="caf\udce9"), "not valid Unicode text"),  # was a TypeError from the tokenizer
     (dict(decoding="Beam"), "Decoding must be"),
     (dict(decoding="Sampling", temperature=0), "Temperature must be > 0"),
+    (dict(decoding="Sampling", temperature=float("inf")), "Temperature must be > 0 and finite"),  # was accepted
+    (dict(decoding="Sampling", temperature=float("nan")), "Temperature must be > 0 and finite"),
     (dict(decoding="Sampling", top_p=0), "Top-p"),
     (dict(decoding="Sampling", top_p=1.5), "Top-p"),
     (dict(run_mode="parallel"), "run mode"),
