@@ -42,15 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-heads", type=int, required=True,
                         help="new number of K/V heads (a divisor of the current number; 1 = MQA)")
     parser.add_argument("--method", choices=METHODS, default="mean",
-                        help="pooling: mean (GQA paper), norm, activation or pca (calibrated, refits Q/O)")
+                        help="pooling: mean (GQA paper; default), norm, activation or pca (calibrated, refits Q/O)")
     parser.add_argument("--grouping", choices=GROUPINGS, default="adjacent",
-                        help="which heads share a group: adjacent (paper) or similarity (calibrated)")
+                        help="which heads share a group: adjacent (paper; default) or similarity (calibrated)")
     parser.add_argument("--out", required=True, help="output directory for the converted checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty --out directory")
     parser.add_argument("--dtype", default="auto",
                         help="float32, bfloat16 or float16: the conversion runs in it and the checkpoint is written "
-                             "in it; auto: runs in bf16 on CUDA, else fp32, and writes the checkpoint in the source "
-                             "checkpoint's dtype (its config's dtype; for a GGUF, the dtype it ran in)")
+                             "in it; auto (default): runs in bf16 on CUDA, else fp32, and writes the checkpoint in "
+                             "the source checkpoint's dtype (its config's dtype; for a GGUF, the dtype it ran in)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto: cuda when present (default)")
     parser.add_argument("--calibration-file", default=None,
                         help="UTF-8 text for the calibrated methods and the recovery fine-tune "
