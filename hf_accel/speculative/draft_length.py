@@ -18,6 +18,13 @@ _PROBE_EVERY = 16  # plain rounds between probes while backed off (also the most
 _PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
 #: Match-gated plain rounds in bursts (:class:`_GatedChooser`); False: one plain round per host sync.
 GATED_PLAIN_BURSTS = True
+#: Plain rounds of the ungated chooser (:class:`_KChooser`: batches, early exit, a draft model) in bursts of up to
+#: :data:`_PLAIN_BURST` per queued item. The host queues an item ahead of the counters it reads, so with bursts up
+#: to two bursts (16 rounds) were on the GPU when it read that every row had finished (an end-of-sequence token):
+#: all of them ran after the answer's end, ~0.43 ms each for SmolLM2 at batch 1 on an H100. False (default): one
+#: round per item, as the plain path's end-of-sequence check (``EOS_LAG``), so at most one round runs past the end;
+#: the price is a counters copy and a host read per plain round instead of per burst.
+UNGATED_PLAIN_BURSTS = False
 #: Draft lengths :class:`_GatedChooser` weighs: False = 0, powers of two below k_max and k_max; True = only
 #: 0 and k_max (and, where a row's token budget is below k_max, the longest other one that fits).
 GATED_ALL_OR_NOTHING = False

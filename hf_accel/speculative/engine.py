@@ -53,6 +53,7 @@ from hf_accel.kernels.verify_inputs import verify_inputs, verify_inputs_ref
 from hf_accel.speculative.config import _NO_DRAFT_STEP, SpeculativeConfig, check_draft, head_rows_reason
 from hf_accel.speculative.proposers import draft_chain, prompt_lookup
 from hf_accel.speculative.verify import rejection_sample, sample
+from hf_accel.speculative import draft_length
 from hf_accel.speculative.draft_length import _GatedChooser, _KChooser, _candidates
 from hf_accel.speculative.draft_window import catch_up_inputs, catch_up_width, refeed_inputs
 from hf_accel.speculative.round_counters import read_ungated_round, update_gated
@@ -464,7 +465,8 @@ class SpeculativeEngine:
                                                                   captured, t0, last_done)
                         last_done = (event, captured) if event is not None else last_done
                         continue
-                    k, rounds = chooser.choose(max(budget, 1), burst=streamer is None)
+                    k, rounds = chooser.choose(max(budget, 1),
+                                               burst=streamer is None and draft_length.UNGATED_PLAIN_BURSTS)
                     replay = None
                 ks[k] = ks.get(k, 0) + rounds
                 before = st.lengths[:batch].clone() if streamer is not None else None

@@ -48,3 +48,36 @@ def test_plain_bursts_in_flight_never_run_past_the_budget(new_tokens, tiny, monk
     # the prefill gives the first token; every round one more per row: new_tokens - 1 rounds, not one more
     assert len(rounds) == new_tokens - 1, (len(rounds), budgets)
     assert len(budgets) >= 3 and budgets[1] < budgets[0], budgets  # the second burst saw the first in flight
+
+
+@pytest.mark.parametrize("bursts", [False, True])
+def test_backed_off_rounds_in_flight_stop_soon_after_the_answers_end(bursts, tiny, monkeypatch):
+    """An answer that ends with its end-of-sequence token long before ``max_new_tokens``, the ungated chooser
+    backed off (plain rounds; probes draft the smallest k), the host one queued item ahead as on the GPU. With
+    plain bursts (``UNGATED_PLAIN_BURSTS``, the default before) two bursts of 8 were queued when the host read
+    that the row had finished, and all ran; one round per item leaves at most one round past the end."""
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = tiny.batch(seed=3, lengths=(9,))
+    answer = greedy(model, ids, mask, tiny.PAD, max_new_tokens=40)[0, ids.shape[1]:].tolist()
+    end = next(i for i in range(3, len(answer)) if answer[i] not in answer[:i])  # a token seen first at i >= 3
+    eos = answer[end]
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=40, eos_token_id=eos)
+    assert stock.shape[1] == ids.shape[1] + end + 1  # the stock answer ends at that token
+    surplus = []
+    run_round = SpeculativeEngine._round
+
+    def spy_round(engine, k, st, ctx):
+        surplus.append(not bool(st.active[:1].any()))  # a round queued after the row had finished
+        run_round(engine, k, st, ctx)
+
+    monkeypatch.setattr(SpeculativeEngine, "_round", spy_round)
+    monkeypatch.setattr(SpeculativeEngine, "_rounds_ahead", staticmethod(lambda graphs, streaming, gated: 1))
+    monkeypatch.setattr(_KChooser, "_best", lambda self, ks: min(ks))  # backed off: plain rounds, small probes
+    monkeypatch.setattr("hf_accel.speculative.draft_length.UNGATED_PLAIN_BURSTS", bursts)
+    ours = accelerate_model(copy.deepcopy(model), speculative=SpeculativeConfig("prompt_lookup", match_gated=False))
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=40, eos_token_id=eos)
+    assert torch.equal(out, stock), f"stock:\n{stock}\nours:\n{out}"
+    if bursts:
+        assert sum(surplus) >= 8, surplus  # the second burst of 8 ran whole after the end
+    else:
+        assert sum(surplus) <= 1, surplus
