@@ -16,6 +16,7 @@ from speculative_helpers import LAYERS, _messages, greedy, repetitive_batch, tru
 from transformers.generation.streamers import BaseStreamer
 
 from hf_accel import SpeculativeConfig, accelerate_model, speculative_stats
+from hf_accel.speculative import draft_length
 from hf_accel.speculative.draft_length import _KChooser
 
 
@@ -55,8 +56,9 @@ def test_streamer_gets_every_committed_token_once(tiny):
     assert any(p.numel() > 1 for p in rec.puts[1:])  # several tokens per verify step
 
 
+@pytest.mark.parametrize("plain_bursts", [False, True])
 @pytest.mark.parametrize("method", ["draft_model", "early_exit"])
-def test_streamer_gives_the_adaptive_draft_length_the_real_budget(method, tiny, monkeypatch):
+def test_streamer_gives_the_adaptive_draft_length_the_real_budget(method, plain_bursts, tiny, monkeypatch):
     """With a streamer the engine asks the chooser for one round per host sync (``burst=False``) with the row's
     real token budget; it passed a budget of 1 token instead, which allows no drafts (k < budget), so with a
     streamer the draft model and early exit ran their first 16 rounds plain
@@ -70,6 +72,7 @@ def test_streamer_gives_the_adaptive_draft_length_the_real_budget(method, tiny, 
         return original(self, max_remaining, burst)
 
     monkeypatch.setattr(_KChooser, "choose", choose)
+    monkeypatch.setattr(draft_length, "UNGATED_PLAIN_BURSTS", plain_bursts)
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     config = (SpeculativeConfig("early_exit", exit_layer=2) if method == "early_exit"
               else SpeculativeConfig("draft_model", draft_model=truncated(model, 2)))
@@ -78,8 +81,10 @@ def test_streamer_gives_the_adaptive_draft_length_the_real_budget(method, tiny, 
     for streamer in (_Recorder(), None):
         asked.clear()
         greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, streamer=streamer, max_new_tokens=20)
-        assert asked and asked[0] == (19, streamer is None), asked  # 20 new tokens, one from the prefill
-        assert {b for _, b in asked} == {streamer is None}
+        # 20 new tokens, one from the prefill; plain bursts only without a streamer, where they are on
+        bursts = streamer is None and draft_length.UNGATED_PLAIN_BURSTS
+        assert asked and asked[0] == (19, bursts), asked
+        assert {b for _, b in asked} == {bursts}
 
 
 def test_streamer_with_several_rows_takes_the_plain_fast_path(tiny, hf_log):
