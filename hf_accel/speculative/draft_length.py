@@ -18,13 +18,18 @@ _PROBE_EVERY = 16  # plain rounds between probes while backed off (also the most
 _PLAIN_BURST = 8  # plain rounds replayed per host sync while backed off
 #: Match-gated plain rounds in bursts (:class:`_GatedChooser`); False: one plain round per host sync.
 GATED_PLAIN_BURSTS = True
-#: Plain rounds of the ungated chooser (:class:`_KChooser`: batches, early exit, a draft model) in bursts of up to
-#: :data:`_PLAIN_BURST` per queued item. The host queues an item ahead of the counters it reads, so with bursts up
-#: to two bursts (16 rounds) were on the GPU when it read that every row had finished (an end-of-sequence token):
-#: all of them ran after the answer's end, ~0.43 ms each for SmolLM2 at batch 1 on an H100. False (default): one
-#: round per item, as the plain path's end-of-sequence check (``EOS_LAG``), so at most one round runs past the end;
-#: the price is a counters copy and a host read per plain round instead of per burst.
-UNGATED_PLAIN_BURSTS = False
+#: Plain rounds of the ungated chooser (:class:`_KChooser`: batches, early exit, a draft model) go in bursts of up to
+#: :data:`_PLAIN_BURST` per queued item in calls of at least this many rows, one round per item below. The host
+#: queues an item ahead of the counters it reads, so with bursts up to two bursts (16 rounds, ~0.43 ms each for
+#: SmolLM2 at batch 1 on an H100) were on the GPU when it read that every row had finished (an end-of-sequence
+#: token), all run for nothing; one round per item leaves at most one round past the end, as the plain path's
+#: ``EOS_LAG``, at the price of a counters copy and a host read per round instead of per burst. H100, real SmolLM2
+#: bf16, bursts off / on in turns, two runs each (``bench_speculative-ungated-bursts-*-h100-20261206-ce06c99.json``),
+#: speedup over the plain path: batch 1, code answers (ending early) early exit 0.96-0.99x / 0.88x, the 8-layer
+#: draft 0.89-0.92x / 0.78-0.80x; open-ended answers (all 128 tokens) 0.95-0.96x / 0.99x and 0.89-0.90x /
+#: 0.93-0.94x; at batch 8 bursts were ahead by 0.4-2.5% (mean of the runs) in 7 of the 9 proposer x prompt pairs.
+#: 1: bursts at every batch size (before 6 December); a number above any batch: never.
+UNGATED_PLAIN_BURSTS_FROM_BATCH = 2
 #: Draft lengths :class:`_GatedChooser` weighs: False = 0, powers of two below k_max and k_max; True = only
 #: 0 and k_max (and, where a row's token budget is below k_max, the longest other one that fits).
 GATED_ALL_OR_NOTHING = False

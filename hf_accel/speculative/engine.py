@@ -465,8 +465,8 @@ class SpeculativeEngine:
                                                                   captured, t0, last_done)
                         last_done = (event, captured) if event is not None else last_done
                         continue
-                    k, rounds = chooser.choose(max(budget, 1),
-                                               burst=streamer is None and draft_length.UNGATED_PLAIN_BURSTS)
+                    k, rounds = chooser.choose(max(budget, 1), burst=streamer is None and
+                                               batch >= draft_length.UNGATED_PLAIN_BURSTS_FROM_BATCH)
                     replay = None
                 ks[k] = ks.get(k, 0) + rounds
                 before = st.lengths[:batch].clone() if streamer is not None else None

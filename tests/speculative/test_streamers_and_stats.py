@@ -72,7 +72,7 @@ def test_streamer_gives_the_adaptive_draft_length_the_real_budget(method, plain_
         return original(self, max_remaining, burst)
 
     monkeypatch.setattr(_KChooser, "choose", choose)
-    monkeypatch.setattr(draft_length, "UNGATED_PLAIN_BURSTS", plain_bursts)
+    monkeypatch.setattr(draft_length, "UNGATED_PLAIN_BURSTS_FROM_BATCH", 1 if plain_bursts else 2)
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     config = (SpeculativeConfig("early_exit", exit_layer=2) if method == "early_exit"
               else SpeculativeConfig("draft_model", draft_model=truncated(model, 2)))
@@ -82,7 +82,7 @@ def test_streamer_gives_the_adaptive_draft_length_the_real_budget(method, plain_
         asked.clear()
         greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, streamer=streamer, max_new_tokens=20)
         # 20 new tokens, one from the prefill; plain bursts only without a streamer, where they are on
-        bursts = streamer is None and draft_length.UNGATED_PLAIN_BURSTS
+        bursts = streamer is None and plain_bursts
         assert asked and asked[0] == (19, bursts), asked
         assert {b for _, b in asked} == {bursts}
 
