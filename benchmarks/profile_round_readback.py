@@ -15,6 +15,8 @@ in one of these ways, as µs per round over ``--iters`` rounds, timed in turns o
   page-locked ring (a kernel store to host memory, no copy, no event); the host keeps one round queued and
   polls the oldest round's sequence number;
 * ``ahead1_mapped_timed``: as ``ahead1_mapped`` with a timing event per round (the rounds' times);
+* ``ahead1_mapped_fence`` / ``gated_mapped_fence``: as the mapped ones with plain stores and a system-scope fence
+  before the round number instead of an atomic exchange;
 * ``gated_copy``: the host waits for each round before it launches the next (match-gated prompt lookup): copy,
   event, wait;
 * ``gated_mapped``: the same, polling the sequence number that the round's last kernel wrote.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -79,6 +82,23 @@ def _publish_kernel(Info, Ring, n, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl
     tl.atomic_xchg(Ring + slot * (BLOCK + 1), r, sem="release", scope="sys")
 
 
+@triton.jit
+def _publish_fence_kernel(Info, Ring, n, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """As :func:`_publish_kernel` with plain stores: the counters, a system-scope fence (PTX ``fence.sc.sys``), then
+    the round number."""
+    if PDL:
+        gdc_wait()
+    r = tl.load(Info)
+    slot = r % R
+    offs = tl.arange(0, BLOCK)
+    vals = tl.load(Info + offs, mask=offs < n)
+    tl.store(Ring + slot * (BLOCK + 1) + 1 + offs, vals, mask=offs < n)
+    tl.debug_barrier()
+    r = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b64 $0, $1;", "=l,l", [r], dtype=tl.int64, is_pure=False,
+                                  pack=1)
+    tl.store(Ring + slot * (BLOCK + 1), r)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--kernels", type=int, default=200)
@@ -86,6 +106,7 @@ def main(argv=None):
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--counters", type=int, default=310, help="int64 counters a round writes (today's info)")
     ap.add_argument("--small", type=int, default=38, help="counters the small copy and the mapped ring carry")
+    ap.add_argument("--no-mapped", action="store_true", help="leave out the variants writing to host memory")
     args = ap.parse_args(argv)
     dev = "cuda"
     x = torch.zeros(1, device=dev)
@@ -105,6 +126,10 @@ def main(argv=None):
         body()
         _publish_kernel[(1,)](info, ring, args.small, R=RING, BLOCK=block, PDL=pdl, **launch)
 
+    def body_fence():
+        body()
+        _publish_fence_kernel[(1,)](info, ring, args.small, R=RING, BLOCK=block, PDL=pdl, **launch)
+
     def capture(fn):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -117,13 +142,20 @@ def main(argv=None):
             fn()
         return g
 
-    mapped_error = None
+    mapped_error = fence_error = None
     graph = capture(body)
-    try:
-        graph_mapped = capture(body_mapped)
-    except Exception as e:  # noqa: BLE001 (reported: Triton or the driver may refuse a host pointer)
-        graph_mapped, mapped_error = None, f"{type(e).__name__}: {e}"
-        print(f"mapped: unavailable: {mapped_error}", flush=True)
+    graph_mapped = graph_fence = None
+    if not args.no_mapped:
+        try:
+            graph_mapped = capture(body_mapped)
+        except Exception as e:  # noqa: BLE001 (reported: Triton or the driver may refuse a host pointer)
+            mapped_error = f"{type(e).__name__}: {e}"
+            print(f"mapped: unavailable: {mapped_error}", flush=True)
+        try:
+            graph_fence = capture(body_fence)
+        except Exception as e:  # noqa: BLE001 (reported)
+            fence_error = f"{type(e).__name__}: {e}"
+            print(f"mapped fence: unavailable: {fence_error}", flush=True)
 
     pinned = torch.zeros(3, info.numel(), dtype=torch.long, pin_memory=True)
     pinned_np = pinned.numpy()
@@ -170,12 +202,13 @@ def main(argv=None):
             done += burst
             check_row(pinned_np[s], done, cols)
 
-    def mapped_loop(n, ahead, timing=False):
+    def mapped_loop(n, ahead, timing=False, g=None):
+        g = g or graph_mapped
         launched = done = 0
         events, last = [], None
         while done < n:
             while launched < n and launched - done <= ahead:
-                graph_mapped.replay()
+                g.replay()
                 if timing:
                     ev = torch.cuda.Event(enable_timing=True)
                     ev.record()
@@ -183,8 +216,11 @@ def main(argv=None):
                 launched += 1
             want = done + 1
             slot = want % RING
+            deadline = time.perf_counter() + 5.0
             while ring_np[slot, 0] != want:
-                pass
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"round {want}'s counters did not reach the host in 5 s "
+                                       f"(slot holds {int(ring_np[slot, 0])})")
             check_row(ring_np[slot, 1:], want, args.small)
             done += 1
             if timing:  # the round's time from its event (recorded after the publish, so complete by now)
@@ -231,12 +267,21 @@ def main(argv=None):
         variants["ahead1_mapped"] = lambda n: mapped_loop(n, 1)
         variants["ahead1_mapped_timed"] = lambda n: mapped_loop(n, 1, timing=True)
         variants["gated_mapped"] = lambda n: mapped_loop(n, 0)
+    if graph_fence is not None:
+        variants["ahead1_mapped_fence"] = lambda n: mapped_loop(n, 1, g=graph_fence)
+        variants["gated_mapped_fence"] = lambda n: mapped_loop(n, 0, g=graph_fence)
 
-    checks = {}
-    for name, fn in variants.items():
+    checks, failed = {}, {}
+    for name, fn in list(variants.items()):
         reset()
         bad.clear()
-        fn(args.iters)
+        try:
+            fn(args.iters)
+        except TimeoutError as e:
+            failed[name] = str(e)
+            print(f"check {name}: FAILED: {e}", flush=True)
+            del variants[name]
+            continue
         torch.cuda.synchronize()
         ok = int(x[0]) == args.iters * (args.kernels - 1) and int(info[0]) == args.iters and not bad
         checks[name] = ok
@@ -257,7 +302,8 @@ def main(argv=None):
                      "metric": "overhead_us", "unit": "us", "value": med - base})
         rows.append({"bench": "profile_round_readback", "provider": "ours", "shape": shape,
                      "metric": "correct", "unit": "bool", "value": checks[name]})
-    write_results("profile_round_readback", rows, {"mapped_error": mapped_error} if mapped_error else None)
+    errors = {k: v for k, v in (("mapped_error", mapped_error), ("fence_error", fence_error), ("failed", failed)) if v}
+    write_results("profile_round_readback", rows, errors or None)
 
 
 if __name__ == "__main__":
