@@ -50,14 +50,14 @@ def run_log(k_max: int = 15, category: str = "grounded-text"):
     log, calls = [], []
     update = spec_engine.update_gated  # the engine module's name for round_counters.update_gated
 
-    def logged(chooser, pinned, slot, k, rounds, captured, timing):
+    def logged(chooser, row, k, rounds, captured, timing):
         stride = MAX_DRAFT + 1
-        hists = pinned[slot][INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].view(NUM_CLASSES, stride)
+        hists = row[INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].reshape(NUM_CLASSES, stride)
         hists = hists[:, : k + 1].tolist()
         cls = [c for c in range(NUM_CLASSES) if any(hists[c])]
         acc = [v for c in range(NUM_CLASSES) for v in range(k + 1) if hists[c][v]]
         log.append((k, rounds, cls[0] if cls else -1, acc[0] if acc else -1))
-        return update(chooser, pinned, slot, k, rounds, captured, timing)
+        return update(chooser, row, k, rounds, captured, timing)
 
     spec_engine.update_gated = logged
     saved = draft_length._record_time

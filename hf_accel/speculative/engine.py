@@ -46,7 +46,8 @@ from hf_accel.engine.call_options import call_inputs, eos_ids, passed_cache, rep
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import argmax_rows
-from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, NUM_CLASSES,
+from hf_accel.kernels.host_counters import HostCounters, host_counters_available, publish_counters, publish_counters_ref
+from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_SIZE, NUM_CLASSES,
                                             commit_tokens, commit_tokens_ref)
 from hf_accel.kernels.ngram_lookup import ngram_lookup
 from hf_accel.kernels.verify_inputs import verify_inputs, verify_inputs_ref
@@ -71,6 +72,14 @@ VERIFY_INPUTS_KERNEL = True
 #: 20261203-8c738be.json``: gated plain round 0.523 vs 0.519 ms, gated k = 15 round 0.640 vs 0.644, with the
 #: unchanged plain step at 0.496 vs 0.489 in the same two runs).
 LOOKUP_CLASS_COUNTS_KERNEL = True
+
+#: Each round's graph ends with a kernel that writes its counters into page-locked host memory, which the host
+#: polls (:mod:`hf_accel.kernels.host_counters`), instead of a device-to-host copy after the round and a wait on
+#: its CUDA event. Synthetic rounds on an H100 (``profile_round_readback-*-h100-20261206-e2234c8.json``): the copy
+#: cost the GPU 11.1-11.4 µs per round, the kernel's stores 1.5-2.4 µs; a round the host waits for before it
+#: launches the next (match-gated) 12.0-15.4 µs against 6.0-6.7 µs. Where page-locked memory cannot be written
+#: from the device, the copy is used (logged).
+HOST_MAPPED_COUNTERS = True
 
 
 class SpeculativeEngine:
@@ -243,6 +252,12 @@ class SpeculativeEngine:
                count_step=k > 0, classes=st.ngram if ctx["gated"] else None)
         if ctx["gated"]:
             self._lookup_next(st, ctx)
+        host = ctx.get("host")
+        # published by the replays of the round's graph (not by the warm-up runs before its capture, which the
+        # host does not count), or by every eager round
+        if host is not None and (not ctx["use_graph"] or torch.cuda.is_current_stream_capturing()):
+            publish = publish_counters if ctx["kernels"] else publish_counters_ref
+            publish(st.info[: host.n], host.seq, host.ring)
 
     def _lookup_next(self, st: RoundState, ctx) -> None:
         """Match-gated prompt lookup: the next round's drafts, valid masks and match classes into ``st``, and
@@ -395,12 +410,17 @@ class SpeculativeEngine:
                 self._graph_cache = tuple(None if c is None else weakref.ref(c) for c in caches)
             rows = step.batch
             # graphs bake in the buffers, the sampling settings, the pad id and the lookup's n-gram lengths
+            mapped = HOST_MAPPED_COUNTERS and host_counters_available(device)
             key = (rows, nb, bool(gc.do_sample), gc.temperature, gc.top_k, gc.top_p, pad, k_max, ctx["gated"],
-                   cfg.max_ngram, cfg.min_ngram)
+                   cfg.max_ngram, cfg.min_ngram, mapped)
             st = self.states.get(key)
             if st is None or not ctx["use_graph"]:
                 st = self.states[key] = RoundState(rows, nb * step.block_size + 1, device, k_max)
+                if mapped:
+                    # gated rounds' choices read the class counts and histograms; ungated ones the counters before
+                    st.host = HostCounters(INFO_SIZE if ctx["gated"] else INFO_CLASS_COUNTS, device)
             st.reset(pad)
+            host = ctx["host"] = st.host
             st.tokens[:batch, :prompt_len] = input_ids
             if st.eos_ids != tuple(eos_list):  # fill kernels: the prefill is queued, a copy would wait (transfers.py)
                 fill_from_host(st.eos, eos_list, -1)
@@ -439,6 +459,15 @@ class SpeculativeEngine:
             # Match-gated rounds need the previous round's lookup, so none is in flight while choosing.
             ahead = self._rounds_ahead(ctx["use_graph"], streamer is not None, gated)
             pinned, pinned_np = st.host_counters(ctx["use_graph"])
+
+            def counters(event, slot, number):
+                """A queued item's counters: polled where its last round wrote them (``number``), else its copy
+                (``pinned[slot]``) once its event has completed."""
+                if number is not None:
+                    return host.wait(number)
+                if event is not None:
+                    event.synchronize()
+                return pinned_np[slot]
             if gated:
                 # The first read of the device: the host work above ran while the prefill was on the GPU.
                 counts = st.info[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
@@ -447,9 +476,11 @@ class SpeculativeEngine:
             deferred = None  # match-gated: the chooser's update for the last round read, run after the next launch
             last_done = None
             slot = 0
+            launched = 0  # rounds queued in this call
             while running:
                 if gated:
                     k, rounds = chooser.choose(counts, max_remaining, burst=streamer is None)
+                    number = host.expect(rounds) if host is not None else None
                     replay = replays.get(k) if streamer is None else None
                     if replay is not None:  # the GPU waits for this launch: nothing else before it
                         for _ in range(rounds):
@@ -460,15 +491,23 @@ class SpeculativeEngine:
                     # the last counters read were a round old)
                     budget = max_remaining - sum(item[3] for item in inflight)
                     if budget <= 0 and inflight:  # the rounds in flight finish every row: read them
-                        event, done_slot, k, rounds, captured, t0 = inflight.pop(0)
-                        running, max_remaining = read_ungated_round(chooser, event, pinned_np[done_slot], k, rounds,
-                                                                  captured, t0, last_done)
+                        event, done_slot, k, rounds, captured, t0, number = inflight.pop(0)
+                        running, max_remaining = read_ungated_round(chooser, event, counters(event, done_slot, number),
+                                                                  k, rounds, captured, t0, last_done)
                         last_done = (event, captured) if event is not None else last_done
                         continue
                     k, rounds = chooser.choose(max(budget, 1), burst=streamer is None and
                                                batch >= draft_length.UNGATED_PLAIN_BURSTS_FROM_BATCH)
+                    number = host.expect(rounds) if host is not None else None
                     replay = None
                 ks[k] = ks.get(k, 0) + rounds
+                launched += rounds
+                if launched > max_new + 2 * draft_length._PLAIN_BURST + 2:
+                    # every round commits a token per active row, and at most an item of rounds is queued past the
+                    # end: more rounds mean the counters read on the host are wrong; an error, not an endless loop
+                    raise RuntimeError(f"hf-accel: speculative decoding queued {launched} rounds for at most {max_new} "
+                                       f"new tokens per row: the rounds' counters read on the host are wrong (a bug; "
+                                       f"HOST_MAPPED_COUNTERS={HOST_MAPPED_COUNTERS})")
                 before = st.lengths[:batch].clone() if streamer is not None else None
                 t0 = time.perf_counter()
                 captured = False
@@ -483,12 +522,13 @@ class SpeculativeEngine:
                 if replay is None:
                     for _ in range(rounds):
                         captured |= self._run_round(k, st, ctx, key)
-                pinned[slot].copy_(st.info, non_blocking=ctx["use_graph"])
+                if host is None:
+                    pinned[slot].copy_(st.info, non_blocking=ctx["use_graph"])
                 event = None
-                if ctx["use_graph"]:
+                if ctx["use_graph"]:  # the rounds' times
                     event = torch.cuda.Event(enable_timing=True)
                     event.record()
-                inflight.append((event, slot, k, rounds, captured, t0))
+                inflight.append((event, slot, k, rounds, captured, t0, number))
                 slot = (slot + 1) % 3
                 if deferred is not None:  # the previous round's counters, while this round runs
                     update_gated(chooser, *deferred)
@@ -497,19 +537,16 @@ class SpeculativeEngine:
                     chooser.prepare(burst=streamer is None)
                 if len(inflight) <= ahead:
                     continue
-                event, done_slot, k, rounds, captured, t0 = inflight.pop(0)
+                event, done_slot, k, rounds, captured, t0, number = inflight.pop(0)
+                row = counters(event, done_slot, number)
                 if gated:  # only what the next choice needs before the next launch; the rest after it
-                    if event is not None:
-                        event.synchronize()
-                    row = pinned_np[done_slot]
                     counts = row[INFO_CLASS_COUNTS: INFO_CLASS_COUNTS + NUM_CLASSES].tolist()
                     # CUDA events are read after the next launch; without them (eager rounds) the wall clock now
                     timing = ((event, last_done) if event is not None
                               else None if captured else (time.perf_counter() - t0) / rounds)
-                    deferred = (pinned, done_slot, k, rounds, captured, timing)
+                    deferred = (row, k, rounds, captured, timing)
                     last_done = (event, captured)
                 else:
-                    row = pinned_np[done_slot]
                     read_ungated_round(chooser, event, row, k, rounds, captured, t0, last_done)
                     if event is not None:
                         last_done = (event, captured)

@@ -1,12 +1,11 @@
-"""The host's side of a speculative round: its counters (copied to page-locked memory after the round, see
+"""The host's side of a speculative round: its counters (written into page-locked memory by the round's last kernel,
+:mod:`hf_accel.kernels.host_counters`, or copied there after the round; see
 :class:`~hf_accel.speculative.state.RoundState` and :mod:`hf_accel.kernels.commit_tokens` for the layout) and its
 time, fed to the draft-length choosers of :mod:`.draft_length`."""
 
 from __future__ import annotations
 
 import time
-
-import torch
 
 from hf_accel.kernels.commit_tokens import INFO_CLASS_HIST, MAX_DRAFT, NUM_CLASSES
 
@@ -16,6 +15,7 @@ def round_seconds(event, last_done, captured: bool, rounds: int) -> float | None
     round's event, whether it captured a graph)): None where either captured a graph or no round came before."""
     if captured or last_done is None or last_done[1]:
         return None
+    event.synchronize()  # counters polled from host memory can arrive just before the event that follows them
     return last_done[0].elapsed_time(event) / 1e3 / rounds
 
 
@@ -33,12 +33,11 @@ def read_ungated_round(chooser, event, row, k: int, rounds: int, captured: bool,
     return bool(row[0]), int(row[4])
 
 
-def update_gated(chooser, pinned: torch.Tensor, slot: int, k: int, rounds: int, captured: bool, timing) -> None:
-    """``_GatedChooser.update`` from a round's page-locked counters (``pinned[slot]``, with its per-class
-    histograms), run after the next round's launch. ``timing``: (this round's CUDA event, the last round's
-    (event, captured)), see :func:`round_seconds`; else seconds per round already measured, or None."""
+def update_gated(chooser, row, k: int, rounds: int, captured: bool, timing) -> None:
+    """``_GatedChooser.update`` from a round's counters (``row``: a numpy int64 array of the ``info`` layout, with
+    its per-class histograms), run after the next round's launch. ``timing``: (this round's CUDA event, the last
+    round's (event, captured)), see :func:`round_seconds`; else seconds per round already measured, or None."""
     seconds = round_seconds(timing[0], timing[1], captured, rounds) if isinstance(timing, tuple) else timing
-    info = pinned[slot]
     stride = MAX_DRAFT + 1
-    hists = info[INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].view(NUM_CLASSES, stride)[:, : k + 1]
+    hists = row[INFO_CLASS_HIST: INFO_CLASS_HIST + NUM_CLASSES * stride].reshape(NUM_CLASSES, stride)[:, : k + 1]
     chooser.update(k, hists.tolist(), seconds)

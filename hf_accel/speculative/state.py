@@ -35,6 +35,9 @@ class RoundState:
         self.valid = torch.zeros(batch, k_max, dtype=torch.bool, device=device)
         self.ngram = torch.zeros(batch, dtype=torch.long, device=device)
         self._host = None  # host_counters: (host rows, their numpy view)
+        #: the rounds' counters written by a kernel into page-locked memory
+        #: (:class:`~hf_accel.kernels.host_counters.HostCounters`; set by the engine), or None: copied after each round
+        self.host = None
         self._argmax = None  # argmax_scratch: argmax_rows' scratch for every k of this state
 
     def argmax_scratch(self, vocab: int):
@@ -51,6 +54,8 @@ class RoundState:
             t.zero_()
         self.active.zero_()
         self.valid.zero_()
+        if self.host is not None:
+            self.host.reset()
 
     def host_counters(self, pinned: bool):
         """Three host rows of ``info``'s size (page-locked when ``pinned``: the rounds' counters are copied
