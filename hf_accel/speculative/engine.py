@@ -77,8 +77,13 @@ LOOKUP_CLASS_COUNTS_KERNEL = True
 #: polls (:mod:`hf_accel.kernels.host_counters`), instead of a device-to-host copy after the round and a wait on
 #: its CUDA event. Synthetic rounds on an H100 (``profile_round_readback-*-h100-20261206-e2234c8.json``): the copy
 #: cost the GPU 11.1-11.4 µs per round, the kernel's stores 1.5-2.4 µs; a round the host waits for before it
-#: launches the next (match-gated) 12.0-15.4 µs against 6.0-6.7 µs. Where page-locked memory cannot be written
-#: from the device, the copy is used (logged).
+#: launches the next (match-gated) 12.0-15.4 µs against 6.0-6.7 µs. Real SmolLM2 bf16 on an H100, on / off in
+#: turns, two runs each (``bench_speculative-mapped-counters-*-h100-20261206-ef54d56.json``): early exit's plain
+#: rounds at batch 1 (one per queued item) 0.435-0.443 ms against 0.440-0.450 (one outlier of 0.726), its speedup
+#: 0.96-1.06x against
+#: 0.92-0.99x; prompt lookup's match-gated rounds and batch 8 did not separate from the run-to-run spread (passages
+#: at batch 1 2.45x / 2.22x against 2.37x / 2.34x). Where page-locked memory cannot be written from the device, the
+#: copy is used (logged).
 HOST_MAPPED_COUNTERS = True
 
 
