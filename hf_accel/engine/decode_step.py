@@ -40,6 +40,7 @@ from hf_accel.kernels.argmax import greedy_tail, scratch_for
 from hf_accel.kernels.fused_linear import fused_linear, fused_linear_rope
 from hf_accel.kernels.fused_linear_tiles import max_rows, split_k_for, whole_k_fits
 from hf_accel.kernels.gemv import gemv, gemv_rope
+from hf_accel.kernels.host_counters import HostCounters, host_counters_available, publish_counters
 from hf_accel.kernels.paged_attention import paged_attention
 from hf_accel.kernels.paged_attention_torch import paged_attention_sdpa
 from hf_accel.kernels.prefill import prefill_attention
@@ -119,6 +120,10 @@ class DecodeStep:
         self._greedy_eos = None  # the EOS ids in greedy["eos"] (init_greedy)
         self._argmax_scratch = {}  # argmax_scratch: logits shape -> greedy_tail / argmax_rows scratch
         self._host_flags = None  # host_flags: page-locked rows + events of the greedy loop's EOS check
+        #: the in-graph greedy step's unfinished flags, written by its graph into page-locked memory
+        #: (:data:`~hf_accel.engine.step_switches.GREEDY_HOST_FLAGS`; set at its capture), or None
+        self.greedy_flags: HostCounters | None = None
+        self.greedy_flags_number = 0  # the number the last replay of the greedy graph publishes
         self.graphs: dict = {}  # extra captured programs (DecodeStep.replay), keyed by their owner
         self.prefill_buffers: dict = {}  # static inputs of the bucketed prefill, keyed by padded length
         self._rotary_rows = None  # fused step: the rotary table (_rotary_table)
@@ -522,16 +527,28 @@ class DecodeStep:
 
     @torch.inference_mode()
     def run_greedy(self) -> None:
-        """One greedy step with its bookkeeping (one graph replay on GPU)."""
+        """One greedy step with its bookkeeping (one graph replay on GPU). With :attr:`greedy_flags`, each replay
+        also publishes the unfinished flags, numbered 1, 2, ... over the step's life
+        (:attr:`greedy_flags_number` is the last replay's)."""
         if not self.use_graph:
             self._greedy_tail(self._forward())
             return
         if self.graph_greedy is None:
             self._warm_up(self._warm_up_greedy)
+            flags = None
+            if switches.GREEDY_HOST_FLAGS and host_counters_available(self.input_ids.device):
+                flags = HostCounters(self.batch, self.input_ids.device)
+                scratch = HostCounters(self.batch, self.input_ids.device)  # compiles the kernel outside the capture
+                publish_counters(self.greedy["unfinished"], scratch.seq, scratch.ring)
             graph = torch.cuda.CUDAGraph()
             with capture_graph(graph):
                 self._greedy_tail(self._forward())
+                if flags is not None:
+                    publish_counters(self.greedy["unfinished"], flags.seq, flags.ring)
             self.graph_greedy = graph  # kept once captured: a capture that raised (out of memory) is not replayed
+            self.greedy_flags = flags
+        if self.greedy_flags is not None:
+            self.greedy_flags_number = self.greedy_flags.expect(1)
         self.graph_greedy.replay()
 
     @torch.inference_mode()

@@ -10,9 +10,11 @@ rows emit ``pad_token_id``; the call stops when every row has finished), so gree
 token-for-token what transformers produces from the same logits. Everything else returns ``None`` with
 a reason and the caller falls back to transformers' loop (still on hf-accel's kernels and cache).
 
-Host syncs: without a streamer, decoding in CUDA graphs copies each step's unfinished flags to page-locked
-memory without blocking and reads those of the step :data:`EOS_LAG` back, so the call stops at most that
-many steps after the last row's EOS while the GPU always has steps queued; without CUDA graphs EOS is
+Host syncs: without a streamer, decoding in CUDA graphs puts each step's unfinished flags in page-locked
+memory (the greedy step's graph writes them there itself,
+:data:`~hf_accel.engine.step_switches.GREEDY_HOST_FLAGS`; other loops copy them without blocking) and reads those
+of the step :data:`EOS_LAG` back, so the call stops at most that many steps after the last row's EOS while the
+GPU always has steps queued; without CUDA graphs EOS is
 checked every ``sync_every`` steps on a GPU (16 by default) and after every step on a CPU, where the check
 costs no wait. Surplus steps only add padding that is trimmed. A streamer needs
 each token on the host: one sync per token.
@@ -92,16 +94,30 @@ class _EosWatch:
     """End-of-sequence check of a loop of CUDA-graph steps without blocking: each step's unfinished flags
     are copied to page-locked memory (:meth:`DecodeStep.host_flags`) and read ``lag`` steps later, once
     that step's event has completed, so ``lag`` steps stay queued on the GPU while the host waits. A row's
-    flag only ever goes from unfinished to finished, so a stale read can only delay the stop."""
+    flag only ever goes from unfinished to finished, so a stale read can only delay the stop. With
+    ``published`` (the in-graph greedy step with :attr:`DecodeStep.greedy_flags`), the step's graph has written
+    its flags into page-locked memory itself: the check polls them there instead of copying."""
 
-    def __init__(self, step, lag: int):
+    def __init__(self, step, lag: int, published: bool = False):
         self.lag = lag
-        self.flags, self.flags_np, self.events = step.host_flags(lag + 1)
+        self.step, self.published = step, published
+        self.numbers: list[int] = []
+        self.flags = None
         self.calls = 0
 
     def all_finished(self, unfinished: torch.Tensor) -> bool:
         """Queue the flags of the step just launched (``unfinished``: [rows] bool on the device, rows <= the
         step's batch) and say whether every row had finished ``lag`` steps before it."""
+        if self.calls == 0:  # decided after the first step ran (its graph is captured by then)
+            self.published = self.published and self.step.greedy_flags is not None
+            if not self.published:
+                self.flags, self.flags_np, self.events = self.step.host_flags(self.lag + 1)
+        if self.published:  # the step's graph wrote them: poll the ones ``lag`` steps back
+            self.calls += 1
+            self.numbers.append(self.step.greedy_flags_number)
+            if len(self.numbers) <= self.lag:
+                return False
+            return not self.step.greedy_flags.wait(self.numbers.pop(0))[: unfinished.shape[0]].any()
         n, ring = unfinished.shape[0], self.lag + 1
         slot = self.calls % ring
         self.flags[slot, :n].copy_(unfinished, non_blocking=True)
@@ -240,7 +256,7 @@ class FastEngine(CallChecks):
             g["unfinished"][:batch] &= ~torch.isin(first, g["eos"])
         step.input_ids[:batch, 0].copy_(first)
         g["cur"].fill_(prompt_len + 1)
-        watch = _EosWatch(step, EOS_LAG) if eos_list and step.use_graph and EOS_LAG > 0 else None
+        watch = _EosWatch(step, EOS_LAG, published=True) if eos_list and step.use_graph and EOS_LAG > 0 else None
         every = self.sync_interval(g["unfinished"].device)
         for i in range(1, max_new):
             step.run_greedy()

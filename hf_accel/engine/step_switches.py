@@ -245,3 +245,10 @@ VERIFY_ATTENTION_STAGES = 2
 #: 305 cached tokens, one-row step / 16-token verify pass: 0.490 / 0.611 ms with the default 8 splits, 0.553 /
 #: 0.703 with 4, 0.703 / 0.909 with 1 (600 tokens: 0.492 / 0.611 with 16 splits, 1.052 / 1.216 with 1).
 DECODE_MIN_SPLIT_KEYS = 64
+
+#: The in-graph greedy step ends with a kernel that writes its rows' unfinished flags into page-locked host memory
+#: (:mod:`hf_accel.kernels.host_counters`), which the greedy loop's end-of-sequence check polls, instead of a
+#: device-to-host copy after each step and a CUDA event. Synthetic rounds on an H100: the copy cost the GPU 11.1-11.4
+#: µs per round, the kernel's stores 1.5-2.4 µs (``profile_round_readback-*-h100-20261206-e2234c8.json``). Where a
+#: kernel cannot write page-locked memory, the copy is used.
+GREEDY_HOST_FLAGS = True
