@@ -250,5 +250,8 @@ DECODE_MIN_SPLIT_KEYS = 64
 #: (:mod:`hf_accel.kernels.host_counters`), which the greedy loop's end-of-sequence check polls, instead of a
 #: device-to-host copy after each step and a CUDA event. Synthetic rounds on an H100: the copy cost the GPU 11.1-11.4
 #: µs per round, the kernel's stores 1.5-2.4 µs (``profile_round_readback-*-h100-20261206-e2234c8.json``). Where a
-#: kernel cannot write page-locked memory, the copy is used.
+#: kernel cannot write page-locked memory, the copy is used. Checked on an H100 at c569471
+#: (``tests/engine/test_fast_generate_gpu.py``, whose EOS-lag test counts the steps run, and
+#: ``tests/kernels/test_host_counters.py``: 50 passed); end to end not timed yet (an on / off A/B was cut by its time
+#: limit; only one off run completed, ``bench_speculative-greedy-host-flags-off-h100-20261206-c569471.json``).
 GREEDY_HOST_FLAGS = True
