@@ -46,9 +46,9 @@ from hf_accel.engine.call_options import call_inputs, eos_ids, passed_cache, rep
 from hf_accel.engine.graphs import capture as capture_graph
 from hf_accel.engine.transfers import fill_from_host
 from hf_accel.kernels.argmax import argmax_rows
-from hf_accel.kernels.host_counters import HostCounters, host_counters_available, publish_counters, publish_counters_ref
 from hf_accel.kernels.commit_tokens import (INFO_CLASS_COUNTS, INFO_SIZE, NUM_CLASSES,
                                             commit_tokens, commit_tokens_ref)
+from hf_accel.kernels.host_counters import HostCounters, host_counters_available, publish_counters, publish_counters_ref
 from hf_accel.kernels.ngram_lookup import ngram_lookup
 from hf_accel.kernels.verify_inputs import verify_inputs, verify_inputs_ref
 from hf_accel.speculative.config import _NO_DRAFT_STEP, SpeculativeConfig, check_draft, head_rows_reason
@@ -80,10 +80,9 @@ LOOKUP_CLASS_COUNTS_KERNEL = True
 #: launches the next (match-gated) 12.0-15.4 µs against 6.0-6.7 µs. Real SmolLM2 bf16 on an H100, on / off in
 #: turns, two runs each (``bench_speculative-mapped-counters-*-h100-20261206-ef54d56.json``): early exit's plain
 #: rounds at batch 1 (one per queued item) 0.435-0.443 ms against 0.440-0.450 (one outlier of 0.726), its speedup
-#: 0.96-1.06x against
-#: 0.92-0.99x; prompt lookup's match-gated rounds and batch 8 did not separate from the run-to-run spread (passages
-#: at batch 1 2.45x / 2.22x against 2.37x / 2.34x). Where page-locked memory cannot be written from the device, the
-#: copy is used (logged).
+#: 0.96-1.06x against 0.92-0.99x; prompt lookup's match-gated rounds and batch 8 did not separate from the
+#: run-to-run spread (passages at batch 1 2.45x / 2.22x against 2.37x / 2.34x). Where page-locked memory cannot be
+#: written from the device, the copy is used (logged).
 HOST_MAPPED_COUNTERS = True
 
 
