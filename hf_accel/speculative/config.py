@@ -10,6 +10,7 @@ from typing import Any
 METHODS = ("prompt_lookup", "early_exit", "draft_model")
 MAX_NGRAM = 16  # the lookup kernel unrolls its compares over every n-gram length
 _DEFAULT_DRAFT_TOKENS = {"prompt_lookup": 15, "early_exit": 4, "draft_model": 4}
+_DEFAULT_NGRAMS = (3, 1)  # (max_ngram, min_ngram): the fields' defaults below
 
 
 @dataclass
@@ -52,7 +53,8 @@ class SpeculativeConfig:
 
     Raises:
         ValueError: an unknown method, a missing/extra ``draft_model``, an ``exit_layer`` with another method,
-            or a count out of range.
+            ``match_gated`` or other n-gram lengths than the defaults with another method than prompt lookup,
+            ``match_gated=True`` with ``adaptive=False``, or a count out of range.
     """
 
     method: str
@@ -60,8 +62,8 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = None
     adaptive: bool = True
     exit_layer: int | None = None
-    max_ngram: int = 3
-    min_ngram: int = 1
+    max_ngram: int = _DEFAULT_NGRAMS[0]
+    min_ngram: int = _DEFAULT_NGRAMS[1]
     match_gated: bool | None = None
 
     def __post_init__(self):
@@ -91,6 +93,14 @@ class SpeculativeConfig:
                 and 1 <= self.min_ngram <= self.max_ngram <= MAX_NGRAM):
             raise ValueError(f"need ints 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}, got {self.min_ngram!r}, "
                              f"{self.max_ngram!r}")
+        if self.method != "prompt_lookup":  # options another method would ignore: refused, as exit_layer is
+            if self.match_gated is not None:
+                raise ValueError(f"match_gated applies to method 'prompt_lookup' only, not {self.method!r}")
+            if (self.max_ngram, self.min_ngram) != _DEFAULT_NGRAMS:
+                raise ValueError(f"max_ngram / min_ngram apply to method 'prompt_lookup' only, not {self.method!r}")
+        if self.match_gated and not self.adaptive:
+            raise ValueError("match_gated=True needs adaptive=True (the match-gated chooser picks each round's k); "
+                             "with adaptive=False every round drafts num_draft_tokens")
 
     @classmethod
     def from_arg(cls, arg) -> "SpeculativeConfig":

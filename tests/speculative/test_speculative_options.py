@@ -47,6 +47,17 @@ def test_bad_options_raise_and_leave_the_model_untouched(tiny):
             SpeculativeConfig(method="prompt_lookup", **bad)
     with pytest.raises(ValueError, match="match_gated must be True, False or None"):
         SpeculativeConfig(method="prompt_lookup", match_gated="yes")
+    # options the method would ignore are refused, as exit_layer with prompt lookup is
+    with pytest.raises(ValueError, match="match_gated applies to method 'prompt_lookup' only, not 'early_exit'"):
+        SpeculativeConfig(method="early_exit", match_gated=True)
+    with pytest.raises(ValueError, match="max_ngram / min_ngram apply to method 'prompt_lookup' only"):
+        SpeculativeConfig(method="draft_model", draft_model=model, max_ngram=5)
+    with pytest.raises(ValueError, match="match_gated=True needs adaptive=True"):
+        SpeculativeConfig(method="prompt_lookup", adaptive=False, match_gated=True)
+    with pytest.raises(ValueError, match="exit_layer applies to method 'early_exit' only"):
+        SpeculativeConfig(method="prompt_lookup", exit_layer=2)
+    SpeculativeConfig(method="early_exit", max_ngram=3, min_ngram=1)  # the defaults, given: nothing ignored
+    SpeculativeConfig(method="prompt_lookup", adaptive=False, match_gated=False)
     with pytest.raises(TypeError, match="speculative must be"):
         accelerate_model(model, speculative=3)
     other_vocab = tiny.model("llama", vocab_size=96)
