@@ -11,8 +11,8 @@ token-for-token what transformers produces from the same logits. Everything else
 a reason and the caller falls back to transformers' loop (still on hf-accel's kernels and cache).
 
 Host syncs: without a streamer, decoding in CUDA graphs puts each step's unfinished flags in page-locked
-memory (the greedy step's graph writes them there itself,
-:data:`~hf_accel.engine.step_switches.GREEDY_HOST_FLAGS`; other loops copy them without blocking) and reads those
+memory (copied without blocking; with :data:`~hf_accel.engine.step_switches.GREEDY_HOST_FLAGS`, off by default, the
+greedy step's graph writes them there itself) and reads those
 of the step :data:`EOS_LAG` back, so the call stops at most that many steps after the last row's EOS while the
 GPU always has steps queued; without CUDA graphs EOS is
 checked every ``sync_every`` steps on a GPU (16 by default) and after every step on a CPU, where the check

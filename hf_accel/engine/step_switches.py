@@ -253,5 +253,6 @@ DECODE_MIN_SPLIT_KEYS = 64
 #: kernel cannot write page-locked memory, the copy is used. Checked on an H100 at c569471
 #: (``tests/engine/test_fast_generate_gpu.py``, whose EOS-lag test counts the steps run, and
 #: ``tests/kernels/test_host_counters.py``: 50 passed); end to end not timed yet (an on / off A/B was cut by its time
-#: limit; only one off run completed, ``bench_speculative-greedy-host-flags-off-h100-20261206-c569471.json``).
-GREEDY_HOST_FLAGS = True
+#: limit; only one off run completed, ``bench_speculative-greedy-host-flags-off-h100-20261206-c569471.json``). Off
+#: until it is: the plain path is every call's, and a poll costs host time a CUDA event wait does not.
+GREEDY_HOST_FLAGS = False

@@ -6,7 +6,9 @@ copy cost the GPU 11.1-11.4 µs per round (stream order: the copy engine starts 
 the next round waits for it), against 1.5-2.4 µs for a kernel at the end of the round that stores the counters into
 page-locked host memory itself; a round trip in which the host waits for each round before launching the next took
 12.0-15.4 µs with the copy and an event, 6.0-6.7 µs polling that memory
-(``benchmarks/profile_round_readback.py``, ``profile_round_readback-*-h100-20261206-e2234c8.json``).
+(``benchmarks/profile_round_readback.py``, ``profile_round_readback-*-h100-20261206-e2234c8.json``). The same
+scheme for the match-gated rounds alone was built and reverted on 3 December (3fc1e09, 2835f61): their round trip
+did not shrink end to end, and its poll held Python's GIL; :meth:`HostCounters.wait` now releases it between reads.
 
 :class:`HostCounters` holds a ring of :data:`RING` rows in page-locked memory and a device round number.
 :func:`publish_counters` (one program) increments the round number ``s``, writes the counters into row
@@ -126,7 +128,8 @@ class HostCounters:
         return self.launched
 
     def wait(self, number: int) -> np.ndarray:
-        """Poll until round ``number`` has published; returns a copy of its ``n`` counters.
+        """Poll until round ``number`` has published (releasing the GIL between reads); returns a copy of its ``n``
+        counters.
 
         Raises:
             RuntimeError: nothing arrived within :data:`WAIT_TIMEOUT_S` seconds, or the row was rewritten while
@@ -136,6 +139,9 @@ class HostCounters:
         if row[0] != number:
             deadline = time.perf_counter() + WAIT_TIMEOUT_S
             while row[0] != number:
+                # a CUDA event wait releases the GIL; a poll holds it unless it lets go between reads (other Python
+                # threads, a server's or a streamer consumer's, would otherwise wait for the switch interval)
+                time.sleep(0)
                 if time.perf_counter() > deadline:
                     raise RuntimeError(f"round {number}'s counters did not reach page-locked host memory within "
                                        f"{WAIT_TIMEOUT_S:.0f} s (the row holds round {int(row[0])})")

@@ -81,8 +81,9 @@ LOOKUP_CLASS_COUNTS_KERNEL = True
 #: turns, two runs each (``bench_speculative-mapped-counters-*-h100-20261206-ef54d56.json``): early exit's plain
 #: rounds at batch 1 (one per queued item) 0.435-0.443 ms against 0.440-0.450 (one outlier of 0.726), its speedup
 #: 0.96-1.06x against 0.92-0.99x; prompt lookup's match-gated rounds and batch 8 did not separate from the
-#: run-to-run spread (passages at batch 1 2.45x / 2.22x against 2.37x / 2.34x). Where page-locked memory cannot be
-#: written from the device, the copy is used (logged).
+#: run-to-run spread (passages at batch 1 2.45x / 2.22x against 2.37x / 2.34x), as with the gated-only mailbox of 3
+#: December (3fc1e09, reverted in 2835f61). Where page-locked memory cannot be written from the device, the copy is
+#: used (logged). The poll releases the GIL between reads (added after these runs).
 HOST_MAPPED_COUNTERS = True
 
 

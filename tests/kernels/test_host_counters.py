@@ -109,3 +109,33 @@ def test_cuda_graph_rounds_publish_into_page_locked_memory():
         assert counters.wait(n).tolist() == [n * j for j in range(1, 6)]
     with pytest.raises(ValueError, match="page-locked"):
         publish_counters(info, counters.seq, torch.zeros(RING, 6, dtype=torch.long))
+
+
+def test_wait_lets_other_python_threads_run():
+    """A poll that held the GIL would keep a thread that writes the counters (standing in for any other Python thread:
+    a server's, a streamer's consumer) waiting for the interpreter's switch interval, here 2 s; the wait releases it
+    between reads, so the round arrives in about the writer's own 50 ms."""
+    import sys
+    import threading
+    import time
+
+    counters = HostCounters(2, "cpu")
+    number = counters.expect(1)
+
+    def writer():
+        time.sleep(0.05)
+        publish_counters_ref(torch.tensor([5, 6]), counters.seq, counters.ring)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(2.0)
+    try:
+        thread = threading.Thread(target=writer)
+        t0 = time.perf_counter()
+        thread.start()
+        row = counters.wait(number)
+        elapsed = time.perf_counter() - t0
+        thread.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert row.tolist() == [5, 6]
+    assert elapsed < 1.0, elapsed
