@@ -63,3 +63,14 @@ def test_no_eos_runs_to_max_new_tokens():
     m = _module()
     cont = [7] * (m.s.MAX_NEW + 40)
     assert m.fewest_rounds(cont, [15] * m.s.MAX_NEW) == (-(-(m.s.MAX_NEW - 1) // 16), m.s.MAX_NEW)
+
+
+def test_verify_cost_weighs_rounds():
+    m = _module()
+    cont = [7] * (m.s.MAX_NEW + 40)
+    rounds = -(-(m.s.MAX_NEW - 1) // 16)
+    assert m.fewest_rounds(cont, [15] * m.s.MAX_NEW, 1.25) == (1.25 * rounds, m.s.MAX_NEW)
+    # verify rounds dearer than the tokens they add: plain rounds only
+    assert m.fewest_rounds(cont, [1] * m.s.MAX_NEW, 2.5) == (m.s.MAX_NEW - 1, m.s.MAX_NEW)
+    # a verify round that commits 2 tokens for 1.5 plain steps beats two plain rounds
+    assert m.fewest_rounds(cont, [1] * m.s.MAX_NEW, 1.5)[0] == 1.5 * ((m.s.MAX_NEW - 1) // 2) + 1
