@@ -252,7 +252,9 @@ DECODE_MIN_SPLIT_KEYS = 64
 #: µs per round, the kernel's stores 1.5-2.4 µs (``profile_round_readback-*-h100-20261206-e2234c8.json``). Where a
 #: kernel cannot write page-locked memory, the copy is used. Checked on an H100 at c569471
 #: (``tests/engine/test_fast_generate_gpu.py``, whose EOS-lag test counts the steps run, and
-#: ``tests/kernels/test_host_counters.py``: 50 passed); end to end not timed yet (an on / off A/B was cut by its time
-#: limit; only one off run completed, ``bench_speculative-greedy-host-flags-off-h100-20261206-c569471.json``). Off
-#: until it is: the plain path is every call's, and a poll costs host time a CUDA event wait does not.
+#: ``tests/kernels/test_host_counters.py``: 50 passed). End to end it did not separate from the spread: H100, off / on
+#: / off / on at f908423, 8 prompts per category at batch 1, 3 passes each
+#: (``bench_speculative-greedy-host-flags-{off-1,on-2,off-3,on-4}-h100-20261206-f908423.json``), the plain path's
+#: tok/s per pass off / on: passages 2109-2128 / 2122-2155, code 1972-2022 / 1949-2012, open-ended 2175-2199 /
+#: 2185-2224. Off: the plain path is every call's, and a poll costs host time a CUDA event wait does not.
 GREEDY_HOST_FLAGS = False
