@@ -51,15 +51,16 @@ def lookup(tokens: list[int], length: int, max_ngram: int) -> tuple[int, int]:
     return 0, -1
 
 
-def tables(prompt, cont, max_ngram):
-    """Per committed output length j: drafts accepted (k = 15), matched n, and the match's offset from the end."""
+def tables(prompt, cont, max_ngram, k_max: int = K):
+    """Per committed output length j: drafts accepted (at most ``k_max``, default 15), matched n, and the match's
+    offset from the end."""
     full, p = prompt + cont, len(prompt)
     acc, ngram, offset = [], [], []
     for j in range(1, s.MAX_NEW + 1):
         length = p + j
         n, at = lookup(full, length, max_ngram)
         a = 0
-        while n and a < K and at + a < length and j + a < len(cont) and full[at + a] == cont[j + a]:
+        while n and a < k_max and at + a < length and j + a < len(cont) and full[at + a] == cont[j + a]:
             a += 1
         acc.append(a)
         ngram.append(min(n, NUM_CLASSES - 1))

@@ -5,8 +5,8 @@ prompts of each ``bench_speculative.py`` category, 128 new tokens, EOS ``<|im_en
 ``simulate_k_chooser.py`` loads them.
 
 For every committed output length j of a row, ``a(j)`` is the number of drafts of the lookup at j that equal the
-greedy continuation (``simulate_lookup_classes.lookup``: the first earlier occurrence of the longest suffix n-gram, up
-to ``max_ngram`` tokens, as ``ngram_lookup_ref``; at most ``k_max`` drafts). A round at j may verify any k <= k_max
+greedy continuation (``simulate_lookup_classes.tables``: the first earlier occurrence of the longest suffix n-gram,
+up to ``max_ngram`` tokens, as ``ngram_lookup_ref``; at most ``k_max`` drafts). A round at j may verify any k <= k_max
 of them and then commits between 1 and a(j) + 1 tokens (fewer at EOS or at 128 new tokens: ``commit_count``), so
 the fewest rounds that finish the row are found exactly by dynamic programming over j, whatever the k schedule
 (the clairvoyant one included). A round runs at least one forward of the whole model, so it takes at least as long as
@@ -39,26 +39,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
 import simulate_k_chooser as s  # noqa: E402
-from simulate_lookup_classes import lookup  # noqa: E402
+from simulate_lookup_classes import tables  # noqa: E402
 from study_prompt_lookup import commit_count  # noqa: E402
 
 
 def accepted_table(prompt: list[int], cont: list[int], max_ngram: int, k_max: int) -> list[int]:
     """``a(j)`` for j = 1 .. MAX_NEW committed output tokens: lookup drafts equal to the continuation, at most
     ``k_max`` (``max_ngram`` 0: every draft right, up to ``k_max``)."""
-    full, p = prompt + cont, len(prompt)
-    out = []
-    for j in range(1, s.MAX_NEW + 1):
-        if max_ngram == 0:
-            out.append(min(k_max, len(cont) - j))
-            continue
-        length = p + j
-        n, at = lookup(full, length, max_ngram)
-        a = 0
-        while n and a < k_max and at + a < length and j + a < len(cont) and full[at + a] == cont[j + a]:
-            a += 1
-        out.append(a)
-    return out
+    if max_ngram == 0:
+        return [min(k_max, len(cont) - j) for j in range(1, s.MAX_NEW + 1)]
+    return tables(prompt, cont, max_ngram, k_max)[0]
 
 
 def fewest_rounds(cont: list[int], acc: list[int], verify_cost: float = 1.0) -> tuple[float, int]:
