@@ -3,24 +3,12 @@ suffix found, the top path takes the commonest next token at each step, hindsigh
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from bench_module import load_bench
 
 
 def _module():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("study_retrieval_bound", BENCH / "study_retrieval_bound.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("study_retrieval_bound")
 
 
 #            0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17 18 19 20

@@ -4,23 +4,13 @@ that lands on a poor lookup, and stops rows at EOS."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from bench_module import load_bench
 
 
 def _module():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("study_speedup_bound", BENCH / "study_speedup_bound.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("study_speedup_bound")
 
 
 def _bfs_rounds(m, cont, acc):
