@@ -68,9 +68,10 @@ def _count_kernel(Info, PDL: tl.constexpr):
 
 
 @triton.jit
-def _publish_kernel(Info, Ring, n, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Ring[slot, 1:n+1] = Info[:n], then Ring[slot, 0] = the round number (a system-scope release store), with
-    slot = round number % R; Ring is page-locked host memory."""
+def _publish_kernel(Info, Ring, n, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ATOMIC: tl.constexpr):
+    """Ring[slot, 1:n+1] = Info[:n], then Ring[slot, 0] = the round number, with slot = round number % R; Ring is
+    page-locked host memory. ``ATOMIC``: the number by a system-scope release exchange; else plain stores, a
+    system-scope fence (PTX ``fence.sc.sys``), then the number."""
     if PDL:
         gdc_wait()
     r = tl.load(Info)
@@ -79,24 +80,12 @@ def _publish_kernel(Info, Ring, n, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl
     vals = tl.load(Info + offs, mask=offs < n)
     tl.store(Ring + slot * (BLOCK + 1) + 1 + offs, vals, mask=offs < n)
     tl.debug_barrier()
-    tl.atomic_xchg(Ring + slot * (BLOCK + 1), r, sem="release", scope="sys")
-
-
-@triton.jit
-def _publish_fence_kernel(Info, Ring, n, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """As :func:`_publish_kernel` with plain stores: the counters, a system-scope fence (PTX ``fence.sc.sys``), then
-    the round number."""
-    if PDL:
-        gdc_wait()
-    r = tl.load(Info)
-    slot = r % R
-    offs = tl.arange(0, BLOCK)
-    vals = tl.load(Info + offs, mask=offs < n)
-    tl.store(Ring + slot * (BLOCK + 1) + 1 + offs, vals, mask=offs < n)
-    tl.debug_barrier()
-    r = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b64 $0, $1;", "=l,l", [r], dtype=tl.int64, is_pure=False,
-                                  pack=1)
-    tl.store(Ring + slot * (BLOCK + 1), r)
+    if ATOMIC:
+        tl.atomic_xchg(Ring + slot * (BLOCK + 1), r, sem="release", scope="sys")
+    else:
+        r = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b64 $0, $1;", "=l,l", [r], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+        tl.store(Ring + slot * (BLOCK + 1), r)
 
 
 def main(argv=None):
@@ -124,11 +113,11 @@ def main(argv=None):
 
     def body_mapped():
         body()
-        _publish_kernel[(1,)](info, ring, args.small, R=RING, BLOCK=block, PDL=pdl, **launch)
+        _publish_kernel[(1,)](info, ring, args.small, R=RING, BLOCK=block, PDL=pdl, ATOMIC=True, **launch)
 
     def body_fence():
         body()
-        _publish_fence_kernel[(1,)](info, ring, args.small, R=RING, BLOCK=block, PDL=pdl, **launch)
+        _publish_kernel[(1,)](info, ring, args.small, R=RING, BLOCK=block, PDL=pdl, ATOMIC=False, **launch)
 
     def capture(fn):
         stream = torch.cuda.Stream()
