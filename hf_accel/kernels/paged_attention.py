@@ -85,6 +85,8 @@ def _paged_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     TRIGGER: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
     TRIGGER_AFTER_KEYS: tl.constexpr,
 ):
@@ -98,6 +100,14 @@ def _paged_attention_kernel(
     b = pid_bh // num_kv_heads
     kv_head = pid_bh % num_kv_heads
     b64 = b.to(tl.int64)
+    start = pid_s * tokens_per_split
+    if CHUNK_BLOCKS > 0:
+        # The first chunk's block ids, loaded before (not after) seq_len: they need only the split's start,
+        # so the two loads are in flight together and K/V loads start one memory round trip earlier. Entries
+        # past the sequence's last block are loaded but never used as addresses (their K/V loads are masked).
+        offs_b = start // block_size + tl.arange(0, CHUNK_BLOCKS)
+        first_ids = tl.load(BlockTable + b64 * stride_tb + offs_b * stride_tn,
+                            mask=(offs_b < table_len) & (offs_b * block_size < start + tokens_per_split), other=0)
     seq_len = tl.load(SeqLens + b)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -108,7 +118,6 @@ def _paged_attention_kernel(
     d_valid = offs_d < head_dim
 
     causal_shift = seq_len - q_len
-    start = pid_s * tokens_per_split
     # keys the grid and the block table cover; a longer seq_len is a caller error, answered with NaN below
     covered = tl.minimum(tl.num_programs(2) * tokens_per_split, table_len * block_size)
     end = tl.minimum(tl.minimum(seq_len, start + tokens_per_split), covered)
@@ -168,11 +177,11 @@ def _paged_attention_kernel(
         # and each tile picks its ids from registers (tl.gather); with no load feeding another load's
         # address in the tile loop, the pipeliner keeps num_stages - 1 K/V tiles in flight
         # (chunks are aligned to cache blocks: a split may start inside a block)
+        # (the first chunk's ids were loaded before seq_len; each chunk loads the next one's after its tiles)
+        ids = first_ids
         for first_block in range(start // block_size, tl.cdiv(end, block_size), CHUNK_BLOCKS):
             chunk_start = tl.maximum(start, first_block * block_size)
             chunk_end = tl.minimum(end, (first_block + CHUNK_BLOCKS) * block_size)
-            offs_b = first_block + tl.arange(0, CHUNK_BLOCKS)
-            ids = tl.load(table + offs_b * stride_tn, mask=offs_b * block_size < chunk_end, other=0)
             for start_n in range(chunk_start, chunk_end, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 local = tl.minimum(offs_n // block_size - first_block, CHUNK_BLOCKS - 1)
@@ -182,6 +191,8 @@ def _paged_attention_kernel(
                     d_valid, row_valid, q_pos, causal_shift, kh_off, vh_off, block_size, sm_scale_log2, b64,
                     stride_ks, stride_kb, stride_kd, stride_vb, stride_vs, stride_vd, stride_mb, stride_mn,
                     IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT)
+            offs_b = first_block + CHUNK_BLOCKS + tl.arange(0, CHUNK_BLOCKS)
+            ids = tl.load(table + offs_b * stride_tn, mask=offs_b * block_size < end, other=0)
 
     if PDL and TRIGGER_AFTER_KEYS:
         gdc_launch_dependents()  # every K/V load of this program has returned: the next kernel may launch
@@ -203,30 +214,35 @@ def _paged_attention_kernel(
             # stored by every thread, then an acquire/release arrival count at GPU scope.
             counter = Counters + pid_bh * tl.num_programs(0) + pid_m
             if last_to_arrive(counter, NUM_SPLITS):
-                row_off = b64 * stride_lb + q_pos.to(tl.int64) * stride_lm + q_head
-                p_rows = (PartOut + b64 * stride_pb + q_pos[:, None].to(tl.int64) * stride_pm
-                          + q_head[:, None].to(tl.int64) * stride_ph + offs_d[None, :])
-                # unrolled over the splits so that all their loads can be in flight at once; an online
-                # log-sum-exp merge in split order (deterministic)
-                m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                total = tl.zeros([BLOCK_M], dtype=tl.float32)
-                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                for s in tl.static_range(NUM_SPLITS):
-                    ls = tl.load(PartLse + s * stride_ls + row_off, mask=row_valid, other=float("-inf"),
-                                 cache_modifier=".cg")
-                    part = tl.load(p_rows + s * stride_ps, mask=io_mask, other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m, ls)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    scale = tl.exp2(m - m_safe)
-                    w = tl.exp2(ls - m_safe)
-                    merged = merged * scale[:, None] + part * w[:, None]
-                    total = total * scale + w
-                    m = m_new
-                merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+                # All splits of MERGE_ROWS rows at a time in one [splits, rows, head_dim] load (every load in
+                # flight at once; rows of the block past the last query row are skipped), merged as the
+                # merge kernel does: weights exp2(lse_s - max_s lse_s), sum over splits in registers.
+                offs_s = tl.arange(0, MERGE_SPLITS)
+                s_valid = offs_s < NUM_SPLITS
+                for r0 in tl.static_range(0, BLOCK_M, MERGE_ROWS):
+                    if pid_m * BLOCK_M + r0 < q_len * GROUP:
+                        mrows = pid_m * BLOCK_M + r0 + tl.arange(0, MERGE_ROWS)
+                        mpos = (mrows // GROUP).to(tl.int64)
+                        mhead = (kv_head * GROUP + mrows % GROUP).to(tl.int64)
+                        mvalid = mrows < q_len * GROUP
+                        lse_s = tl.load(PartLse + offs_s[:, None] * stride_ls + b64 * stride_lb
+                                        + mpos[None, :] * stride_lm + mhead[None, :],
+                                        mask=s_valid[:, None] & mvalid[None, :], other=float("-inf"),
+                                        cache_modifier=".cg")
+                        parts = tl.load(PartOut + offs_s[:, None, None] * stride_ps + b64 * stride_pb
+                                        + mpos[None, :, None] * stride_pm + mhead[None, :, None] * stride_ph
+                                        + offs_d[None, None, :],
+                                        mask=(s_valid[:, None, None] & mvalid[None, :, None]
+                                              & d_valid[None, None, :]), other=0.0, cache_modifier=".cg")
+                        m_s = tl.max(lse_s, 0)
+                        w_s = tl.exp2(lse_s - tl.where(m_s == float("-inf"), 0.0, m_s)[None, :])
+                        total_s = tl.sum(w_s, 0)
+                        merged = (tl.sum(parts * w_s[:, :, None], 0)
+                                  / tl.where(total_s == 0.0, 1.0, total_s)[:, None])
+                        tl.store(Out + b64 * stride_ob + mpos[:, None] * stride_om + mhead[:, None] * stride_oh
+                                 + offs_d[None, :] * stride_od, merged.to(Out.dtype.element_ty),
+                                 mask=mvalid[:, None] & d_valid[None, :])
                 reset_arrivals(counter)
-                o_ptrs = (Out + b64 * stride_ob + q_pos[:, None].to(tl.int64) * stride_om
-                          + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od)
-                tl.store(o_ptrs, merged.to(Out.dtype.element_ty), mask=io_mask)
     else:
         o_ptrs = (Out + b64 * stride_ob + q_pos[:, None].to(tl.int64) * stride_om
                   + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od)
@@ -315,6 +331,9 @@ MAX_CHUNK_BLOCKS = 4096
 #: Most splits merged inside the attention kernel (``merge_counters``; its merge loop is unrolled over the
 #: splits); more go through the merge kernel.
 MAX_FUSED_MERGE_SPLITS = 32
+#: Most partial-output values the fused merge loads at once (a [splits, rows, head_dim] tile: 128 fp32
+#: registers per thread at 4 warps); it merges as many query rows at a time as fit.
+MERGE_TILE_ELEMENTS = 16384
 #: KV splits target about this many programs per SM (see ``num_splits``).
 SPLIT_PROGRAMS_PER_SM = 2
 
@@ -352,7 +371,7 @@ def paged_attention(
         key_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype.
         value_cache: same shape/dtype as ``key_cache``.
         block_table: [batch, max_blocks_per_seq], int32 — physical block ids in logical order; entries
-            past a sequence's last block are never read.
+            past a sequence's last block are never used as addresses (they may be loaded, any value).
         seq_lens: [batch], int32 — tokens in each sequence's cache, the ``q_len`` new ones included.
         max_seq_len: host int >= max(seq_lens), sizes the split-KV grid without a device sync. Rows whose
             ``seq_lens`` exceeds what that grid or the block table covers come out NaN (never attention
@@ -493,6 +512,9 @@ def paged_attention(
         chunk_blocks = 0
     grid = (m_blocks, batch * num_kv_heads, num_splits)
     fused_merge = split and merge_counters is not None and num_splits <= MAX_FUSED_MERGE_SPLITS
+    # query rows merged at once by the fused merge: at most MERGE_TILE_ELEMENTS partial values in flight
+    merge_rows = max(1, min(block_m, triton.next_power_of_2(rows),
+                            MERGE_TILE_ELEMENTS // (triton.next_power_of_2(num_splits) * block_d)))
     if not (isinstance(trigger, bool) or trigger in ("after_wait", "after_keys")):
         raise ValueError(f"trigger must be False, True, 'after_wait' or 'after_keys', got {trigger!r}")
     if merge_counters is not None:
@@ -514,6 +536,8 @@ def paged_attention(
         IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl,
         FUSED_MERGE=fused_merge, TRIGGER=trigger is True or trigger == "after_wait",
         TRIGGER_AFTER_KEYS=trigger == "after_keys", NUM_SPLITS=num_splits if fused_merge else 1,
+        MERGE_SPLITS=triton.next_power_of_2(num_splits) if fused_merge else 1,
+        MERGE_ROWS=merge_rows,
         PRELOAD_KV=bool(preload_kv),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )

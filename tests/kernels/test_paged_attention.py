@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import triton
 
 import hf_accel.kernels.paged_attention as pa
 import hf_accel.kernels.paged_attention_torch as pat
@@ -463,13 +464,19 @@ def test_argument_errors(bad):
 
 @pytest.mark.parametrize(
     "heads,q_len,block_size,num_splits",
-    [((8, 2), 1, 16, 3), ((8, 1), 3, 32, 2), ((16, 1), 5, 16, 4)],
-    ids=["gqa-decode-s3", "mqa-q3-s2", "rows80-two-m-blocks-s4"],
+    [((8, 2), 1, 16, 3), ((9, 3), 1, 16, 3), ((8, 1), 3, 32, 2), ((16, 1), 5, 16, 4)],
+    ids=["gqa-decode-s3", "group3-decode-s3", "mqa-q3-s2", "rows80-two-m-blocks-s4"],
 )
-def test_fused_merge_matches_merge_kernel(heads, q_len, block_size, num_splits, monkeypatch):
+@pytest.mark.parametrize("merge_tile", [None, "two-rows"], ids=["default-tile", "two-rows-per-load"])
+def test_fused_merge_matches_merge_kernel(heads, q_len, block_size, num_splits, merge_tile, monkeypatch):
     """Splits merged by the last split program to arrive (merge_counters): no merge kernel launched, the
     output equal to the merge kernel's within fp32 summation order, and the counters left at zero for the
-    next launch (run twice on the same counters)."""
+    next launch (run twice on the same counters). ``two-rows-per-load``: the merge loads two query rows'
+    partials at a time (``MERGE_TILE_ELEMENTS`` lowered), so a row block is merged in several groups, the
+    last ones partly or wholly past the last query row."""
+    if merge_tile:
+        block_d = max(16, triton.next_power_of_2(HEAD_DIM))
+        monkeypatch.setattr(pa, "MERGE_TILE_ELEMENTS", 2 * triton.next_power_of_2(num_splits) * block_d)
     num_heads, num_kv_heads = heads
     case = Case([q_len + 12, 45, 33], num_heads, num_kv_heads, q_len, block_size, seed=7 + num_splits)
     want, _ = case.check(num_splits=num_splits, block_n=16)
