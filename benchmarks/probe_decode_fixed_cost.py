@@ -12,7 +12,8 @@ ones partly from L2). Readers:
   not the attention, only its time is used);
 - ``ours-fused-merge``: the splits merged inside the attention kernel (``merge_counters``);
 - ``ours-fused-merge-tile8k``: the same with at most 8192 partial values loaded at once;
-- ``merge-only``: the split-merge kernel alone (32 splits x 32 heads).
+- ``merge-only-<w>-warps``: the split-merge kernel alone (32 splits x 32 heads) with w warps per program
+  (the launcher's default is 4).
 
 ``--baseline FILE`` times the readers of another version of ``paged_attention.py`` too (prefix ``base-``).
 
@@ -118,9 +119,10 @@ def main():
             part_out = torch.randn(SPLITS, H, D, device="cuda")
             part_lse = torch.randn(SPLITS, H, device="cuda")
             target = torch.empty(H, D, device="cuda", dtype=torch.bfloat16)
-            times["merge-only", S] = time_ms(lambda: pa._merge_splits_kernel[(H,)](
-                part_out, part_lse, target, part_out.stride(0), D, part_lse.stride(0), target.stride(0),
-                SPLITS, D, BLOCK_S=SPLITS, BLOCK_D=D, PDL=False))
+            for warps in (1, 2, 4, 8):
+                times[f"merge-only-{warps}-warps", S] = time_ms(lambda: pa._merge_splits_kernel[(H,)](
+                    part_out, part_lse, target, part_out.stride(0), D, part_lse.stride(0), target.stride(0),
+                    SPLITS, D, BLOCK_S=SPLITS, BLOCK_D=D, PDL=False, num_warps=warps))
         k_cache = v_cache = k = v = None
         torch.cuda.empty_cache()
 
