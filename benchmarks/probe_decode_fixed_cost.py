@@ -11,6 +11,7 @@ ones partly from L2). Readers:
 - ``ours-attention-only``: the attention kernel alone (the merge launch replaced by nothing; its output is
   not the attention, only its time is used);
 - ``ours-fused-merge``: the splits merged inside the attention kernel (``merge_counters``);
+- ``ours-4-stages``: ``ours`` with 4 pipeline stages (3 K/V tiles in flight instead of 2);
 - ``ours-fused-merge-tile8k``: the same with at most 8192 partial values loaded at once;
 - ``merge-only-<w>-warps``: the split-merge kernel alone (32 splits x 32 heads) with w warps per program
   (the launcher's default is 4).
@@ -89,7 +90,8 @@ def main():
         counters = torch.zeros(H_KV, dtype=torch.int32, device="cuda")
         kw = dict(num_splits=SPLITS, check_blocks=False)
         for prefix, mod in modules:
-            variants = [("ours", {}, None), ("ours-fused-merge", {"merge_counters": counters}, None)]
+            variants = [("ours", {}, None), ("ours-fused-merge", {"merge_counters": counters}, None),
+                        ("ours-4-stages", {"num_stages": 4}, None)]
             if hasattr(mod, "MERGE_TILE_ELEMENTS"):
                 variants.append(("ours-fused-merge-tile8k", {"merge_counters": counters}, 8192))
             for name, extra, tile in variants:
