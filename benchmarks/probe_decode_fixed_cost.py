@@ -11,8 +11,8 @@ ones partly from L2). Readers:
 - ``ours-attention-only``: the attention kernel alone (the merge launch replaced by nothing; its output is
   not the attention, only its time is used);
 - ``ours-fused-merge``: the splits merged inside the attention kernel (``merge_counters``);
-- ``ours-4-stages``: ``ours`` with 4 pipeline stages (3 K/V tiles in flight instead of 2);
 - ``ours-fused-merge-tile8k``: the same with at most 8192 partial values loaded at once;
+- ``ours-4-stages``: ``ours`` with 4 pipeline stages (3 K/V tiles in flight instead of 2);
 - ``merge-only-<w>-warps``: the split-merge kernel alone (32 splits x 32 heads) with w warps per program
   (the launcher's default is 4).
 

@@ -328,8 +328,8 @@ CHUNK_TOKENS = 2048
 CHUNKED_MAX_PROGRAMS_PER_SM = 3
 #: Most block ids held in registers per chunk (``chunk_tokens`` is capped to this many blocks).
 MAX_CHUNK_BLOCKS = 4096
-#: Most splits merged inside the attention kernel (``merge_counters``; its merge loop is unrolled over the
-#: splits); more go through the merge kernel.
+#: Most splits merged inside the attention kernel (``merge_counters``; the merge loads every split's partials
+#: of a few query rows at once); more go through the merge kernel.
 MAX_FUSED_MERGE_SPLITS = 32
 #: Most partial-output values the fused merge loads at once (a [splits, rows, head_dim] tile: 128 fp32
 #: registers per thread at 4 warps); it merges as many query rows at a time as fit.
@@ -513,8 +513,11 @@ def paged_attention(
     grid = (m_blocks, batch * num_kv_heads, num_splits)
     fused_merge = split and merge_counters is not None and num_splits <= MAX_FUSED_MERGE_SPLITS
     # query rows merged at once by the fused merge: at most MERGE_TILE_ELEMENTS partial values in flight
-    merge_rows = max(1, min(block_m, triton.next_power_of_2(rows),
-                            MERGE_TILE_ELEMENTS // (triton.next_power_of_2(num_splits) * block_d)))
+    # (1 without it, so that launches without a fused merge share one compiled kernel)
+    merge_rows = 1
+    if fused_merge:
+        merge_rows = max(1, min(block_m, triton.next_power_of_2(rows),
+                                MERGE_TILE_ELEMENTS // (triton.next_power_of_2(num_splits) * block_d)))
     if not (isinstance(trigger, bool) or trigger in ("after_wait", "after_keys")):
         raise ValueError(f"trigger must be False, True, 'after_wait' or 'after_keys', got {trigger!r}")
     if merge_counters is not None:
