@@ -334,8 +334,20 @@ MAX_FUSED_MERGE_SPLITS = 32
 #: Most partial-output values the fused merge loads at once (a [splits, rows, head_dim] tile: 128 fp32
 #: registers per thread at 4 warps); it merges as many query rows at a time as fit.
 MERGE_TILE_ELEMENTS = 16384
+#: Elements of the merge kernel's [splits, head_dim] fp32 tile per warp (128 registers per thread): it runs
+#: on as few warps as hold the tile, one for up to 32 splits at head_dim 128.
+MERGE_WARP_ELEMENTS = 4096
 #: KV splits target about this many programs per SM (see ``num_splits``).
 SPLIT_PROGRAMS_PER_SM = 2
+
+
+def merge_warps(num_splits: int, block_d: int) -> int:
+    """Warps per program of the split-merge kernel: the fewest (1-8, a power of 2) that hold its
+    [next_power_of_2(num_splits), block_d] fp32 tile at :data:`MERGE_WARP_ELEMENTS` per warp. One warp merges
+    without a cross-warp reduction: H200, 32 splits x 32 heads x D128, the kernel alone in a CUDA graph took
+    2.31 µs per call on 1 warp vs 3.23 on 4 (``probe_decode_fixed_cost-20261206-56bbd39.json``)."""
+    elements = triton.next_power_of_2(num_splits) * block_d
+    return min(8, triton.next_power_of_2(triton.cdiv(elements, MERGE_WARP_ELEMENTS)))
 
 
 def paged_attention(
@@ -552,7 +564,8 @@ def paged_attention(
             part_out, part_lse, target,
             part_out.stride(0), head_dim, part_lse.stride(0), target.stride(0),
             num_splits, head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl, **pdl_launch,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl,
+            num_warps=merge_warps(num_splits, block_d), **pdl_launch,
         )
         if out_rows is None:
             out.copy_(target.view(batch, q_len, num_heads, head_dim))

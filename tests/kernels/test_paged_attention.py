@@ -550,3 +550,11 @@ def test_sdpa_path_one_row_in_consecutive_blocks_reads_a_view(monkeypatch):
     none = torch.zeros(1, 10, dtype=torch.bool)
     assert torch.equal(pat.paged_attention_sdpa(q, kc, vc, table, lens, 10, none), torch.zeros(1, 1, 4, 8,
                                                                                               dtype=torch.float64))
+
+
+@pytest.mark.parametrize("num_splits,block_d,want", [(32, 128, 1), (3, 64, 1), (64, 128, 2), (128, 128, 4),
+                                                     (4096, 256, 8)])
+def test_merge_warps(num_splits, block_d, want):
+    """The split-merge kernel runs on the fewest warps that hold its [splits, head_dim] tile at
+    MERGE_WARP_ELEMENTS per warp (one for the decode shapes), at most 8."""
+    assert pa.merge_warps(num_splits, block_d) == want
