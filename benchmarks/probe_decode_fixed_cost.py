@@ -11,12 +11,15 @@ ones partly from L2). Readers:
 - ``ours-attention-only``: the attention kernel alone (the merge launch replaced by nothing; its output is
   not the attention, only its time is used);
 - ``ours-fused-merge``: the splits merged inside the attention kernel (``merge_counters``);
-- ``ours-fused-merge-tile8k``: the same with at most 8192 partial values loaded at once;
-- ``ours-4-stages``: ``ours`` with 4 pipeline stages (3 K/V tiles in flight instead of 2);
+- ``ours-merge-4-warps``: the merge kernel on 4 warps per program (the default runs as few as hold its tile);
+- ``ours-merge-no-pdl``: the merge kernel launched after the attention kernel, without PDL
+  (``MERGE_PDL_TRIGGER`` None); ``ours-merge-pdl-after-keys``: launched once the attention programs' K/V are in;
+  ``ours-merge-4-warps-no-pdl``: both (the launcher of 2026-12-06);
 - ``merge-only-<w>-warps``: the split-merge kernel alone (32 splits x 32 heads) with w warps per program
   (the launcher's default is 4).
 
-``--baseline FILE`` times the readers of another version of ``paged_attention.py`` too (prefix ``base-``).
+``--baseline FILE`` times ``ours`` and ``ours-attention-only`` of another version of ``paged_attention.py`` too
+(prefix ``base-``).
 
 Equal per-token costs and different fixed costs put the gap in the prologue / epilogue / merge; a larger
 per-token cost puts it in the tile loop. Writes ``probe_decode_fixed_cost-<date>.json``.
@@ -38,6 +41,16 @@ import hf_accel.kernels.paged_attention as pa  # noqa: E402
 H, H_KV, D, BLOCK = 32, 8, 128, 16
 SPLITS = 32
 LENGTHS = (4096, 8192, 16384, 32768, 65536)
+#: (name, paged_attention kwargs or "fused", module constants set for the call); a baseline module runs the
+#: first only
+VARIANTS = [
+    ("ours", {}, {}),
+    ("ours-fused-merge", "fused", {}),
+    ("ours-merge-4-warps", {}, {"MERGE_WARP_ELEMENTS": 1024}),
+    ("ours-merge-no-pdl", {}, {"MERGE_PDL_TRIGGER": None}),
+    ("ours-merge-pdl-after-keys", {}, {"MERGE_PDL_TRIGGER": "after_keys"}),
+    ("ours-merge-4-warps-no-pdl", {}, {"MERGE_WARP_ELEMENTS": 1024, "MERGE_PDL_TRIGGER": None}),
+]
 
 
 class _NoLaunch:
@@ -90,14 +103,13 @@ def main():
         counters = torch.zeros(H_KV, dtype=torch.int32, device="cuda")
         kw = dict(num_splits=SPLITS, check_blocks=False)
         for prefix, mod in modules:
-            variants = [("ours", {}, None), ("ours-fused-merge", {"merge_counters": counters}, None),
-                        ("ours-4-stages", {"num_stages": 4}, None)]
-            if hasattr(mod, "MERGE_TILE_ELEMENTS"):
-                variants.append(("ours-fused-merge-tile8k", {"merge_counters": counters}, 8192))
-            for name, extra, tile in variants:
-                saved = getattr(mod, "MERGE_TILE_ELEMENTS", None)
-                if tile:
-                    mod.MERGE_TILE_ELEMENTS = tile
+            for name, extra, overrides in VARIANTS if not prefix else VARIANTS[:1]:
+                if any(not hasattr(mod, attr) for attr in overrides):
+                    continue
+                saved = {attr: getattr(mod, attr) for attr in overrides}
+                for attr, value in overrides.items():
+                    setattr(mod, attr, value)
+                extra = {"merge_counters": counters} if extra == "fused" else extra
                 try:
                     out = mod.paged_attention(q, k_cache, v_cache, table, seq_lens, S, **kw, **extra)
                     err = (out.float() - ref).abs().max().item()
@@ -106,8 +118,8 @@ def main():
                     times[prefix + name, S] = time_ms(
                         lambda: mod.paged_attention(q, k_cache, v_cache, table, seq_lens, S, **kw, **extra))
                 finally:
-                    if tile:
-                        mod.MERGE_TILE_ELEMENTS = saved
+                    for attr, value in saved.items():
+                        setattr(mod, attr, value)
             merge_kernel = mod._merge_splits_kernel
             mod._merge_splits_kernel = _NoLaunch()
             try:

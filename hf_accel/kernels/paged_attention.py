@@ -90,10 +90,11 @@ def _paged_attention_kernel(
     PRELOAD_KV: tl.constexpr,
     TRIGGER_AFTER_KEYS: tl.constexpr,
 ):
-    if PDL and not PRELOAD_KV:
-        gdc_wait()  # Q and the cache are written by the kernels before this one
+    if not PRELOAD_KV:
+        if PDL:
+            gdc_wait()  # Q and the cache are written by the kernels before this one
         if TRIGGER:
-            gdc_launch_dependents()  # the next kernel may launch and load its weights while this one runs
+            gdc_launch_dependents()  # the next kernel may launch (and wait, or load its weights) while this one runs
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -146,8 +147,8 @@ def _paged_attention_kernel(
         v0 = tl.load(v_ptr0, mask=old0[:, None] & d_valid[None, :], other=0.0)
         if PDL:
             gdc_wait()  # Q and the new tokens' K/V are written by the kernel before this one
-            if TRIGGER:
-                gdc_launch_dependents()
+        if TRIGGER:
+            gdc_launch_dependents()
     q = tl.load(Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
                 + q_pos[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
@@ -194,7 +195,7 @@ def _paged_attention_kernel(
             offs_b = first_block + CHUNK_BLOCKS + tl.arange(0, CHUNK_BLOCKS)
             ids = tl.load(table + offs_b * stride_tn, mask=offs_b * block_size < end, other=0)
 
-    if PDL and TRIGGER_AFTER_KEYS:
+    if TRIGGER_AFTER_KEYS:
         gdc_launch_dependents()  # every K/V load of this program has returned: the next kernel may launch
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -337,6 +338,11 @@ MERGE_TILE_ELEMENTS = 16384
 #: Elements of the merge kernel's [splits, head_dim] fp32 tile per warp (128 registers per thread): it runs
 #: on as few warps as hold the tile, one for up to 32 splits at head_dim 128.
 MERGE_WARP_ELEMENTS = 4096
+#: Launches without ``pdl`` still launch the split-merge kernel with PDL where available (Hopper and newer),
+#: the attention kernel letting it launch at this point: "after_wait" (as its programs start), "after_keys"
+#: (once their K/V tiles are in); None: no PDL at all. The merge kernel's programs then wait
+#: (``griddepcontrol.wait``) for the attention kernel to finish instead of being launched after it.
+MERGE_PDL_TRIGGER = "after_wait"
 #: KV splits target about this many programs per SM (see ``num_splits``).
 SPLIT_PROGRAMS_PER_SM = 2
 
@@ -536,6 +542,15 @@ def paged_attention(
         check_counters(merge_counters, m_blocks * batch * num_kv_heads, query.device, "merge_counters")
     pdl = use_pdl(pdl, query)
     pdl_launch = {"launch_pdl": True} if pdl else {}
+    trigger_start = pdl and (trigger is True or trigger == "after_wait")
+    trigger_keys = pdl and trigger == "after_keys"
+    merge_pdl = pdl
+    if (not pdl and split and not fused_merge and MERGE_PDL_TRIGGER is not None
+            and use_pdl(True, query)):
+        # only the merge kernel takes PDL: it launches while the attention kernel runs and waits for it
+        merge_pdl = True
+        trigger_start = MERGE_PDL_TRIGGER == "after_wait"
+        trigger_keys = MERGE_PDL_TRIGGER == "after_keys"
     check_dense("paged_attention", seq_lens=seq_lens)
     check_launch_device(query, "paged_attention", "hf_accel.kernels.paged_attention_torch.paged_attention_ref")
     check_interpreter_dot(query, "paged_attention")
@@ -549,8 +564,8 @@ def paged_attention(
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
         IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl,
-        FUSED_MERGE=fused_merge, TRIGGER=trigger is True or trigger == "after_wait",
-        TRIGGER_AFTER_KEYS=trigger == "after_keys", NUM_SPLITS=num_splits if fused_merge else 1,
+        FUSED_MERGE=fused_merge, TRIGGER=trigger_start,
+        TRIGGER_AFTER_KEYS=trigger_keys, NUM_SPLITS=num_splits if fused_merge else 1,
         MERGE_SPLITS=triton.next_power_of_2(num_splits) if fused_merge else 1,
         MERGE_ROWS=merge_rows,
         PRELOAD_KV=bool(preload_kv),
@@ -564,8 +579,8 @@ def paged_attention(
             part_out, part_lse, target,
             part_out.stride(0), head_dim, part_lse.stride(0), target.stride(0),
             num_splits, head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl,
-            num_warps=merge_warps(num_splits, block_d), **pdl_launch,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=merge_pdl,
+            num_warps=merge_warps(num_splits, block_d), **({"launch_pdl": True} if merge_pdl else {}),
         )
         if out_rows is None:
             out.copy_(target.view(batch, q_len, num_heads, head_dim))

@@ -558,3 +558,51 @@ def test_merge_warps(num_splits, block_d, want):
     """The split-merge kernel runs on the fewest warps that hold its [splits, head_dim] tile at
     MERGE_WARP_ELEMENTS per warp (one for the decode shapes), at most 8."""
     assert pa.merge_warps(num_splits, block_d) == want
+
+
+@pytest.mark.parametrize("position", [None, "after_wait", "after_keys"])
+def test_merge_pdl_trigger_positions(position, monkeypatch):
+    """Without ``pdl`` the merge kernel is still launched with PDL where available (Hopper); wherever the attention
+    kernel lets it launch, it waits for the partials: the output is bit-identical to the launch without PDL."""
+    case = Case([300, 9, 129], 8, 2, 1, 16, seed=11)
+    monkeypatch.setattr(pa, "MERGE_PDL_TRIGGER", None)
+    ref, _ = case.check(num_splits=5, block_n=16)
+    monkeypatch.setattr(pa, "MERGE_PDL_TRIGGER", position)
+    spy = SplitSpy(monkeypatch)
+    out, _ = case.check(num_splits=5, block_n=16)
+    assert len(spy.grids) == 1
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs and PDL need a GPU")
+@pytest.mark.parametrize("position", [None, "after_wait", "after_keys"])
+def test_merge_pdl_back_to_back_in_a_cuda_graph(position, monkeypatch):
+    """Twelve split launches captured back to back in one CUDA graph (a call's partials may reuse memory the
+    previous call freed): every output equals its eager launch. A merge kernel that read the partials before
+    the attention kernel finished, or an attention kernel that overwrote them while the previous merge read
+    them, would differ."""
+    monkeypatch.setattr(pa, "MERGE_PDL_TRIGGER", position)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    block, kv_heads, heads, d, seq = 16, 8, 32, 128, 8192
+    nb = seq // block
+    kc = torch.randn(nb, block, kv_heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(nb, block, kv_heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(nb, device="cuda", generator=g).view(1, nb).int()
+    lens = torch.full((1,), seq, dtype=torch.int32, device="cuda")
+    queries = [torch.randn(1, heads, 1, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(12)]
+    want = [paged_attention(q, kc, vc, table, lens, seq, num_splits=32) for q in queries]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles) outside the capture
+        paged_attention(queries[0], kc, vc, table, lens, seq, num_splits=32, check_blocks=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [paged_attention(q, kc, vc, table, lens, seq, num_splits=32, check_blocks=False) for q in queries]
+    for _ in range(3):
+        for out in outs:
+            out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, ref in zip(outs, want):
+            assert torch.equal(out, ref)
