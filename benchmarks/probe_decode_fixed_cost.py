@@ -7,14 +7,15 @@ reader (least squares over the lengths whose K+V bytes exceed the L2: the graph'
 ones partly from L2). Readers:
 
 - ``read-only``: ``bench_decode``'s reference kernel (loads the same K/V through the block table, sums it);
-- ``ours``: ``paged_attention`` as the decode step calls it (attention kernel + split-merge kernel);
+- ``ours``: ``paged_attention`` with its defaults (attention kernel + split-merge kernel, no PDL);
 - ``ours-attention-only``: the attention kernel alone (the merge launch replaced by nothing; its output is
   not the attention, only its time is used);
 - ``ours-fused-merge``: the splits merged inside the attention kernel (``merge_counters``);
-- ``ours-merge-4-warps``: the merge kernel on 4 warps per program (the default runs as few as hold its tile);
-- ``ours-merge-no-pdl``: the merge kernel launched after the attention kernel, without PDL
-  (``MERGE_PDL_TRIGGER`` None); ``ours-merge-pdl-after-keys``: launched once the attention programs' K/V are in;
-  ``ours-merge-4-warps-no-pdl``: both (the launcher of 2026-12-06);
+- ``ours-merge-fewest-warps``: the merge kernel on the fewest warps that hold its tile (``MERGE_WARPS`` None:
+  1 here; the default is 4);
+- ``ours-merge-pdl``: the merge kernel launched with PDL as the attention programs start (``MERGE_PDL_TRIGGER``
+  "after_wait"; by default it is launched after the attention kernel); ``ours-merge-pdl-after-keys``: once the
+  attention programs' K/V are in; ``ours-merge-pdl-fewest-warps``: PDL and the fewest warps;
 - ``merge-only-<w>-warps``: the split-merge kernel alone (32 splits x 32 heads) with w warps per program
   (the launcher's default is 4).
 
@@ -46,10 +47,10 @@ LENGTHS = (4096, 8192, 16384, 32768, 65536)
 VARIANTS = [
     ("ours", {}, {}),
     ("ours-fused-merge", "fused", {}),
-    ("ours-merge-4-warps", {}, {"MERGE_WARP_ELEMENTS": 1024}),
-    ("ours-merge-no-pdl", {}, {"MERGE_PDL_TRIGGER": None}),
+    ("ours-merge-fewest-warps", {}, {"MERGE_WARPS": None}),
+    ("ours-merge-pdl", {}, {"MERGE_PDL_TRIGGER": "after_wait"}),
     ("ours-merge-pdl-after-keys", {}, {"MERGE_PDL_TRIGGER": "after_keys"}),
-    ("ours-merge-4-warps-no-pdl", {}, {"MERGE_WARP_ELEMENTS": 1024, "MERGE_PDL_TRIGGER": None}),
+    ("ours-merge-pdl-fewest-warps", {}, {"MERGE_WARPS": None, "MERGE_PDL_TRIGGER": "after_wait"}),
 ]
 
 

@@ -338,11 +338,15 @@ MERGE_TILE_ELEMENTS = 16384
 #: Elements of the merge kernel's [splits, head_dim] fp32 tile per warp (128 registers per thread): it runs
 #: on as few warps as hold the tile, one for up to 32 splits at head_dim 128.
 MERGE_WARP_ELEMENTS = 4096
-#: Launches without ``pdl`` still launch the split-merge kernel with PDL where available (Hopper and newer),
-#: the attention kernel letting it launch at this point: "after_wait" (as its programs start), "after_keys"
-#: (once their K/V tiles are in); None: no PDL at all. The merge kernel's programs then wait
-#: (``griddepcontrol.wait``) for the attention kernel to finish instead of being launched after it.
-MERGE_PDL_TRIGGER = "after_wait"
+#: Warps per program of the split-merge kernel; None: :func:`merge_warps` (the fewest that hold its tile).
+#: 4 until the whole call is timed with fewer: only the kernel alone was (see :func:`merge_warps`).
+MERGE_WARPS = 4
+#: Whether launches without ``pdl`` still launch the split-merge kernel with PDL where available (Hopper and
+#: newer), and where the attention kernel lets it launch: "after_wait" (as its programs start), "after_keys"
+#: (once their K/V tiles are in); None: no PDL. The merge kernel's programs then wait (``griddepcontrol.wait``)
+#: for the attention kernel to finish instead of being launched after it, hiding its launch latency.
+#: None until timed on a GPU (``benchmarks/probe_decode_fixed_cost.py`` has the variants).
+MERGE_PDL_TRIGGER = None
 #: KV splits target about this many programs per SM (see ``num_splits``).
 SPLIT_PROGRAMS_PER_SM = 2
 
@@ -580,7 +584,7 @@ def paged_attention(
             part_out.stride(0), head_dim, part_lse.stride(0), target.stride(0),
             num_splits, head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=merge_pdl,
-            num_warps=merge_warps(num_splits, block_d), **({"launch_pdl": True} if merge_pdl else {}),
+            num_warps=MERGE_WARPS or merge_warps(num_splits, block_d), **({"launch_pdl": True} if merge_pdl else {}),
         )
         if out_rows is None:
             out.copy_(target.view(batch, q_len, num_heads, head_dim))

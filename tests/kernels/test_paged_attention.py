@@ -560,14 +560,16 @@ def test_merge_warps(num_splits, block_d, want):
     assert pa.merge_warps(num_splits, block_d) == want
 
 
+@pytest.mark.parametrize("warps", [4, None])
 @pytest.mark.parametrize("position", [None, "after_wait", "after_keys"])
-def test_merge_pdl_trigger_positions(position, monkeypatch):
-    """Without ``pdl`` the merge kernel is still launched with PDL where available (Hopper); wherever the attention
-    kernel lets it launch, it waits for the partials: the output is bit-identical to the launch without PDL."""
+def test_merge_pdl_trigger_positions(position, warps, monkeypatch):
+    """With MERGE_PDL_TRIGGER, launches without ``pdl`` still launch the merge kernel with PDL where available
+    (Hopper); wherever the attention kernel lets it launch, and on however many warps, it waits for the partials:
+    the output is bit-identical to the default launch."""
     case = Case([300, 9, 129], 8, 2, 1, 16, seed=11)
-    monkeypatch.setattr(pa, "MERGE_PDL_TRIGGER", None)
     ref, _ = case.check(num_splits=5, block_n=16)
     monkeypatch.setattr(pa, "MERGE_PDL_TRIGGER", position)
+    monkeypatch.setattr(pa, "MERGE_WARPS", warps)
     spy = SplitSpy(monkeypatch)
     out, _ = case.check(num_splits=5, block_n=16)
     assert len(spy.grids) == 1
@@ -575,13 +577,15 @@ def test_merge_pdl_trigger_positions(position, monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs and PDL need a GPU")
+@pytest.mark.parametrize("warps", [4, None])
 @pytest.mark.parametrize("position", [None, "after_wait", "after_keys"])
-def test_merge_pdl_back_to_back_in_a_cuda_graph(position, monkeypatch):
+def test_merge_pdl_back_to_back_in_a_cuda_graph(position, warps, monkeypatch):
     """Twelve split launches captured back to back in one CUDA graph (a call's partials may reuse memory the
     previous call freed): every output equals its eager launch. A merge kernel that read the partials before
     the attention kernel finished, or an attention kernel that overwrote them while the previous merge read
     them, would differ."""
     monkeypatch.setattr(pa, "MERGE_PDL_TRIGGER", position)
+    monkeypatch.setattr(pa, "MERGE_WARPS", warps)
     g = torch.Generator(device="cuda").manual_seed(3)
     block, kv_heads, heads, d, seq = 16, 8, 32, 128, 8192
     nb = seq // block
