@@ -408,19 +408,21 @@ def paged_attention(
             (power of 2 >= 16), default 64 (32 for head_dim > 128); query rows per program (power of 2 >= 16;
             a row is one (position, query head) pair of a KV head's group), default the smallest of 16 / 32 /
             64 that holds them, at most 64; pipeline stages default 3.
-        chunk_tokens: how the kernel finds each key's cache block. > 0: the split is walked in chunks of
-            about this many tokens (at most :data:`MAX_CHUNK_BLOCKS` blocks) whose block ids are loaded once per chunk (K/V double-buffered with 3
-            stages: ~70 KB of shared memory at D128, 3 programs per H200 SM); 0: each tile loads its own
-            ids (one K/V buffer, ~39 KB, 4 programs per SM). Default: :data:`CHUNK_TOKENS` when the grid
-            fits :data:`CHUNKED_MAX_PROGRAMS_PER_SM` programs per SM, else 0. H200, GQA 32/8, D128, bf16,
-            in CUDA graphs (``bench_decode-20261201-14a8eeb.json``): B1 S32k 3.35 vs 3.20 TB/s and B16 S8k
-            4.15 vs 3.78 chunked; B64 S2k (512 programs, unsplit) 4.02 per tile vs 3.30 chunked.
+        chunk_tokens: how the kernel finds each key's cache block. > 0: the split is walked in chunks of about this
+            many tokens (at most :data:`MAX_CHUNK_BLOCKS` blocks) whose block ids are loaded once per chunk (K/V
+            double-buffered with 3 stages: ~70 KB of shared memory at D128, 3 programs per H200 SM); 0: each tile
+            loads its own ids (one K/V buffer, ~39 KB, 4 programs per SM). Default: :data:`CHUNK_TOKENS` when the
+            grid fits :data:`CHUNKED_MAX_PROGRAMS_PER_SM` programs per SM, else 0. H200, GQA 32/8, D128, bf16, in
+            CUDA graphs (``bench_decode-20261201-14a8eeb.json``): B1 S32k 3.35 vs 3.20 TB/s and B16 S8k 4.15 vs 3.78
+            chunked; B64 S2k (512 programs, unsplit) 4.02 per tile vs 3.30 chunked.
         pdl: launch both kernels with programmatic dependent launch where available (:mod:`.pdl`;
-            ignored elsewhere).
-        merge_counters: with split-KV, merge the splits inside the attention kernel instead of a second
-            kernel: the last split program of each row block to arrive (an atomic arrival counter) merges
-            them (up to :data:`MAX_FUSED_MERGE_SPLITS` splits; more use the merge kernel). An int32 tensor of at least ``batch * num_kv_heads * ceil(q_len * group / block_m)`` zeros
-            owned by the caller, used by one stream at a time; every launch leaves it at zero.
+            ignored elsewhere). Without it the merge kernel alone takes PDL when :data:`MERGE_PDL_TRIGGER` is
+            set.
+        merge_counters: with split-KV, merge the splits inside the attention kernel instead of a second kernel: the
+            last split program of each row block to arrive (an atomic arrival counter) merges them (up to
+            :data:`MAX_FUSED_MERGE_SPLITS` splits; more use the merge kernel). An int32 tensor of at least
+            ``batch * num_kv_heads * ceil(q_len * group / block_m)`` zeros owned by the caller, used by one stream
+            at a time; every launch leaves it at zero.
         trigger: with ``pdl``, when to let the next kernel launch: False (as the programs exit), True or
             ``"after_wait"`` (as soon as they pass their wait: the next projection's weight loads then
             overlap the attention's), ``"after_keys"`` (once every K/V tile of the program is in: they
@@ -444,10 +446,11 @@ def paged_attention(
 
     Raises:
         ValueError: shape/dtype mismatches (``out`` included), head_dim > 256, a ``key_mask`` narrower than
-            ``max_seq_len``, ``num_splits`` < 1, ``block_n`` or ``block_m`` not a power of 2 >= 16, ``chunk_tokens`` not an
-            int >= 0, ``merge_counters`` not a contiguous int32 tensor of enough elements on the query's device;
-            with ``check_blocks``, a negative ``seq_lens`` entry or a block id read outside ``[0, num_blocks)``;
-            bfloat16 CPU tensors under Triton's interpreter (:func:`~hf_accel.kernels.device.check_interpreter_dot`).
+            ``max_seq_len``, ``num_splits`` < 1, ``block_n`` or ``block_m`` not a power of 2 >= 16, ``chunk_tokens``
+            not an int >= 0, ``merge_counters`` not a contiguous int32 tensor of enough elements on the query's
+            device; with ``check_blocks``, a negative ``seq_lens`` entry or a block id read outside
+            ``[0, num_blocks)``; bfloat16 CPU tensors under Triton's interpreter
+            (:func:`~hf_accel.kernels.device.check_interpreter_dot`).
     """
     batch, num_heads, num_kv_heads, q_len, head_dim = check_paged_args(query, key_cache, value_cache, block_table,
                                                              seq_lens, key_mask)
