@@ -157,7 +157,8 @@ def _run_generate(args) -> int:
         if os.path.isdir(args.json_out):
             raise CLIError(f"--json {args.json_out}: is a folder; give a file path")
         if not os.path.isdir(parent):
-            raise CLIError(f"--json {args.json_out}: folder {parent} does not exist")
+            what = f"{parent} is a file, not a folder" if os.path.exists(parent) else f"folder {parent} does not exist"
+            raise CLIError(f"--json {args.json_out}: {what}")
         _check_writable(args.json_out)
     for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
         if path is not None and not path.strip():

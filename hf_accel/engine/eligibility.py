@@ -343,7 +343,8 @@ class CallChecks:
         return None
 
     def _passed_cache_reason(self, prefix, gc, ids: torch.Tensor) -> str | None:
-        """Why the fast path cannot continue from the cache a call passed (None: it can, or none was passed).
+        """Why the fast path cannot continue from the cache a call passed (None: it can, or none was passed); raises
+        ValueError for a PagedCache holding another number of sequences than the batch has rows (no path can run it).
         It takes a :class:`PagedCache` holding the same number of tokens in every row (a previous turn's, as
         ``generate(..., return_dict_in_generate=True)`` returns it, or an empty one) whose pools match the model,
         fewer tokens than ``input_ids`` has, and room (or ``growable``) for this call's answer."""
@@ -363,8 +364,9 @@ class CallChecks:
             if cached:
                 return "the passed PagedCache is out of sync"
         else:
-            if len(prefix.seq_ids) != batch:
-                return f"the passed PagedCache holds {len(prefix.seq_ids)} sequences and the batch has {batch} rows"
+            if len(prefix.seq_ids) != batch:  # transformers' loop would raise this at its first forward
+                raise ValueError(f"PagedCache holds {len(prefix.seq_ids)} sequences but the batch has {batch} rows "
+                                 f"(pass the cache a call of {batch} rows returned, or a new PagedCache)")
             if any(m.length(s) != cached for s in prefix.seq_ids):
                 return "the passed PagedCache's rows hold different numbers of tokens"
         if cached >= prompt_len:
@@ -391,7 +393,7 @@ class CallChecks:
                 free = m.num_free_blocks
             if need > free:
                 return (f"the passed PagedCache (not growable) has {free} free blocks and prompt + max_new_tokens "
-                        f"need {need} more")
+                        f"need {need} more (an answer that outgrows them before it ends raises OutOfBlocksError)")
         return None
 
     def blocks_needed(self, gc, input_ids: torch.Tensor) -> int:

@@ -11,7 +11,9 @@ from hf_accel.cache.paged_cache import PagedCache
 
 
 def last_cache_stats(model) -> dict | None:
-    """``PagedCache.memory_stats()`` of the model's last paged ``generate`` call (taken before the release)."""
+    """``PagedCache.memory_stats()`` of the model's last paged ``generate`` call (taken before the release). On the
+    fast decode path its blocks are those reserved for the whole answer plus the call's one scratch block (padded
+    rows write there), and its tokens those the call left in the cache; None before the first such call."""
     return getattr(model, "_hf_accel_last_cache_stats", None)
 
 

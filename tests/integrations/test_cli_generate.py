@@ -31,6 +31,14 @@ def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_json_path_under_a_file_names_the_file(tmp_path, capsys):
+    """--json a/x.json where a is a file: the message says a is a file (not that a folder is missing)."""
+    parent = tmp_path / "notes.txt"
+    parent.write_text("x")
+    assert main(["generate", "--prompt", "hi", "--json", str(parent / "x.json")]) == EXIT_USAGE
+    assert f"{parent} is a file, not a folder" in capsys.readouterr().err
+
+
 def test_json_path_check_leaves_no_file_behind(tmp_path, capsys):
     """The writability check creates the --json file only to remove it again (a later error: no file)."""
     out = tmp_path / "r.json"
