@@ -20,6 +20,7 @@ _EXPORTS = {
     "measure_generate": "hf_accel.integrations.measure",
     "speculative_stats": "hf_accel.integrations.call_state",
     "cache_in_use": "hf_accel.integrations.call_state",
+    "last_cache_stats": "hf_accel.integrations.call_state",
     "SUPPORTED_MODEL_TYPES": "hf_accel.integrations.patch",
     "accelerate_model": "hf_accel.integrations.patch",
     "is_accelerated": "hf_accel.integrations.patch",
@@ -32,7 +33,7 @@ _SUBMODULES = ("cache", "conversion", "engine", "integrations", "kernels", "mode
 
 if TYPE_CHECKING:
     from hf_accel.conversion import convert_to_gqa, expand_kv_heads
-    from hf_accel.integrations.call_state import cache_in_use, speculative_stats
+    from hf_accel.integrations.call_state import cache_in_use, last_cache_stats, speculative_stats
     from hf_accel.integrations.measure import GenerationStats, TimingStreamer, measure_generate
     from hf_accel.integrations.patch import SUPPORTED_MODEL_TYPES, accelerate_model, is_accelerated, revert_model
     from hf_accel.speculative import SpeculativeConfig
@@ -64,6 +65,7 @@ __all__ = [
     "convert_to_gqa",
     "expand_kv_heads",
     "is_accelerated",
+    "last_cache_stats",
     "measure_generate",
     "revert_model",
     "speculative_stats",

@@ -153,6 +153,20 @@ def test_fast_path_stats_count_the_tokens_written_not_the_reservation(how, tiny)
     assert got["waste_pct"] > 50
 
 
+def test_fast_path_stats_count_the_scratch_block(tiny):
+    """A 2-token answer to a 1-token prompt on the fast path: one block reserved for the row plus the call's scratch
+    block (padded rows write there) are allocated, 2 tokens stored: 30 of 32 slots empty (README's example)."""
+    model = accelerate(tiny.model("llama", num_hidden_layers=1), "default")
+    ids, mask = tiny.batch(seed=4, lengths=(1,))
+    tiny.greedy(model, ids, mask, 2)
+    import hf_accel
+
+    stats = hf_accel.last_cache_stats(model)  # the top-level export is the same function
+    assert stats == last_cache_stats(model)
+    assert (stats["blocks_allocated"], stats["tokens_stored"], stats["slots_allocated"]) == (2, 2, 32)
+    assert stats["waste_pct"] == pytest.approx(93.75)
+
+
 def test_blocks_freed_when_generate_raises(tiny, monkeypatch):
     from transformers import LogitsProcessor, LogitsProcessorList
 
