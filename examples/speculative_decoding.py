@@ -31,7 +31,8 @@ if args.max_new_tokens < 1:
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
-for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
+# the draft (the smaller model) first: a draft path that does not load is named before the target's longer load
+for flag, path in (("--draft-model", args.draft_model), ("--model", args.model)):
     if flag == "--draft-model" and path is None:
         continue
     try:  # the draft shares the target's tokenizer: its folder needs no tokenizer files

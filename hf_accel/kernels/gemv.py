@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_launch_device
+from hf_accel.kernels.device import check_launch_device, kernels_interpreted
 
 from hf_accel.kernels.linear_args import check_linear_args, check_rope_args
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
@@ -245,6 +245,23 @@ def default_tiles(out_features: int, k: int) -> tuple[int, int, int]:
     return 4, block_k, 4
 
 
+#: Most values of one program's weight tiles (``block_n x block_k``) that :func:`interpreter_rows` gives, so that
+#: up to 8 preloaded tiles stay within the kernel's 65536.
+INTERPRETER_TILE_VALUES = 8192
+
+
+def interpreter_rows(rows: int, block_k: int, divide: bool = False) -> int:
+    """Rows per program (``BLOCK_N``) under Triton's interpreter (CPU tensors), which runs the programs one
+    after another at a Python cost per operation whatever the tile's size, so the fewest programs are the
+    fastest: the next power of two of ``rows`` (with ``divide``: the largest power of two dividing ``rows``),
+    at most 256 and at most ``INTERPRETER_TILE_VALUES // block_k``, at least 1 (2 with ``divide``, as on the
+    GPU). Each output row's sum is the same whatever ``BLOCK_N`` is: only the rows per program change."""
+    cap = max(1, INTERPRETER_TILE_VALUES // block_k)
+    if divide:
+        return max(2, min(rows & -rows, cap))
+    return min(256, triton.next_power_of_2(rows), cap)
+
+
 def _preload_tiles(preload_tiles, k: int, block_n: int, block_k: int) -> int:
     """Validated ``preload_tiles``, halved while the tiles before the last one already cover ``k``."""
     if not isinstance(preload_tiles, int) or isinstance(preload_tiles, bool) or preload_tiles < 1 or \
@@ -294,8 +311,9 @@ def _launch_tiles(out_features, k, eps, block_n, block_k, num_warps, whole_row: 
     d_n, d_k, d_w = default_tiles(out_features, k)
     if whole_row and k <= 2048:
         d_k = max(16, triton.next_power_of_2(k))
-    block_n = d_n if block_n is None else block_n
     block_k = d_k if block_k is None else block_k
+    if block_n is None:
+        block_n = interpreter_rows(out_features, block_k) if kernels_interpreted() else d_n
     num_warps = d_w if num_warps is None else num_warps
     for name, v, most in (("block_n", block_n, 256), ("block_k", block_k, 8192), ("num_warps", num_warps, 16)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1) or v > most:
@@ -343,7 +361,8 @@ def gemv(
             grid dependency control); ignored elsewhere. Safe next to any kernel: the kernel waits for
             the previous one before it touches anything but ``weight``.
         block_n, block_k, num_warps: tiling overrides (benchmark sweeps): powers of two, block_n <= 256,
-            block_k <= 8192, block_n x block_k <= 65536, num_warps <= 16.
+            block_k <= 8192, block_n x block_k <= 65536, num_warps <= 16. Default :func:`default_tiles`
+            (``block_n`` under Triton's interpreter: :func:`interpreter_rows`).
         preload_tiles: weight tiles (``block_k`` columns each) each program loads before its PDL wait: 1, 2,
             4 or 8 (fewer where fewer cover ``hidden``); block_n x block_k x preload_tiles <= 65536.
         norm_k: input columns the RMSNorm prologue reads per step: default the whole row (padded to a power
@@ -416,7 +435,8 @@ def gemv_rope(
     :func:`gemv` followed by :func:`~.rope_cache.rope_and_cache` (no per-head q/k norm) in one kernel,
     bitwise the same results.
 
-    Each program takes 2 rows of one head's first half and their partners ``head_dim / 2`` rows on (the
+    Each program takes 2 rows of one head's first half (under Triton's interpreter:
+    ``interpreter_rows(head_dim / 2, block_k, divide=True)``) and their partners ``head_dim / 2`` rows on (the
     pairs RoPE rotates together, "rotate_half" layout; RoFormer, Su et al. 2021, §3.4.2), so the rotation
     needs no exchange between programs.
 
@@ -448,6 +468,8 @@ def gemv_rope(
                                              block_n, check_slots)
     _, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps,
                                           whole_row=single_pass is True)
+    if kernels_interpreted():  # rows of one head's half per program (they must divide it)
+        block_n = interpreter_rows(head_dim // 2, block_k, divide=True)
     preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)
     q = torch.empty(1, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q

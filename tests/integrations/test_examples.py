@@ -1,10 +1,22 @@
-"""The examples' own argument checks (the examples themselves run on the embedded model: README)."""
+"""The examples' own argument checks (the examples themselves run on the embedded model: README).
 
+The refusals run each example inside the test's process (``_run_here``: ``runpy`` with ``sys.argv`` set, its
+stdout/stderr captured, ``SystemExit`` taken as the exit code, any other exception propagating as the
+traceback a user would see), which skips a fresh interpreter's imports of torch and transformers; runs that
+generate (``_run``) keep a process of their own.
+"""
+
+import contextlib
+import io
+import logging
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -12,8 +24,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 def test_speculative_example_refuses_method_and_draft_model_together():
     """--method picks a proposer without a second model; with --draft-model as well one of them would be
     ignored, so the pair is refused before any model loads."""
-    run = subprocess.run([sys.executable, str(EXAMPLES / "speculative_decoding.py"), "--method", "early_exit",
-                          "--draft-model", "/nonexistent"], capture_output=True, text=True, timeout=300)
+    run = _run_here("speculative_decoding.py", "--method", "early_exit", "--draft-model", "/nonexistent")
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1].endswith("error: give either --method or --draft-model, not both")
 
@@ -22,33 +33,57 @@ def _run(script, *args):
     return subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300)
 
 
+def _run_here(script, *args):
+    """``script`` run as ``__main__`` in this process with ``args``: (returncode, stdout, stderr) as ``_run``
+    gives them. The root logger's level and handlers and torch's random state are restored afterwards."""
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    saved = (sys.argv, root.level, list(root.handlers), torch.random.get_rng_state())
+    code = 0
+    try:
+        sys.argv = [str(EXAMPLES / script), *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved[0]
+        root.setLevel(saved[1])
+        root.handlers[:] = saved[2]
+        torch.random.set_rng_state(saved[3])
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def test_speculative_example_refuses_a_non_positive_length_before_loading():
-    run = _run("speculative_decoding.py", "--max-new-tokens", "0", "--model", "/nonexistent")
+    run = _run_here("speculative_decoding.py", "--max-new-tokens", "0", "--model", "/nonexistent")
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1].endswith("error: --max-new-tokens must be >= 1, got 0")
 
 
 def test_one_line_patch_refuses_a_non_positive_length_before_loading():
-    run = _run("one_line_patch.py", "--max-new-tokens", "-2", "--model", "/nonexistent")
+    run = _run_here("one_line_patch.py", "--max-new-tokens", "-2", "--model", "/nonexistent")
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1].endswith("error: --max-new-tokens must be >= 1, got -2")
 
 
 def test_examples_name_a_missing_model_in_one_line():
     for script in ("one_line_patch.py", "speculative_decoding.py", "pipeline_streamer_peft.py"):
-        run = _run(script, "--model", "/nonexistent/model")
+        run = _run_here(script, "--model", "/nonexistent/model")
         assert run.returncode == 2, run.stderr
         assert "Traceback" not in run.stderr and "/nonexistent/model" in run.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
-def test_speculative_example_takes_a_draft_folder_without_tokenizer_files(tmp_path, smollm2):
+def test_speculative_example_takes_a_draft_folder_without_tokenizer_files(tmp_path):
     """The draft shares the target's tokenizer (README): a draft folder with config and weights only runs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-    model, _ = smollm2
+    from hf_accel.models import find_default_gguf
+
+    gguf = find_default_gguf()
+    vocab_size = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).vocab_size  # no weights loaded
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=model.config.vocab_size)
+                         num_key_value_heads=2, vocab_size=vocab_size)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     assert not list(tmp_path.glob("tokenizer*"))
     run = _run("speculative_decoding.py", "--draft-model", str(tmp_path), "--max-new-tokens", "4")
@@ -67,13 +102,13 @@ def test_pipeline_streamer_peft_example_gives_stock_answers():
     assert verdicts == ["pipeline: same answer", "streamer: same answer", "peft LoRA: same answer"], run.stdout
     answers = [lines[lines.index(v) + 1] for v in verdicts]
     assert answers[0] == answers[1] != answers[2], answers
-    assert _run("pipeline_streamer_peft.py", "--max-new-tokens", "0").returncode == 2
+    assert _run_here("pipeline_streamer_peft.py", "--max-new-tokens", "0").returncode == 2
 
 
 def test_examples_name_an_empty_model_path():
     for script, flag in (("one_line_patch.py", "--model"), ("speculative_decoding.py", "--model"),
                          ("speculative_decoding.py", "--draft-model"), ("pipeline_streamer_peft.py", "--model")):
-        run = _run(script, flag, "")
+        run = _run_here(script, flag, "")
         assert run.returncode == 2, run.stderr
         assert run.stderr.strip().splitlines()[-1].endswith("the model path is empty; give a model directory or "
                                                             ".gguf file"), (script, flag, run.stderr[-500:])
@@ -86,7 +121,7 @@ def test_speculative_example_refuses_a_draft_of_another_vocabulary_in_one_line(t
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=1000)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
-    run = _run("speculative_decoding.py", "--draft-model", str(tmp_path), "--max-new-tokens", "4")
+    run = _run_here("speculative_decoding.py", "--draft-model", str(tmp_path), "--max-new-tokens", "4")
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert "--draft-model" in run.stderr.strip().splitlines()[-1] and "vocab_size (1000)" in run.stderr
 
@@ -109,7 +144,7 @@ def test_examples_name_a_model_that_does_not_load_in_one_line(tmp_path):
                                ("speculative_decoding.py", "--draft-model", fake),
                                ("speculative_decoding.py", "--draft-model", no_weights),
                                ("one_line_patch.py", "--model", truncated)):
-        run = _run(script, flag, str(path), *(["--max-new-tokens", "4"] if "speculative" in script else []))
+        run = _run_here(script, flag, str(path), *(["--max-new-tokens", "4"] if "speculative" in script else []))
         last = run.stderr.strip().splitlines()[-1]
         assert run.returncode == 2 and "Traceback" not in run.stderr, (script, flag, run.stderr[-1500:])
         assert "could not load" in last and str(path) in last, (script, flag, last)
@@ -124,6 +159,6 @@ def test_examples_name_an_unsupported_model_type_in_one_line(tmp_path):
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path)
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
     for script in ("one_line_patch.py", "pipeline_streamer_peft.py"):  # the second used to raise after its stock run
-        run = _run(script, "--model", str(tmp_path))
+        run = _run_here(script, "--model", str(tmp_path))
         assert run.returncode == 2 and "Traceback" not in run.stderr, (script, run.stderr[-1500:])
         assert "does not support model_type 'gpt2'" in run.stderr.strip().splitlines()[-1], script

@@ -155,11 +155,18 @@ def _rope_case(dtype, heads, kv_heads, d, hidden, bias, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,d,hidden,bias", [(3, 1, 16, 96, False), (4, 2, 8, 333, True)])
 @pytest.mark.parametrize("slot,preload,single_pass", [(13, 1, False), (-1, 1, False), (13, 2, False), (13, 1, True)])
-def test_gemv_rope_is_gemv_then_rope_and_cache(dtype, heads, kv_heads, d, hidden, bias, slot, preload, single_pass):
+@pytest.mark.parametrize("rows", ["interpreter", 2])
+def test_gemv_rope_is_gemv_then_rope_and_cache(dtype, heads, kv_heads, d, hidden, bias, slot, preload, single_pass,
+                                               rows, monkeypatch):
     """Q/K/V GEMV with RoPE + cache write as its epilogue: bitwise gemv followed by rope_and_cache (same
-    roundings), the cache untouched elsewhere (and everywhere for slot -1), the residual sum returned."""
+    roundings), the cache untouched elsewhere (and everywhere for slot -1), the residual sum returned. Rows
+    per program: the interpreter's (a whole half head) or the GPU's 2 (several programs per head)."""
+    from hf_accel.kernels import gemv as gemv_module
     from hf_accel.kernels.gemv import gemv_rope
     from hf_accel.kernels.rope_cache import rope_and_cache
+
+    if rows == 2:
+        monkeypatch.setattr(gemv_module, "interpreter_rows", lambda *args, **kwargs: 2)
 
     x, r, w, nw, b, cos, sin, kc, vc = _rope_case(dtype, heads, kv_heads, d, hidden, bias, seed=d + slot)
     slots = torch.tensor([slot], dtype=torch.int32)
@@ -180,6 +187,17 @@ def test_gemv_rope_is_gemv_then_rope_and_cache(dtype, heads, kv_heads, d, hidden
     else:
         assert changed.sum() == 1 and changed[slot // 4, slot % 4]
         assert not torch.equal(got_q, q), "q was not rotated"
+
+
+def test_interpreter_rows():
+    """Rows per program under the interpreter: as few programs as the tile limit allows; with ``divide``, a
+    power of two dividing the rows (a RoPE half head), never below the GPU's 2."""
+    from hf_accel.kernels.gemv import interpreter_rows
+
+    assert interpreter_rows(48, 64) == 64 and interpreter_rows(1000, 16) == 256 and interpreter_rows(7, 16) == 8
+    assert interpreter_rows(4096, 2048) == 4 and interpreter_rows(50, 8192) == 1
+    assert interpreter_rows(32, 64, divide=True) == 32 and interpreter_rows(40, 64, divide=True) == 8
+    assert interpreter_rows(12, 64, divide=True) == 4 and interpreter_rows(64, 4096, divide=True) == 2
 
 
 def test_gemv_rope_bad_inputs_raise():
