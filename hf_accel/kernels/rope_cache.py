@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.kernels.device import check_dense, check_launch_device
+from hf_accel.kernels.device import check_dense, check_launch_device, kernels_interpreted
 from hf_accel.kernels.reshape_and_cache import check_slot_range
 
 from hf_accel.kernels.pdl import gdc_wait, use_pdl
@@ -24,55 +24,70 @@ def _rope_cache_kernel(
     Q, K, V, Cos, Sin, QNormW, KNormW, QOut, KCache, VCache, SlotMapping, KOut,
     stride_qb, stride_kb, stride_vb, stride_cb, stride_ob, stride_kob,
     stride_kcb, stride_kcs, stride_kch,
-    num_heads, head_dim, block_size, eps,
+    num_heads, num_kv_heads, head_dim, block_size, eps,
     HAS_QK_NORM: tl.constexpr,
     HAS_K_OUT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Token ``program_id(0)``, heads ``program_id(1) * BLOCK_H + [0, BLOCK_H)`` of the flat list (q heads, then
+    k heads): a ``[BLOCK_H, BLOCK_D]`` tile, one head per row."""
     if PDL:
         gdc_wait()  # everything this kernel reads or writes may belong to the previous kernel
     b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     half = head_dim // 2
     offs = tl.arange(0, BLOCK_D)
-    m = offs < head_dim
+    d_ok = offs < head_dim
     partner = tl.where(offs < half, offs + half, offs - half)
     sign = tl.where(offs < half, -1.0, 1.0)
-    cos = tl.load(Cos + b * stride_cb + offs, mask=m, other=0.0).to(tl.float32)
-    sin = tl.load(Sin + b * stride_cb + offs, mask=m, other=0.0).to(tl.float32)
-    is_q = head < num_heads
-    if is_q:
-        base = Q + b * stride_qb + head * head_dim
-        norm_w = QNormW
-    else:
-        base = K + b * stride_kb + (head - num_heads) * head_dim
-        norm_w = KNormW
-    x = tl.load(base + offs, mask=m, other=0.0)
-    xp = tl.load(base + partner, mask=m, other=0.0)
+    cos = tl.load(Cos + b * stride_cb + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(Sin + b * stride_cb + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    is_q = (heads < num_heads)[:, None]
+    is_k = ((heads >= num_heads) & (heads < num_heads + num_kv_heads))[:, None]
+    kv_head = (heads - num_heads)[:, None]
+    mq = is_q & d_ok[None, :]
+    mk = is_k & d_ok[None, :]
+    q_row = Q + b * stride_qb + heads[:, None] * head_dim
+    k_row = K + b * stride_kb + kv_head * head_dim
+    x = tl.where(is_q, tl.load(q_row + offs[None, :], mask=mq, other=0.0),
+                 tl.load(k_row + offs[None, :], mask=mk, other=0.0))
+    xp = tl.where(is_q, tl.load(q_row + partner[None, :], mask=mq, other=0.0),
+                  tl.load(k_row + partner[None, :], mask=mk, other=0.0))
     dt = x.dtype
     if HAS_QK_NORM:
         xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, 0) / head_dim + eps)
-        w = tl.load(norm_w + offs, mask=m, other=0.0).to(tl.float32)
-        wp = tl.load(norm_w + partner, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 1) / head_dim + eps)[:, None]
+        w = tl.where(is_q, tl.load(QNormW + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :],
+                     tl.load(KNormW + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :])
+        wp = tl.where(is_q, tl.load(QNormW + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :],
+                      tl.load(KNormW + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :])
         x = (w * (xf * rstd).to(dt).to(tl.float32)).to(dt)
         xp = (wp * (xp.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
     t1 = (x.to(tl.float32) * cos).to(dt).to(tl.float32)
-    t2 = ((sign * xp.to(tl.float32)) * sin).to(dt).to(tl.float32)
+    t2 = ((sign[None, :] * xp.to(tl.float32)) * sin).to(dt).to(tl.float32)
     out = (t1 + t2).to(dt)
-    if is_q:
-        tl.store(QOut + b * stride_ob + head * head_dim + offs, out, mask=m)
-    else:
-        kv_head = head - num_heads
-        if HAS_K_OUT:
-            tl.store(KOut + b * stride_kob + kv_head * head_dim + offs, out, mask=m)
-        slot = tl.load(SlotMapping + b).to(tl.int64)
-        if slot >= 0:
-            dst = (slot // block_size) * stride_kcb + (slot % block_size) * stride_kcs + kv_head * stride_kch
-            tl.store(KCache + dst + offs, out.to(KCache.dtype.element_ty), mask=m)
-            v = tl.load(V + b * stride_vb + kv_head * head_dim + offs, mask=m, other=0.0)
-            tl.store(VCache + dst + offs, v.to(VCache.dtype.element_ty), mask=m)
+    tl.store(QOut + b * stride_ob + heads[:, None] * head_dim + offs[None, :], out, mask=mq)
+    if HAS_K_OUT:
+        tl.store(KOut + b * stride_kob + kv_head * head_dim + offs[None, :], out, mask=mk)
+    slot = tl.load(SlotMapping + b).to(tl.int64)
+    if slot >= 0:
+        dst = (slot // block_size) * stride_kcb + (slot % block_size) * stride_kcs + kv_head * stride_kch
+        tl.store(KCache + dst + offs[None, :], out.to(KCache.dtype.element_ty), mask=mk)
+        v = tl.load(V + b * stride_vb + kv_head * head_dim + offs[None, :], mask=mk, other=0.0)
+        tl.store(VCache + dst + offs[None, :], v.to(VCache.dtype.element_ty), mask=mk)
+
+
+#: Most heads one program takes under Triton's interpreter (:func:`heads_per_program`).
+INTERPRETER_MAX_HEADS = 64
+
+
+def heads_per_program(heads: int) -> int:
+    """Heads (q, then k) per program of :func:`rope_and_cache`: 1 on the GPU (a program per token and head);
+    under Triton's interpreter, which runs the programs one after another at a Python cost per operation
+    whatever the tile's size, all of them (padded to a power of two, at most :data:`INTERPRETER_MAX_HEADS`)."""
+    return min(INTERPRETER_MAX_HEADS, triton.next_power_of_2(heads)) if kernels_interpreted() else 1
 
 
 def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_norm_weight=None,
@@ -146,14 +161,16 @@ def rope_and_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping, q_no
         check_slot_range(slot_mapping, key_cache)
     check_dense("rope_and_cache", q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, slot_mapping=slot_mapping)
     check_launch_device(q, "rope_and_cache")
-    _rope_cache_kernel[(batch, num_heads + num_kv_heads)](
+    block_h = heads_per_program(num_heads + num_kv_heads)
+    _rope_cache_kernel[(batch, triton.cdiv(num_heads + num_kv_heads, block_h))](
         q, k, v, cos, sin, q_norm_weight if has_norm else q, k_norm_weight if has_norm else q,
         q_out, key_cache, value_cache, slot_mapping, k_out if k_out is not None else q_out,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), q_out.stride(0),
         k_out.stride(0) if k_out is not None else 0,
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        num_heads, head_dim, key_cache.shape[1], eps,
-        HAS_QK_NORM=has_norm, HAS_K_OUT=k_out is not None, BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl, num_warps=1,
+        num_heads, num_kv_heads, head_dim, key_cache.shape[1], eps,
+        HAS_QK_NORM=has_norm, HAS_K_OUT=k_out is not None, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim),
+        PDL=pdl, num_warps=1,
         **({"launch_pdl": True} if pdl else {}),
     )
     return q_out

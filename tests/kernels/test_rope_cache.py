@@ -27,10 +27,18 @@ def _inputs(b=5, h=6, hkv=2, d=16, seed=0):
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
-def test_k_out_holds_the_rotated_keys_of_every_row(qk_norm):
-    q, k, v, cos, sin, kc, vc, slots = _inputs()
+@pytest.mark.parametrize("hkv,heads_per_program", [(2, None), (2, 1), (1, 4), (2, 2)])
+def test_k_out_holds_the_rotated_keys_of_every_row(qk_norm, hkv, heads_per_program, monkeypatch):
+    """Against transformers' ops, with the default heads per program (all under the interpreter, 1 on a GPU),
+    one head per program (the GPU's), and 4 of 7 heads (a program with a masked row: q and k heads in one
+    tile), 2 of 8."""
+    from hf_accel.kernels import rope_cache
+
+    if heads_per_program is not None:
+        monkeypatch.setattr(rope_cache, "heads_per_program", lambda heads: heads_per_program)
+    q, k, v, cos, sin, kc, vc, slots = _inputs(hkv=hkv)
     w = torch.linspace(0.5, 1.5, 16, device=DEVICE) if qk_norm else None
-    k_out = torch.full((5, 2, 16), float("nan"), device=DEVICE)
+    k_out = torch.full((5, hkv, 16), float("nan"), device=DEVICE)
     kc2, vc2 = kc.clone(), vc.clone()
     out = rope_and_cache(q, k, v, cos, sin, kc, vc, slots, w, w, 1e-6, k_out=k_out)
     k_ref = torch.empty_like(k_out)
@@ -41,7 +49,11 @@ def test_k_out_holds_the_rotated_keys_of_every_row(qk_norm):
     for row, slot in enumerate(slots.tolist()):
         if slot >= 0:
             torch.testing.assert_close(kc[slot // 4, slot % 4], k_out[row], rtol=0, atol=0)
-    assert torch.isnan(kc).sum() == kc.numel() - 4 * 2 * 16  # nothing else written
+    assert torch.isnan(kc).sum() == kc.numel() - 4 * hkv * 16  # nothing else written
+    assert torch.isnan(vc).sum() == vc.numel() - 4 * hkv * 16
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(vc[slot // 4, slot % 4], v[row].view(hkv, 16), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype", "strided"])

@@ -135,11 +135,11 @@ def test_batch_verify_passes_of_more_than_32_rows_through_fused_linear(tiny, mon
                         lambda x, w, **kw: rows_seen.append(x.shape[0]) or linear(x, w, **kw))
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny, lengths=(14, 9, 6))
-    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=20, eos_token_id=None)
+    stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=17, eos_token_id=None)
     config = SpeculativeConfig("prompt_lookup", num_draft_tokens=15, adaptive=False)
     ours = accelerate_model(copy.deepcopy(model), speculative=config)
     ours._hf_accel_engine.fused = True
-    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=20, eos_token_id=None)
+    out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=17, eos_token_id=None)
     assert torch.equal(out, stock)
     assert 48 in rows_seen, sorted(set(rows_seen))
 
