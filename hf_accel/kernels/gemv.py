@@ -255,11 +255,12 @@ def interpreter_rows(rows: int, block_k: int, divide: bool = False) -> int:
     after another at a Python cost per operation whatever the tile's size, so the fewest programs are the
     fastest: the next power of two of ``rows`` (with ``divide``: the largest power of two dividing ``rows``),
     at most 256 and at most ``INTERPRETER_TILE_VALUES // block_k``, at least 1 (2 with ``divide``, as on the
-    GPU). Each output row's sum is the same whatever ``BLOCK_N`` is: only the rows per program change."""
+    GPU). Each output row's sum is the same whatever ``BLOCK_N`` is: only the rows per program change. The
+    launchers check tile arguments against the GPU's rows first, so both accept the same arguments."""
     cap = max(1, INTERPRETER_TILE_VALUES // block_k)
     if divide:
         return max(2, min(rows & -rows, cap))
-    return min(256, triton.next_power_of_2(rows), cap)
+    return min(256, max(1, triton.next_power_of_2(rows)), cap)
 
 
 def _preload_tiles(preload_tiles, k: int, block_n: int, block_k: int) -> int:
@@ -311,9 +312,8 @@ def _launch_tiles(out_features, k, eps, block_n, block_k, num_warps, whole_row: 
     d_n, d_k, d_w = default_tiles(out_features, k)
     if whole_row and k <= 2048:
         d_k = max(16, triton.next_power_of_2(k))
+    block_n = d_n if block_n is None else block_n
     block_k = d_k if block_k is None else block_k
-    if block_n is None:
-        block_n = interpreter_rows(out_features, block_k) if kernels_interpreted() else d_n
     num_warps = d_w if num_warps is None else num_warps
     for name, v, most in (("block_n", block_n, 256), ("block_k", block_k, 8192), ("num_warps", num_warps, 16)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1) or v > most:
@@ -384,9 +384,12 @@ def gemv(
     rows, k, out_features = check_linear_args(x, weight, bias, norm_weight, residual, swiglu)
     if rows != 1:
         raise ValueError(f"gemv takes one row, got {rows} (use fused_linear or a matmul)")
+    default_rows = block_n is None
     block_n, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps,
                                                 whole_row=single_pass is True)
-    preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)
+    preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)  # checked with the GPU's tiles
+    if default_rows and kernels_interpreted():
+        block_n = interpreter_rows(out_features, block_k)
     y = torch.empty(1, out_features, dtype=out_dtype or x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else y
     pdl = use_pdl(pdl, x)
@@ -468,9 +471,9 @@ def gemv_rope(
                                              block_n, check_slots)
     _, block_k, num_warps = _launch_tiles(out_features, k, eps, block_n, block_k, num_warps,
                                           whole_row=single_pass is True)
+    preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)  # checked with the GPU's tiles
     if kernels_interpreted():  # rows of one head's half per program (they must divide it)
         block_n = interpreter_rows(head_dim // 2, block_k, divide=True)
-    preload_tiles = _preload_tiles(preload_tiles, k, block_n, block_k)
     q = torch.empty(1, num_heads * head_dim, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else q
     pdl = use_pdl(pdl, x)

@@ -134,6 +134,19 @@ def test_bad_input_raises(bad, match):
         bad(x, w, nw, r)
 
 
+def test_no_output_features_give_an_empty_row():
+    x, _, w, _, _ = _inputs(64, 3, torch.float32)
+    assert gemv(x, w[:0]).shape == (1, 0)
+
+
+def test_tiles_the_gpu_refuses_are_refused_under_the_interpreter_too():
+    """The default rows per program differ (wider under the interpreter); the tile checks use the GPU's."""
+    x, _, w, _, _ = _inputs(20000, 3, torch.float32)
+    for tiles in (dict(block_k=4096, preload_tiles=8), dict(block_k=8192, preload_tiles=8)):
+        with pytest.raises(ValueError, match="at most 65536"):
+            gemv(x, w, **tiles)
+
+
 def test_too_many_preloaded_values_raise():
     x, w = torch.zeros(1, 4096), torch.zeros(8, 4096)
     with pytest.raises(ValueError, match="preload_tiles"):
@@ -195,7 +208,7 @@ def test_interpreter_rows():
     from hf_accel.kernels.gemv import interpreter_rows
 
     assert interpreter_rows(48, 64) == 64 and interpreter_rows(1000, 16) == 256 and interpreter_rows(7, 16) == 8
-    assert interpreter_rows(4096, 2048) == 4 and interpreter_rows(50, 8192) == 1
+    assert interpreter_rows(4096, 2048) == 4 and interpreter_rows(50, 8192) == 1 and interpreter_rows(0, 64) == 1
     assert interpreter_rows(32, 64, divide=True) == 32 and interpreter_rows(40, 64, divide=True) == 8
     assert interpreter_rows(12, 64, divide=True) == 4 and interpreter_rows(64, 4096, divide=True) == 2
 
