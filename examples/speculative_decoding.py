@@ -15,7 +15,7 @@ from pydoc_data.topics import topics
 
 import hf_accel
 from hf_accel import accelerate_model
-from hf_accel.models import ModelNotFoundError, load_model
+from hf_accel.models import ModelNotFoundError, load_config, load_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=None, help="local HF model directory or .gguf (default: embedded SmolLM2)")
@@ -31,20 +31,25 @@ if args.max_new_tokens < 1:
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
-# the draft (the smaller model) first: a draft path that does not load is named before the target's longer load
-for flag, path in (("--draft-model", args.draft_model), ("--model", args.model)):
-    if flag == "--draft-model" and path is None:
-        continue
-    try:  # the draft shares the target's tokenizer: its folder needs no tokenizer files
-        loaded = load_model(path, dtype=dtype, device=device, tokenizer=flag == "--model")
-    except ModelNotFoundError as e:
-        parser.error(f"{flag}: {e}")
-    except Exception as e:  # files that do not load (no weights, not a GGUF, a corrupt safetensors file, ...)
-        parser.error(f"could not load {flag} {path}: {type(e).__name__}: {e}")
-    if flag == "--model":
-        model, tokenizer = loaded
-    else:
-        speculative = loaded[0]
+# both paths checked (their configs read: seconds) before either model loads, then the draft (the smaller model)
+# first: a path that is wrong or a draft that does not load is named before the target's longer load
+paths = [(flag, path) for flag, path in (("--draft-model", args.draft_model), ("--model", args.model))
+         if flag == "--model" or path is not None]
+for check in (True, False):
+    for flag, path in paths:
+        try:  # the draft shares the target's tokenizer: its folder needs no tokenizer files
+            loaded = load_config(path) if check else load_model(path, dtype=dtype, device=device,
+                                                                tokenizer=flag == "--model")
+        except ModelNotFoundError as e:
+            parser.error(f"{flag}: {e}")
+        except Exception as e:  # files that do not load (no weights, not a GGUF, a corrupt safetensors file, ...)
+            parser.error(f"could not load {flag} {path}: {type(e).__name__}: {e}")
+        if check:
+            continue
+        if flag == "--model":
+            model, tokenizer = loaded
+        else:
+            speculative = loaded[0]
 if args.draft_model is None:
     speculative = args.method or "prompt_lookup"
 

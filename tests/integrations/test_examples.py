@@ -114,6 +114,21 @@ def test_examples_name_an_empty_model_path():
                                                             ".gguf file"), (script, flag, run.stderr[-500:])
 
 
+def test_speculative_example_names_a_wrong_model_path_before_loading_the_draft(monkeypatch):
+    """A draft that loads and a --model that does not exist: the missing path is named before either model's
+    weights load (their configs are read first)."""
+    import hf_accel.models
+    from hf_accel.models import find_default_gguf
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before both paths were checked")
+
+    monkeypatch.setattr(hf_accel.models, "load_model", no_load)
+    run = _run_here("speculative_decoding.py", "--draft-model", str(find_default_gguf()), "--model", "/nonexistent")
+    assert run.returncode == 2, run.stderr[-1500:]
+    assert run.stderr.strip().splitlines()[-1].endswith("error: --model: model path '/nonexistent' does not exist")
+
+
 @pytest.mark.slow
 def test_speculative_example_refuses_a_draft_of_another_vocabulary_in_one_line(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
