@@ -15,6 +15,10 @@ from hf_accel.speculative.config import MAX_NGRAM, SpeculativeConfig
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "max_matching_ngram_size")
 
 
+class StockLoopReason(str):
+    """Why a call's assisted generation runs on transformers' own loop *and cache* (no PagedCache)."""
+
+
 def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str | None]:
     """transformers' assisted-generation arguments of a call as a :class:`SpeculativeConfig`.
 
@@ -24,10 +28,13 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     :func:`~hf_accel.speculative.config.check_draft` refuses (another architecture, vocabulary or device,
     training mode, ...: transformers' own assisted loop runs it, or raises its own error).
 
+    An ``assistant_early_exit`` of 0 (not "no early exit": transformers' loop runs a draft of no layers) or above the model's layer count (its draft runs every layer) gives a :class:`StockLoopReason`: the call
+    runs transformers' own assisted loop on transformers' own cache, as without hf-accel.
+
     Raises:
-        ValueError: an ``assistant_early_exit`` int below 1 (0 is not "no early exit": transformers' loop would run a
-            draft of 0 layers) or above the model's layer count; a ``prompt_lookup_num_tokens`` int below 1 (stock
-            transformers refuses it too, with a less specific message).
+        ValueError: a negative ``assistant_early_exit`` int (stock transformers fails on it with a less specific
+            message and leaves the model config's layer count negative); a ``prompt_lookup_num_tokens`` int below 1
+            (stock transformers refuses it too, with a less specific message).
     """
     configs = [c for c in (kwargs.get("generation_config"), model.generation_config) if c is not None]
 
@@ -46,10 +53,13 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
         # 0 would otherwise read as "not asked for" and run without it, where transformers raises
         raise ValueError(f"prompt_lookup_num_tokens must be a positive number of draft tokens, got {lookup}")
     early = option("assistant_early_exit")
-    if isinstance(early, int) and not isinstance(early, bool) and early < 1:
-        # 0 would otherwise read as "not asked for" and reach transformers' early-exit loop, which sets the model
-        # config's layer count to 0 for its draft (the paged cache of such a config cannot be built)
-        raise ValueError(f"assistant_early_exit must be a positive number of layers, got {early}")
+    if isinstance(early, int) and not isinstance(early, bool) and early < 0:
+        # transformers' early-exit loop would set the model config's layer count to it, fail on it and leave it so
+        raise ValueError(f"assistant_early_exit must be a number of layers >= 0, got {early}")
+    if isinstance(early, int) and not isinstance(early, bool) and early == 0:
+        # 0 would otherwise read as "not asked for"; transformers' early-exit loop sets the model config's layer
+        # count to it for its draft, for which no PagedCache can be built
+        return None, kwargs, StockLoopReason("assistant_early_exit=0 drafts with no layers")
     if assistant is None and not lookup and not early:
         return None, kwargs, None
     if kwargs.get("assistant_tokenizer") is not None or kwargs.get("tokenizer") is not None:
@@ -61,10 +71,9 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
             return None, kwargs, f"{name}={value!r} is not an int"
     layers = getattr(model.config, "num_hidden_layers", None)
     if early and isinstance(early, int) and not isinstance(early, bool) and layers is not None and early > layers:
-        # transformers' loop would set the model config to that many layers for its draft, a cache of more layers
-        # than the model runs would fail the draft's call, and the config would stay changed
-        raise ValueError(f"assistant_early_exit={early} is more than the model's {layers} layers: hf-accel drafts "
-                         f"with its first 1 .. {layers - 1} layers ({layers} runs transformers' own assisted loop)")
+        # transformers' loop sets the model config to that many layers for its draft (which then runs them all)
+        return None, kwargs, StockLoopReason(f"assistant_early_exit={early} is more than the model's {layers} "
+                                             f"layers (hf-accel drafts with 1 .. {layers - 1} of them)")
     if early and layers is not None and int(early) >= layers:
         return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"
     if assistant is not None:  # the model itself too: transformers' assisted loop takes it, hf-accel does not

@@ -32,7 +32,7 @@ from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
 from hf_accel.engine.call_options import expand_return_sequences, output_cache, passed_cache
-from hf_accel.integrations.assisted import _ASSISTED, assisted_config
+from hf_accel.integrations.assisted import _ASSISTED, StockLoopReason, assisted_config
 # cache_in_use, last_cache_stats and speculative_stats are also read from this module (re-exported)
 from hf_accel.integrations.call_state import _in_use, cache_in_use, last_cache_stats, speculative_stats  # noqa: F401
 from hf_accel.integrations.generation_config import prepare_generation_config
@@ -374,6 +374,8 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
 
 
 def _paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):
+    if getattr(model, "_hf_accel_stock_generate", False):  # a draft call inside transformers' own assisted loop
+        return original_generate(*args, **kwargs)
     model._hf_accel_spec_stats = None  # set again only by a call that decodes speculatively
     from hf_accel.integrations.patch import revert_if_lora_changed
 
@@ -409,6 +411,16 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
         log_once(f"assisted-stock:{reason}:{rows > 1}", "hf-accel: assisted generation runs transformers' own loop"
                  + (f": {reason}" if reason else "") + batch_note)
         return original_generate(*args, **kwargs)
+    if isinstance(assisted_reason, StockLoopReason):
+        log_once(f"assisted-stock-cache:{assisted_reason}", "hf-accel: transformers' assisted generation runs on "
+                 f"its own cache: {assisted_reason}")
+        # its early-exit draft calls this model's generate (which must then run as stock: no PagedCache) with the
+        # model config's layer count changed while it runs
+        layers, model._hf_accel_stock_generate = model.config.num_hidden_layers, True
+        try:
+            return _loop_on_passed(model, original_generate, args, kwargs)
+        finally:
+            model.config.num_hidden_layers, model._hf_accel_stock_generate = layers, False
     if assisted_reason is not None:
         log_once(f"assisted-stock:{assisted_reason}", f"hf-accel: transformers' assisted generation runs: {assisted_reason}")
     prepared = _prepared_or_none(model, args, kwargs)

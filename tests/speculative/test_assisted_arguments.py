@@ -1,8 +1,9 @@
 """transformers' assisted-generation arguments on an accelerated model, and calls that fall back.
 
 ``assistant_model=``, ``prompt_lookup_num_tokens=`` and ``assistant_early_exit=`` take hf-accel's speculative path
-(per call, also from the generation config), bad values raise naming the argument, values that are not ints and
-assistants hf-accel cannot draft with are left to transformers' own assisted loop. Calls the speculative rounds
+(per call, also from the generation config), a bad prompt_lookup_num_tokens raises naming the argument, values that
+are not ints, early-exit layers out of the model's range and assistants hf-accel cannot draft with are left to
+transformers' own assisted loop. Calls the speculative rounds
 cannot take (min_new_tokens, a repetition penalty, a draft whose KV cache does not fit) decode on the plain fast
 path, logged.
 """
@@ -98,18 +99,38 @@ def test_draft_model_whose_cache_does_not_fit_takes_the_plain_fast_path(tiny, hf
     assert speculative_stats(ours)["method"] == "draft_model"
 
 
-@pytest.mark.parametrize("bad", [-2, 0])
-def test_assistant_early_exit_below_one_raises(tiny, bad):
-    """0 is not "no early exit": it raises naming the argument (it used to reach transformers' early-exit loop,
-    which set the config's layer count to 0, so the call failed inside the cache and the model stayed broken),
-    and the model is left as it was."""
+def test_negative_assistant_early_exit_raises(tiny):
+    """Stock transformers fails on it with "__len__() should return >= 0" and leaves the config's layer count
+    negative: it raises naming the argument, and the model is left as it was."""
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny)
     stock = greedy(model, ids[:1], mask[:1], tiny.PAD)
     ours = accelerate_model(copy.deepcopy(model))
-    with pytest.raises(ValueError, match=f"assistant_early_exit must be a positive number of layers, got {bad}"):
-        greedy(ours, ids[:1], mask[:1], tiny.PAD, assistant_early_exit=bad)
+    with pytest.raises(ValueError, match="assistant_early_exit must be a number of layers >= 0, got -2"):
+        greedy(ours, ids[:1], mask[:1], tiny.PAD, assistant_early_exit=-2)
     assert ours.config.num_hidden_layers == LAYERS
+    assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD), stock)
+
+
+@pytest.mark.parametrize("bad", [0, LAYERS + 1, 99])
+def test_assistant_early_exit_out_of_range_runs_transformers_loop_and_cache(tiny, hf_log, bad):
+    """0 is not "no early exit" and a value past the last layer is not refused by stock transformers (its draft runs
+    no layers / every layer): such a call runs transformers' own assisted loop on its own cache (no PagedCache: its
+    draft changes the config's layer count), logged, with stock's tokens, and the model is left as it was."""
+    from hf_accel.cache import PagedCache
+
+    model = tiny.model("llama", num_hidden_layers=LAYERS)
+    ids, mask = repetitive_batch(tiny)
+    stock = greedy(model, ids[:1], mask[:1], tiny.PAD)
+    ours = accelerate_model(copy.deepcopy(model))
+    out = ours.generate(ids[:1], attention_mask=mask[:1], pad_token_id=tiny.PAD, max_new_tokens=20, do_sample=False,
+                        assistant_early_exit=bad, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, greedy(model, ids[:1], mask[:1], tiny.PAD, assistant_early_exit=bad))
+    assert torch.equal(out.sequences, stock)
+    assert not isinstance(out.past_key_values, PagedCache), type(out.past_key_values)
+    assert _messages(hf_log, f"transformers' assisted generation runs on its own cache: assistant_early_exit={bad} ")
+    assert ours.config.num_hidden_layers == LAYERS
+    assert speculative_stats(ours) is None
     assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD), stock)
 
 
@@ -126,11 +147,9 @@ def test_per_call_assisted_arguments_follow_each_call(tiny, hf_log):
     assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD, eos_token_id=None, assistant_early_exit=LAYERS),
                        greedy(model, ids[:1], mask[:1], tiny.PAD, eos_token_id=None))
     assert _messages(hf_log, f"assistant_early_exit={LAYERS} is not below the model's {LAYERS} layers")
-    # past the last layer: refused before transformers' loop changes the model config for its draft
-    with pytest.raises(ValueError, match=rf"assistant_early_exit={LAYERS + 1} is more than the model's {LAYERS} "
-                       rf"layers: hf-accel drafts with its first 1 \.\. {LAYERS - 1} layers \({LAYERS} runs "
-                       "transformers' own"):
-        greedy(ours, ids[:1], mask[:1], tiny.PAD, eos_token_id=None, assistant_early_exit=LAYERS + 1)
+    # past the last layer: transformers' own loop and cache (test_assistant_early_exit_out_of_range_...)
+    assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD, eos_token_id=None, assistant_early_exit=LAYERS + 1),
+                       greedy(model, ids[:1], mask[:1], tiny.PAD, eos_token_id=None))
     assert ours.config.num_hidden_layers == LAYERS
     assert torch.equal(greedy(ours, ids, mask, tiny.PAD, eos_token_id=None, no_repeat_ngram_size=50),
                        greedy(model, ids, mask, tiny.PAD, eos_token_id=None, no_repeat_ngram_size=50))
