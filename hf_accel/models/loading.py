@@ -104,6 +104,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
             model directory has no tokenizer files.
         ValueError: unknown dtype, a device that is not there (:func:`check_device`), or a ``.gguf`` that ends early
             (truncated or corrupt).
+        TypeError: ``model`` is not a str, ``os.PathLike`` or None.
         OSError / ValueError from transformers: the files do not load (no weights, not a GGUF, ...).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,6 +134,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
 
 def _model_path(model) -> Path:
     """The file or directory ``model`` names (None: the embedded model); ModelNotFoundError as load_model."""
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path (str or os.PathLike) or None, got {type(model).__name__}")
     if model is None or (str(model) == "default" and not Path("default").exists()):
         path = find_default_gguf()
     else:
@@ -153,7 +156,8 @@ def load_config(model: str | os.PathLike | None = None):
     a directory's ``config.json``, or a GGUF file's metadata (seconds instead of the dequantized load).
 
     Raises:
-        ModelNotFoundError: as :func:`load_model`. ValueError: a ``.gguf`` that ends early (truncated or corrupt).
+        ModelNotFoundError, TypeError: as :func:`load_model`. ValueError: a ``.gguf`` that ends early (truncated or
+            corrupt).
     """
     from transformers import AutoConfig
 

@@ -114,6 +114,14 @@ def test_missing_path():
         load_model(Path("definitely") / "not" / "here")
 
 
+@pytest.mark.parametrize("loader", [loading.load_config, load_model])
+@pytest.mark.parametrize("model", [123, b"model.gguf", ["model.gguf"]])
+def test_a_model_that_is_not_a_path_is_named(loader, model):
+    with pytest.raises(TypeError, match=f"model must be a path \\(str or os.PathLike\\) or None, got "
+                                        f"{type(model).__name__}"):
+        loader(model)
+
+
 def test_directory_without_config(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelNotFoundError, match="config.json"):
