@@ -125,8 +125,11 @@ def test_match_gated_fused_triton_step_batch1_class_counts(counts_kernel, tiny, 
 @pytest.mark.interpreter
 def test_batch_verify_passes_of_more_than_32_rows_through_fused_linear(tiny, monkeypatch):
     """Batch 3 with 15 drafts: verify passes of 48 token rows run their matmuls through fused_linear's whole-K
-    path in 16-row blocks when FUSED_LINEAR_MAX_ROWS allows (interpreter), and greedy equals stock."""
+    path in 16-row blocks when FUSED_LINEAR_MAX_ROWS allows (interpreter), and greedy equals stock. The drafts are
+    stock's own next tokens (so one verify pass accepts all 15, where the random model's lookups took 16 rounds
+    under the interpreter): a verify pass whose logits differed would commit other tokens."""
     from hf_accel.engine import decode_step, step_switches
+    from hf_accel.speculative import engine as spec_engine
 
     monkeypatch.setattr(step_switches, "FUSED_LINEAR_MAX_ROWS", 128)
     rows_seen = []
@@ -136,12 +139,20 @@ def test_batch_verify_passes_of_more_than_32_rows_through_fused_linear(tiny, mon
     model = tiny.model("llama", num_hidden_layers=LAYERS)
     ids, mask = repetitive_batch(tiny, lengths=(14, 9, 6))
     stock = greedy(model, ids, mask, tiny.PAD, max_new_tokens=17, eos_token_id=None)
+
+    def stock_drafts(tokens, lengths, starts, k, *args, **kwargs):  # rows laid out as stock's (left padding)
+        at = lengths[:, None].cpu() + torch.arange(k)[None, :]
+        drafts = stock.gather(1, at.clamp(max=stock.shape[1] - 1))
+        return drafts.to(tokens.device), (at < stock.shape[1]).to(tokens.device)
+
+    monkeypatch.setattr(spec_engine, "prompt_lookup", stock_drafts)
     config = SpeculativeConfig("prompt_lookup", num_draft_tokens=15, adaptive=False)
     ours = accelerate_model(copy.deepcopy(model), speculative=config)
     ours._hf_accel_engine.fused = True
     out = greedy(ours, ids, mask, tiny.PAD, max_new_tokens=17, eos_token_id=None)
     assert torch.equal(out, stock)
     assert 48 in rows_seen, sorted(set(rows_seen))
+    assert speculative_stats(ours)["draft_lengths"] == {"15": 1}, speculative_stats(ours)
 
 
 @pytest.mark.interpreter
