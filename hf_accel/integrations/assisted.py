@@ -28,8 +28,9 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     :func:`~hf_accel.speculative.config.check_draft` refuses (another architecture, vocabulary or device,
     training mode, ...: transformers' own assisted loop runs it, or raises its own error).
 
-    An ``assistant_early_exit`` of 0 (not "no early exit": transformers' loop runs a draft of no layers) or above the model's layer count (its draft runs every layer) gives a :class:`StockLoopReason`: the call
-    runs transformers' own assisted loop on transformers' own cache, as without hf-accel.
+    An ``assistant_early_exit`` of 0 (not "no early exit": transformers' loop runs a draft of no layers) or above
+    the model's layer count (its draft runs every layer) gives a :class:`StockLoopReason`: the call runs
+    transformers' own assisted loop on transformers' own cache, as without hf-accel.
 
     Raises:
         ValueError: a negative ``assistant_early_exit`` int (stock transformers fails on it with a less specific

@@ -20,10 +20,12 @@ apply, transformers' own assisted generation runs with the caller's arguments.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import math
+import threading
 
 import torch
 from transformers.generation import utils as _gen_utils
@@ -327,8 +329,6 @@ def _with_original_attention(model, original_generate, engine, args, kwargs):
     """transformers' ``generate`` with the model's attention implementation from before
     :func:`~hf_accel.integrations.patch.accelerate_model`, hf-accel's set back afterwards (also on error). Calls on
     the fast path wait meanwhile (they need hf-accel's attention)."""
-    import contextlib
-
     from hf_accel.integrations.patch import original_attention
 
     before = original_attention(model)
@@ -374,8 +374,8 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
 
 
 def _paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):
-    if getattr(model, "_hf_accel_stock_generate", False):  # a draft call inside transformers' own assisted loop
-        return original_generate(*args, **kwargs)
+    if model.__dict__.get("_hf_accel_stock_generate") == threading.get_ident():
+        return original_generate(*args, **kwargs)  # a draft call inside transformers' own assisted loop
     model._hf_accel_spec_stats = None  # set again only by a call that decodes speculatively
     from hf_accel.integrations.patch import revert_if_lora_changed
 
@@ -414,13 +414,14 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
     if isinstance(assisted_reason, StockLoopReason):
         log_once(f"assisted-stock-cache:{assisted_reason}", "hf-accel: transformers' assisted generation runs on "
                  f"its own cache: {assisted_reason}")
-        # its early-exit draft calls this model's generate (which must then run as stock: no PagedCache) with the
-        # model config's layer count changed while it runs
-        layers, model._hf_accel_stock_generate = model.config.num_hidden_layers, True
-        try:
-            return _loop_on_passed(model, original_generate, args, kwargs)
-        finally:
-            model.config.num_hidden_layers, model._hf_accel_stock_generate = layers, False
+        # its early-exit draft calls this model's generate from this thread (which must then run as stock: no
+        # PagedCache) with the model config's layer count changed while it runs; fast-path calls of other threads wait
+        with engine.call_lock if engine is not None else contextlib.nullcontext():
+            layers, model._hf_accel_stock_generate = model.config.num_hidden_layers, threading.get_ident()
+            try:
+                return _loop_on_passed(model, original_generate, args, kwargs)
+            finally:
+                model.config.num_hidden_layers, model._hf_accel_stock_generate = layers, None
     if assisted_reason is not None:
         log_once(f"assisted-stock:{assisted_reason}", f"hf-accel: transformers' assisted generation runs: {assisted_reason}")
     prepared = _prepared_or_none(model, args, kwargs)
