@@ -31,25 +31,30 @@ if args.max_new_tokens < 1:
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def checked(flag, path, load):
+    """``load(path)``, or the parser's one-line error naming ``flag`` and why the path does not load."""
+    try:
+        return load(path)
+    except ModelNotFoundError as e:
+        parser.error(f"{flag}: {e}")
+    except Exception as e:  # files that do not load (no weights, not a GGUF, a corrupt safetensors file, ...)
+        parser.error(f"could not load {flag} {path}: {type(e).__name__}: {e}")
+
+
 # both paths checked (their configs read: seconds) before either model loads, then the draft (the smaller model)
 # first: a path that is wrong or a draft that does not load is named before the target's longer load
 paths = [(flag, path) for flag, path in (("--draft-model", args.draft_model), ("--model", args.model))
          if flag == "--model" or path is not None]
-for check in (True, False):
-    for flag, path in paths:
-        try:  # the draft shares the target's tokenizer: its folder needs no tokenizer files
-            loaded = load_config(path) if check else load_model(path, dtype=dtype, device=device,
-                                                                tokenizer=flag == "--model")
-        except ModelNotFoundError as e:
-            parser.error(f"{flag}: {e}")
-        except Exception as e:  # files that do not load (no weights, not a GGUF, a corrupt safetensors file, ...)
-            parser.error(f"could not load {flag} {path}: {type(e).__name__}: {e}")
-        if check:
-            continue
-        if flag == "--model":
-            model, tokenizer = loaded
-        else:
-            speculative = loaded[0]
+for flag, path in paths:
+    checked(flag, path, load_config)
+for flag, path in paths:  # the draft shares the target's tokenizer: its folder needs no tokenizer files
+    loaded = checked(flag, path, lambda p: load_model(p, dtype=dtype, device=device, tokenizer=flag == "--model"))
+    if flag == "--model":
+        model, tokenizer = loaded
+    else:
+        speculative = loaded[0]
 if args.draft_model is None:
     speculative = args.method or "prompt_lookup"
 
