@@ -111,7 +111,40 @@ def _timer(eager: bool):
     return time_ms
 
 
-def bench_bandwidth(rows, quick=False, eager=False, configs=None, shapes=SHAPES):
+def parse_variants(text):
+    """``'NAME=VALUE[,NAME=VALUE...];...'`` -> list of {NAME: value} settings of
+    :mod:`hf_accel.kernels.paged_attention` module constants (value ``None``, an int, or a string). ValueError
+    for a name the module does not have or an item without ``=``."""
+    import hf_accel.kernels.paged_attention as pa
+
+    variants = []
+    for group in filter(None, (text or "").split(";")):
+        setting = {}
+        for item in group.split(","):
+            name, sep, value = item.partition("=")
+            if not sep or not name.isupper() or not hasattr(pa, name):
+                raise ValueError(f"--variants item {item!r}: expected NAME=VALUE with NAME a constant of "
+                                 f"hf_accel.kernels.paged_attention (e.g. MERGE_WARPS=None)")
+            setting[name] = None if value == "None" else int(value) if value.lstrip("-").isdigit() else value
+        variants.append(setting)
+    return variants
+
+
+def timed_with(settings, fn):
+    """``fn()`` with the :mod:`hf_accel.kernels.paged_attention` constants of ``settings`` set, restored after."""
+    import hf_accel.kernels.paged_attention as pa
+
+    saved = {name: getattr(pa, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            setattr(pa, name, value)
+        return fn()
+    finally:
+        for name, value in saved.items():
+            setattr(pa, name, value)
+
+
+def bench_bandwidth(rows, quick=False, eager=False, configs=None, shapes=SHAPES, variants=()):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     time_ms = _timer(eager)
@@ -195,8 +228,21 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None, shapes=SHAPES)
             print(f"B{B} S{S} {tag:34} {tbs:6.2f} TB/s", flush=True)
             if best is None or tbs > best[0]:
                 best = (tbs, tag, ms)
-        ms = time_ms(lambda: paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, check_blocks=False))
+        def default_call():
+            return paged_attention(q, k_cache, v_cache, block_table, seq_lens, S, check_blocks=False)
+
+        ms = time_ms(default_call)
         table.append((B, S, "ours (default)", "", record("ours", ms)))
+        if variants:
+            # module-constant variants of the default call, each checked, then the default again (drift)
+            for setting in variants:
+                tag = ",".join(f"{k}={v}" for k, v in setting.items())
+                err = timed_with(setting, lambda: (default_call().float() - ref).abs().max().item())
+                assert err < 2e-2, f"ours {tag} error {err}"
+                ms = timed_with(setting, lambda: time_ms(default_call))
+                table.append((B, S, "ours (variant)", tag, record("ours-variant", ms, {"config": tag})))
+            ms = time_ms(default_call)
+            table.append((B, S, "ours (default, again)", "", record("ours-again", ms)))
         if best:
             table.append((B, S, "ours (best of sweep)", best[1], best[0]))
             rows.append({"bench": "decode", "provider": "ours-best", "shape": {**shape, "config": best[1]},
@@ -272,7 +318,12 @@ def main():
                     help="sweep only these: 'block_n,warps,stages,splits|None[,chunk_tokens][,key=int...];...' "
                          "with keys pdl, trigger, preload_kv (0/1: PDL launches between the graph's calls), "
                          "merge (1: splits merged in the kernel), split_multiple (keys per split rounded to it)")
+    ap.add_argument("--variants", default=None,
+                    help="also time the default call with these settings of hf_accel.kernels.paged_attention's "
+                         "constants, then the default again: 'NAME=VALUE[,NAME=VALUE];...', e.g. "
+                         "'MERGE_WARPS=None;MERGE_WARPS=None,MERGE_PDL_TRIGGER=after_wait'")
     args = ap.parse_args()
+    variants = parse_variants(args.variants)
     configs = None
     if args.configs:
         configs = []
@@ -284,14 +335,16 @@ def main():
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     rows = []
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]
-    table = bench_bandwidth(rows, quick=args.quick, eager=args.eager, configs=configs, shapes=shapes)
+    table = bench_bandwidth(rows, quick=args.quick, eager=args.eager, configs=configs, shapes=shapes,
+                            variants=variants)
+    meta = {"timing": "eager" if args.eager else "cuda_graph", "variants": args.variants}
     if args.skip_memory:
-        write_results("bench_decode", rows, {"timing": "eager" if args.eager else "cuda_graph"})
+        write_results("bench_decode", rows, meta)
         for B, S, prov, cfg, tbs in table:
             print(f"B{B:<3}S{S:<9}{prov:24}{cfg:22}{tbs:8.2f}{100 * tbs / COPY_CEILING_TBS:8.1f}")
         return
     mem, used = bench_memory(rows)
-    write_results("bench_decode", rows, {"timing": "eager" if args.eager else "cuda_graph"})
+    write_results("bench_decode", rows, meta)
     print(f"\n{'shape':14}{'provider':24}{'config':22}{'TB/s':>8}{'% ceil':>8}")
     for B, S, prov, cfg, tbs in table:
         print(f"B{B:<3}S{S:<9}{prov:24}{cfg:22}{tbs:8.2f}{100 * tbs / COPY_CEILING_TBS:8.1f}")
