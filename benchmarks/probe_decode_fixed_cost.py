@@ -7,15 +7,16 @@ reader (least squares over the lengths whose K+V bytes exceed the L2: the graph'
 ones partly from L2). Readers:
 
 - ``read-only``: ``bench_decode``'s reference kernel (loads the same K/V through the block table, sums it);
-- ``ours``: ``paged_attention`` with its defaults (attention kernel + split-merge kernel, no PDL);
+- ``ours``: ``paged_attention`` with its defaults (attention kernel + split-merge kernel; the merge kernel on 1 warp
+  and, on Hopper, launched with PDL as the attention programs start);
 - ``ours-attention-only``: the attention kernel alone (the merge launch replaced by nothing; its output is
   not the attention, only its time is used);
 - ``ours-fused-merge``: the splits merged inside the attention kernel (``merge_counters``);
-- ``ours-merge-fewest-warps``: the merge kernel on the fewest warps that hold its tile (``MERGE_WARPS`` None:
-  1 here; the default is 4);
-- ``ours-merge-pdl``: the merge kernel launched with PDL as the attention programs start (``MERGE_PDL_TRIGGER``
-  "after_wait"; by default it is launched after the attention kernel); ``ours-merge-pdl-after-keys``: once the
-  attention programs' K/V are in; ``ours-merge-pdl-fewest-warps``: PDL and the fewest warps;
+- ``ours-merge-4-warps``: the merge kernel on 4 warps (``MERGE_WARPS`` 4; the default, None, gives the fewest
+  warps that hold its tile: 1 here), still with the PDL launch;
+- ``ours-merge-no-pdl``: the merge kernel launched after the attention kernel (``MERGE_PDL_TRIGGER`` None), on 1 warp;
+  ``ours-merge-pdl-after-keys``: launched once the attention programs' K/V are in; ``ours-merge-4-warps-no-pdl``:
+  neither (the defaults before 2026-12-07);
 - ``merge-only-<w>-warps``: the split-merge kernel alone (32 splits x 32 heads) with w warps per program
   (the launcher's default is 4).
 
@@ -47,10 +48,10 @@ LENGTHS = (4096, 8192, 16384, 32768, 65536)
 VARIANTS = [
     ("ours", {}, {}),
     ("ours-fused-merge", "fused", {}),
-    ("ours-merge-fewest-warps", {}, {"MERGE_WARPS": None}),
-    ("ours-merge-pdl", {}, {"MERGE_PDL_TRIGGER": "after_wait"}),
+    ("ours-merge-4-warps", {}, {"MERGE_WARPS": 4}),
+    ("ours-merge-no-pdl", {}, {"MERGE_PDL_TRIGGER": None}),
     ("ours-merge-pdl-after-keys", {}, {"MERGE_PDL_TRIGGER": "after_keys"}),
-    ("ours-merge-pdl-fewest-warps", {}, {"MERGE_WARPS": None, "MERGE_PDL_TRIGGER": "after_wait"}),
+    ("ours-merge-4-warps-no-pdl", {}, {"MERGE_WARPS": 4, "MERGE_PDL_TRIGGER": None}),
 ]
 
 

@@ -338,15 +338,17 @@ MERGE_TILE_ELEMENTS = 16384
 #: Elements of the merge kernel's [splits, head_dim] fp32 tile per warp (128 registers per thread): it runs
 #: on as few warps as hold the tile, one for up to 32 splits at head_dim 128.
 MERGE_WARP_ELEMENTS = 4096
-#: Warps per program of the split-merge kernel; None: :func:`merge_warps` (the fewest that hold its tile).
-#: 4 until the whole call is timed with fewer: only the kernel alone was (see :func:`merge_warps`).
-MERGE_WARPS = 4
+#: Warps per program of the split-merge kernel; None: :func:`merge_warps` (the fewest that hold its tile: 1 for
+#: up to 32 splits at head_dim 128). H100, bench_decode with and without (two runs): B1 S32k 2.56 vs 2.51 TB/s
+#: on 1 warp vs 4, 2.59 with the PDL launch below too; B16 S8k equal (``bench_decode-h100-20261207-*.json``).
+MERGE_WARPS = None
 #: Whether launches without ``pdl`` still launch the split-merge kernel with PDL where available (Hopper and
 #: newer), and where the attention kernel lets it launch: "after_wait" (as its programs start), "after_keys"
 #: (once their K/V tiles are in); None: no PDL. The merge kernel's programs then wait (``griddepcontrol.wait``)
-#: for the attention kernel to finish instead of being launched after it, hiding its launch latency.
-#: None until timed on a GPU (``benchmarks/probe_decode_fixed_cost.py`` has the variants).
-MERGE_PDL_TRIGGER = None
+#: for the attention kernel to finish instead of being launched after it, hiding its launch latency. "after_wait"
+#: with the 1-warp merge: H100, B1 S32k 2.59 vs 2.56 TB/s without PDL ("after_keys" 2.56), B16 S8k 2.99 vs 2.98
+#: (``bench_decode-h100-20261207-*.json``); ``benchmarks/probe_decode_fixed_cost.py`` times the variants.
+MERGE_PDL_TRIGGER = "after_wait"
 #: KV splits target about this many programs per SM (see ``num_splits``).
 SPLIT_PROGRAMS_PER_SM = 2
 
