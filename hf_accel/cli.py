@@ -137,6 +137,39 @@ def backoff_hint(spec: dict) -> str | None:
             f"{plain:.2f} ms for a plain step, so the adaptive draft length drafts only where enough is accepted")
 
 
+#: Tokens a chat template and special tokens may add around the prompt, at most (for the bound below).
+_TEMPLATE_TOKENS = 256
+
+
+def _prompt_ids(tokenizer, prompt: str, chat_template: bool):
+    """The prompt's input ids ([1, n] int64, CPU) and attention mask, through the chat template where asked for
+    and the tokenizer has one."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = prompt
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False)
+
+
+def _check_prompt_fits_before_loading(model_path, prompt: str, chat_template: bool) -> None:
+    """CLIError where the prompt alone fills the model's context, found from its config and tokenizer before its
+    weights load (tens of seconds on a CPU). Only a prompt long enough to possibly fill it is tokenized here:
+    tokenizers give at most one token per UTF-8 byte, plus what the template adds (:data:`_TEMPLATE_TOKENS`); others
+    are checked after the load, with the answer's length (:func:`_within_context`)."""
+    from hf_accel.models import ModelNotFoundError, load_config, load_tokenizer
+
+    try:
+        config = load_config(model_path)
+        context = getattr(config, "max_position_embeddings", None)
+        if not context or len(prompt.encode("utf-8")) + _TEMPLATE_TOKENS < context:
+            return
+        tokenizer = load_tokenizer(model_path)
+    except (ModelNotFoundError, OSError, ValueError, KeyError):
+        return  # the load below reports what is wrong with the files
+    _within_context(1, _prompt_ids(tokenizer, prompt, chat_template)["input_ids"].shape[1], config)
+
+
 def _run_generate(args) -> int:
     prompt = args.prompt.strip()
     if not prompt:
@@ -178,6 +211,7 @@ def _run_generate(args) -> int:
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if args.draft_model:  # a draft that cannot serve is refused from the configs, before any weights load
         _check_draft_config(args.model, args.draft_model)
+    _check_prompt_fits_before_loading(args.model, prompt, not args.no_chat_template)
     model, tokenizer = _load(args.model, dtype, device, "model")
     # What accelerate_model would refuse is refused before the stock run, naming the option at fault.
     from hf_accel.integrations.patch import check_model_type
@@ -203,12 +237,7 @@ def _run_generate(args) -> int:
             raise CLIError(f"--draft-model {args.draft_model}: {e}") from None
     from transformers import TextStreamer
 
-    if not args.no_chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-    else:
-        text = prompt
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
+    inputs = _prompt_ids(tokenizer, prompt, not args.no_chat_template).to(device)
     embedding_rows = model.get_input_embeddings().num_embeddings
     if inputs["input_ids"].numel() and int(inputs["input_ids"].max()) >= embedding_rows:
         raise CLIError(f"the tokenizer gives token id {int(inputs['input_ids'].max())}, past the model's "

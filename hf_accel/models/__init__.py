@@ -9,6 +9,7 @@ from hf_accel.models.loading import (
     load_config,
     load_default_model,
     load_model,
+    load_tokenizer,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "load_config",
     "load_default_model",
     "load_model",
+    "load_tokenizer",
 ]

@@ -107,29 +107,52 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
         TypeError: ``model`` is not a str, ``os.PathLike`` or None.
         OSError / ValueError from transformers: the files do not load (no weights, not a GGUF, ...).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = _resolve_dtype(dtype)
     device = check_device(device)
     path = _model_path(model)
+    tok = _tokenizer_at(path) if tokenizer else None
     if path.is_file():
         from transformers import GgufConfig
 
         kwargs = {"gguf_file": path.name, "local_files_only": True}
         where = str(path.parent)
         with _gguf_errors(path):
-            tok = AutoTokenizer.from_pretrained(where, **kwargs) if tokenizer else None
             # dense weights of ``dtype`` (hf-accel's kernels read plain nn.Linear weights), also where transformers
             # could keep the GGUF blocks packed (its GGUF matmul kernels), which it would then run in float32
             hf_model = AutoModelForCausalLM.from_pretrained(
                 where, dtype=torch_dtype, quantization_config=GgufConfig(dequantize=True), **kwargs)
     else:
-        tok = _load_tokenizer(path) if tokenizer else None
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     hf_model.to(device).eval()
-    if tok is not None and tok.pad_token is None:
-        tok.pad_token = tok.eos_token
     return hf_model, tok
+
+
+def load_tokenizer(model: str | os.PathLike | None = None):
+    """The tokenizer :func:`load_model` returns for ``model`` (the same paths), without loading the weights: from a
+    GGUF file's metadata or a model directory's tokenizer files. ``pad_token`` is set to ``eos_token`` where the
+    tokenizer has none.
+
+    Raises:
+        ModelNotFoundError, TypeError: as :func:`load_model` (a model directory without tokenizer files included).
+        ValueError: a ``.gguf`` that ends early (truncated or corrupt).
+    """
+    return _tokenizer_at(_model_path(model))
+
+
+def _tokenizer_at(path: Path):
+    """:func:`load_tokenizer` of a path :func:`_model_path` resolved."""
+    from transformers import AutoTokenizer
+
+    if path.is_file():
+        with _gguf_errors(path):
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    else:
+        tok = _load_tokenizer(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def _model_path(model) -> Path:

