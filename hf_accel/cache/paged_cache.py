@@ -90,7 +90,8 @@ def kv_block_bytes(config, block_size: int, dtype: torch.dtype, num_layers: int 
 def free_kv_bytes(device, fraction: float = KV_MEMORY_FRACTION) -> int | None:
     """Bytes of KV cache that fit in ``fraction`` of ``device``'s free memory: on CUDA the device's free
     memory, counting what PyTorch's caching allocator holds unused as free; on CPU the system's available
-    memory (Linux ``/proc/meminfo`` MemAvailable, else the free physical pages). A CPU pool's untouched
+    memory (Linux ``/proc/meminfo`` MemAvailable, else the free physical pages), capped by the process's
+    address-space limit (``ulimit -v``) and its memory cgroup's limit where set. A CPU pool's untouched
     pages cost no memory, but an allocation larger than the machine's memory is refused, and an answer
     cannot use more KV cache than the machine holds. None where it cannot be read (other devices, other
     systems): not checked."""
@@ -107,7 +108,15 @@ def free_kv_bytes(device, fraction: float = KV_MEMORY_FRACTION) -> int | None:
 
 
 def _available_system_memory() -> int | None:
-    """Bytes of memory available to a new allocation on this machine, or None where unknown."""
+    """Bytes of memory available to a new allocation of this process, or None where unknown: the machine's
+    (:func:`_machine_available_memory`), capped by the process's address-space limit and its memory cgroup's
+    limit where those are set (:func:`_process_memory_headroom`)."""
+    bounds = [b for b in (_machine_available_memory(), *_process_memory_headroom()) if b is not None]
+    return min(bounds) if bounds else None
+
+
+def _machine_available_memory() -> int | None:
+    """Linux ``/proc/meminfo`` MemAvailable, else the free physical pages; None where neither can be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -119,6 +128,45 @@ def _available_system_memory() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def _read_int(path: str) -> int | None:
+    """The integer a one-line file holds (a cgroup or procfs value), None where absent, unreadable or "max"."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+#: cgroup memory limits at least this large mean "no limit" (cgroup v1 writes ~2**63 rounded down to a page)
+_NO_CGROUP_LIMIT = 2**60
+
+
+def _process_memory_headroom() -> tuple[int | None, int | None]:
+    """(address space left under ``RLIMIT_AS``, memory left under the memory cgroup's limit), each None where no
+    limit is set or it cannot be read. A pool larger than the first fails to allocate (``ulimit -v``), one
+    larger than the second gets the process killed once its pages are used."""
+    address = None
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            used = _read_int("/proc/self/statm")  # pages of virtual memory in use
+            if used is not None:
+                address = max(soft - used * os.sysconf("SC_PAGE_SIZE"), 0)
+    except (ImportError, AttributeError, ValueError, OSError):
+        pass
+    cgroup = None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",  # v1
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit = _read_int(limit_file)
+        if limit is not None and limit < _NO_CGROUP_LIMIT:
+            cgroup = max(limit - (_read_int(usage_file) or 0), 0)
+            break
+    return address, cgroup
 
 
 def blocks_that_fit(device, block_bytes: int, fraction: float = KV_MEMORY_FRACTION) -> int | None:
@@ -138,7 +186,11 @@ def active_step(key: torch.Tensor) -> PagedStep | None:
 
 
 class PagedLayer(CacheLayerMixin):
-    """One decoder layer's K/V pools of a :class:`PagedCache`."""
+    """One decoder layer's K/V pools of a :class:`PagedCache`.
+
+    ``keys`` and ``values`` are the pools, [num_blocks, block_size, num_kv_heads, head_dim] (not transformers'
+    [batch, num_kv_heads, seq_len, head_dim]): a token's K/V sits in the block its row's block table names.
+    :meth:`PagedCache.layer_kv` gives the contiguous copies in transformers' layout."""
 
     is_compileable = False
     is_sliding = False
@@ -540,6 +592,30 @@ class PagedCache(Cache):
             layer.length = 0
         if getattr(_active, "step", None) is not None:
             _active.step = None
+
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous copies of one layer's cached (keys, values), each [batch, num_kv_heads, seq_len, head_dim] in
+        the pools' dtype and device: the layout of transformers' ``DynamicCache`` layers. Positions that the attention
+        mask hides (a left-padded batch's padding) are there too, with unspecified values: the fast decode path
+        does not write them (stock writes the pad tokens' K/V, which no query attends to). ``seq_len`` is the
+        layer's :meth:`get_seq_length`; an empty cache gives None for both.
+
+        Raises:
+            IndexError: ``layer_idx`` outside ``[0, len(self.layers))``."""
+        layer_idx = operator.index(layer_idx)
+        if not 0 <= layer_idx < len(self.layers):
+            raise IndexError(f"layer_idx {layer_idx} out of range: the cache has {len(self.layers)} layers")
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized or not self.seq_ids:
+            return None, None
+        tables = [self.manager.block_table(s) for s in self.seq_ids]
+        table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long, device=layer.keys.device)
+        for b, t in enumerate(tables):
+            table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        rows = range(len(tables))
+        keys = torch.stack([gather_kv(layer.keys, table, layer.length, b) for b in rows])
+        values = torch.stack([gather_kv(layer.values, table, layer.length, b) for b in rows])
+        return keys, values
 
     def memory_stats(self, length: int | None = None) -> dict:
         """Blocks and bytes: ``blocks_allocated``, ``num_blocks``, ``tokens_stored``, ``slots_allocated``,

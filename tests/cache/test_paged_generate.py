@@ -157,6 +157,35 @@ def test_returned_cache_continues_the_next_turn_like_stock(loop, lengths, tiny, 
     assert torch.equal(fresh, o2.sequences)
 
 
+@pytest.mark.parametrize("loop", ["transformers", "fast"])
+def test_returned_cache_layer_kv_equals_stock_layers(loop, tiny, one_thread):
+    """``PagedCache.layer_kv`` gives each layer's K/V in transformers' layout: equal to the DynamicCache stock's
+    generate returns (left-padded batch, every layer) at every position the attention mask does not hide; the
+    pools themselves keep their own shape."""
+    stock = tiny.model("llama", seed=70)
+    model = accelerate(copy.deepcopy(stock), loop=loop)
+    ids, mask = tiny.batch(seed=71)
+    kw = dict(do_sample=False, pad_token_id=tiny.PAD, return_dict_in_generate=True, max_new_tokens=6,
+              min_new_tokens=6)
+    with torch.no_grad():
+        a = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+        b = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    want, cache = output_cache(a), output_cache(b)
+    assert isinstance(cache, PagedCache) and cache.layers[0].keys.shape[1:] == (cache.block_size, 2, 16)
+    seen = torch.cat([mask, torch.ones(3, 5, dtype=mask.dtype)], 1).bool()  # positions no mask hides
+    for i, layer in enumerate(want.layers):
+        keys, values = cache.layer_kv(i)
+        assert keys.shape == layer.keys.shape == (3, 2, ids.shape[1] + 5, 16)
+        torch.testing.assert_close(keys.transpose(1, 2)[seen], layer.keys.transpose(1, 2)[seen], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(values.transpose(1, 2)[seen], layer.values.transpose(1, 2)[seen], rtol=1e-5,
+                                   atol=1e-5)
+    with pytest.raises(IndexError, match="layer_idx 2 out of range: the cache has 2 layers"):
+        cache.layer_kv(2)
+    cache.release()
+    assert cache.layer_kv(0) == (None, None)
+
+
 def test_returned_cache_passed_to_a_stock_model(tiny, one_thread):
     """The cache an accelerated generate returns, passed to a stock copy of the model (another config, SDPA):
     its attention gets contiguous K/V (it cannot read the pools), and the tokens equal stock's own

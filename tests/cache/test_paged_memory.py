@@ -290,6 +290,50 @@ def test_blocks_that_fit_in_cpu_memory(monkeypatch):
     assert pc.free_kv_bytes("meta") is None
 
 
+def test_cpu_memory_capped_by_process_limits(monkeypatch):
+    """The CPU's available memory is the least of the machine's, the address space left under RLIMIT_AS and the
+    memory left under the memory cgroup's limit (v2 files first, then v1; v1's "no limit" value ignored)."""
+    import resource
+
+    import hf_accel.cache.paged_cache as pc
+
+    gib, page = 2**30, __import__("os").sysconf("SC_PAGE_SIZE")
+    files = {"/proc/self/statm": gib // page}  # 1 GiB of address space in use
+    monkeypatch.setattr(pc, "_read_int", files.get)
+    monkeypatch.setattr(pc, "_machine_available_memory", lambda: 10 * gib)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert pc._process_memory_headroom() == (None, None) and pc._available_system_memory() == 10 * gib
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (4 * gib, resource.RLIM_INFINITY))
+    assert pc._process_memory_headroom() == (3 * gib, None) and pc._available_system_memory() == 3 * gib
+    files.update({"/sys/fs/cgroup/memory/memory.limit_in_bytes": 2 * gib,
+                  "/sys/fs/cgroup/memory/memory.usage_in_bytes": gib // 2})
+    assert pc._available_system_memory() == gib * 3 // 2  # v1 cgroup
+    files.update({"/sys/fs/cgroup/memory.max": 8 * gib, "/sys/fs/cgroup/memory.current": 7 * gib})
+    assert pc._process_memory_headroom() == (3 * gib, gib)  # v2 read first
+    files.pop("/sys/fs/cgroup/memory.max")
+    files["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = 9223372036854771712  # v1's "no limit"
+    assert pc._process_memory_headroom() == (3 * gib, None) and pc._available_system_memory() == 3 * gib
+    monkeypatch.setattr(pc, "_machine_available_memory", lambda: None)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert pc._available_system_memory() is None
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
+def test_cpu_memory_under_a_real_address_space_limit():
+    """Under ``ulimit -v`` the CPU's free KV bytes stay below the limit (a pool sized from the machine's memory
+    alone failed to allocate there: generate with a large max_new_tokens raised the allocator's error)."""
+    import subprocess
+    import sys
+
+    limit = 6 * 2**30
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
+            "import hf_accel.cache.paged_cache as pc; print(pc.free_kv_bytes('cpu', 1.0))").format(limit)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    free = int(done.stdout.split()[-1])
+    assert 0 < free < limit
+
+
 def test_memory_stats_with_shared_blocks(tiny):
     model = accelerate(tiny.model("llama"))
     cache = PagedCache(model.config, num_blocks=30, block_size=4)
