@@ -8,9 +8,12 @@ described in :mod:`hf_accel.conversion.pooling` and :mod:`hf_accel.conversion.ca
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from transformers import PreTrainedModel
 
+from hf_accel._checks import check_int, check_token_ids
 from hf_accel._logging import logger
 from hf_accel.conversion import pooling
 from hf_accel.conversion.compensation import UNSUPPORTED_MODEL_TYPES as PCA_UNSUPPORTED
@@ -201,8 +204,8 @@ def convert_to_gqa(
             ``num_kv_heads`` not a divisor of the
             current count, < 1 or > current (the message lists the valid choices); unknown method or
             grouping; a ``batch_size`` below 1; a calibrated choice without calibration text; too little
-            calibration text, token ids
-            outside the model's vocabulary, or a ``context_length`` above the model's positions.
+            calibration text, token ids outside the model's vocabulary, a ``context_length`` that is not an int in
+            [2, the model's positions], or ``calibration_tokens`` not an int >= ``context_length``.
     """
     from tqdm.auto import tqdm
 
@@ -233,21 +236,21 @@ def convert_to_gqa(
         max_pos = getattr(cfg, "max_position_embeddings", None)
         if context_length is None:
             context_length = min(512, max_pos) if max_pos else 512
-        elif max_pos and context_length > max_pos:  # windows past the trained positions: meaningless statistics
-            raise ValueError(f"context_length={context_length} is more than the model's {max_pos} positions "
-                             "(max_position_embeddings)")
+        else:
+            context_length = check_int(context_length, "context_length", minimum=2)
+            if max_pos and context_length > max_pos:  # windows past the trained positions: meaningless statistics
+                raise ValueError(f"context_length={context_length} is more than the model's {max_pos} positions "
+                                 "(max_position_embeddings)")
         if calibration_text is None:
             raise ValueError(
                 f"method={method!r} with grouping={grouping!r} needs calibration_text (a short text in the "
                 "model's domain, with tokenizer=, or token ids)"
             )
-        ids = _calibration_ids(calibration_text, tokenizer)
-        vocab = model.get_input_embeddings().num_embeddings
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise ValueError(f"calibration token ids must lie in [0, {vocab}) (the model's vocabulary); got "
-                             f"{int(ids.min())} .. {int(ids.max())}")
-        if isinstance(calibration_tokens, bool) or not isinstance(calibration_tokens, int) or calibration_tokens < 1:
-            raise ValueError(f"calibration_tokens must be an int >= 1; got {calibration_tokens!r}")
+        ids = check_token_ids(_calibration_ids(calibration_text, tokenizer), model, "calibration token ids")
+        calibration_tokens = check_int(calibration_tokens, "calibration_tokens", minimum=1)
+        if calibration_tokens < context_length:
+            raise ValueError(f"calibration_tokens={calibration_tokens} is less than context_length={context_length}: "
+                             "not one calibration window")
         windows = calibration_windows(ids, context_length, calibration_tokens)
         moments = collect_input_moments(model, windows, batch_size=batch_size, progress=progress)
 
@@ -331,13 +334,22 @@ def permute_kv_heads(model, orders):
         orders: one permutation per layer ([num_kv_heads] ints; new head p = old head order[p]).
 
     Raises:
-        ValueError: wrong number of orders, or an order that is not a permutation.
+        ValueError: wrong number of orders, or an order that is not a permutation of ints (checked for every
+            layer before any changes).
     """
     _check_model(model)
     modules = attention_modules(model)
     if len(orders) != len(modules):
         raise ValueError(f"need one order per layer ({len(modules)}); got {len(orders)}")
     cfg = model.config
-    for module, order in zip(modules, orders):
-        permute_module_kv(module, cfg.num_attention_heads, cfg.num_key_value_heads, torch.as_tensor(order))
+    checked = []
+    for i, order in enumerate(orders):  # every order checked before any layer changes
+        values = order.tolist() if isinstance(order, torch.Tensor) else list(order)
+        if (any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in values)
+                or sorted(values) != list(range(cfg.num_key_value_heads))):
+            raise ValueError(f"orders[{i}] must be a permutation of range({cfg.num_key_value_heads}) (ints); got "
+                             f"{values}")
+        checked.append(torch.tensor(values, dtype=torch.long))
+    for module, order in zip(modules, checked):
+        permute_module_kv(module, cfg.num_attention_heads, cfg.num_key_value_heads, order)
     return model

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_accel._checks import check_int, check_token_ids
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -52,8 +54,9 @@ def recover_with_lora(
 
     Args:
         model: a transformers causal LM (plain, trainable dtype: float32 on CPU, bf16/fp32 on GPU).
-        train_ids: [n] or [1, n] int64 token ids of the training text, n > seq_len.
-        steps, seq_len, batch_size, lr: optimisation settings (lr in AdamW units).
+        train_ids: [n] or [1, n] integer token ids of the training text (in the model's vocabulary), n > seq_len.
+        steps, seq_len, batch_size, lr: optimisation settings (lr in AdamW units); ``seq_len`` >= 2 (a window
+            of one token has nothing to predict) and at most the model's ``max_position_embeddings``.
         rank, alpha, target_modules: the LoRA adapter (peft ``LoraConfig``).
         seed: seeds the window sampling and the adapter initialisation.
         progress: show a tqdm bar with the running loss.
@@ -62,14 +65,25 @@ def recover_with_lora(
         (model with the adapters merged — a plain transformers model, eval mode, :class:`RecoveryStats`).
 
     Raises:
-        ValueError: too few tokens for one window, or non-positive settings.
+        ValueError: ``train_ids`` not an integer tensor of [n] / [1, n] ids in the model's vocabulary, too few tokens
+            for one window, ``steps`` / ``batch_size`` / ``rank`` not an int >= 1, ``seq_len`` not an int in
+            [2, max_position_embeddings], or ``lr`` not > 0.
     """
     from peft import LoraConfig, get_peft_model
     from tqdm.auto import tqdm
 
-    ids = train_ids.reshape(-1)
-    if min(steps, seq_len, batch_size, rank) < 1 or lr <= 0:
-        raise ValueError("steps, seq_len, batch_size and rank must be >= 1 and lr > 0")
+    check_token_ids(train_ids, model, "train_ids")
+    if not (train_ids.dim() == 1 or (train_ids.dim() == 2 and train_ids.shape[0] == 1)):
+        raise ValueError(f"train_ids must be one text, [n] or [1, n]; got shape {tuple(train_ids.shape)}")
+    ids = train_ids.reshape(-1).long()
+    steps, batch_size, rank = (check_int(v, name, minimum=1) for v, name in
+                               ((steps, "steps"), (batch_size, "batch_size"), (rank, "rank")))
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    max_pos = max_pos if isinstance(max_pos, int) and not isinstance(max_pos, bool) else None
+    seq_len = check_int(seq_len, "seq_len", minimum=2, maximum=max_pos,
+                        maximum_reason=" (the model's max_position_embeddings)")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"lr must be a number > 0; got {lr!r}")
     if ids.numel() <= seq_len:
         raise ValueError(f"need more than seq_len={seq_len} training tokens; got {ids.numel()}")
     generator = torch.Generator().manual_seed(seed)

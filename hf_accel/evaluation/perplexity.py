@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hf_accel._checks import check_int, check_token_ids
+
 
 @dataclass
 class PerplexityResult:
@@ -48,7 +50,7 @@ def _windows(n: int, context_length: int, stride: int) -> list[tuple[int, int, i
 def perplexity(
     model,
     input_ids: torch.Tensor,
-    context_length: int = 512,
+    context_length: int | None = None,
     stride: int | None = None,
     batch_size: int = 4,
     progress: bool = False,
@@ -58,19 +60,20 @@ def perplexity(
     Args:
         model: a transformers causal LM (its eval-mode forward is used; training mode is restored).
         input_ids: [n] or [1, n], int64, token ids, n >= 2.
-        context_length: tokens per window.
+        context_length: tokens per window, at most the model's ``max_position_embeddings`` (default: 512, or
+            ``max_position_embeddings`` where that is smaller).
         stride: start-to-start distance of windows, 1 <= stride <= context_length (default:
             context_length, i.e. non-overlapping windows).
         batch_size: windows of equal length per forward pass.
         progress: show a tqdm bar.
 
     Returns:
-        :class:`PerplexityResult`.
+        :class:`PerplexityResult`; ``perplexity`` is ``inf`` where ``exp(nll_per_token)`` exceeds a float's range.
 
     Raises:
-        ValueError: ``input_ids`` not an int64 tensor, fewer than 2 tokens, a batch dimension other than 1, a
-            length/stride/batch_size that is not an int or out of range, or a ``context_length`` above the model's
-            ``max_position_embeddings``.
+        ValueError: ``input_ids`` not an int64 tensor, an id outside the model's vocabulary, fewer than 2 tokens, a
+            batch dimension other than 1, a length/stride/batch_size that is not an int or out of range, or a
+            ``context_length`` above the model's ``max_position_embeddings``.
     """
     from tqdm.auto import tqdm
 
@@ -78,21 +81,25 @@ def perplexity(
         got = f"{input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be an int64 tensor of token ids; got {got}")
     for name, value in (("context_length", context_length), ("stride", stride), ("batch_size", batch_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"{name} must be an int; got {value!r}")
+        if value is not None:
+            check_int(value, name)
     if input_ids.dim() == 2:
         if input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [n] or [1, n]; got shape {tuple(input_ids.shape)}")
         input_ids = input_ids[0]
     if input_ids.dim() != 1 or input_ids.numel() < 2:
         raise ValueError(f"need at least 2 token ids in a [n] or [1, n] tensor; got shape {tuple(input_ids.shape)}")
+    check_token_ids(input_ids, model, "input_ids")
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    max_pos = max_pos if isinstance(max_pos, int) and not isinstance(max_pos, bool) else None
+    if context_length is None:
+        context_length = min(512, max_pos) if max_pos else 512
     stride = context_length if stride is None else stride
     if context_length < 2 or not 1 <= stride <= context_length:
         raise ValueError(f"need context_length >= 2 and 1 <= stride <= context_length; got {context_length}, {stride}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size}")
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(max_pos, int) and context_length > max_pos:  # windows past the trained positions
+    if max_pos and context_length > max_pos:  # windows past the trained positions
         raise ValueError(f"context_length={context_length} is more than the model's {max_pos} positions "
                          "(max_position_embeddings)")
     device = next(model.parameters()).device
@@ -119,4 +126,8 @@ def perplexity(
     finally:
         model.train(was_training)
     nll = total / count
-    return PerplexityResult(math.exp(nll), nll, count, len(windows), context_length, stride)
+    try:
+        ppl = math.exp(nll)
+    except OverflowError:  # a mean NLL above ~709.8 nats: beyond a float
+        ppl = math.inf
+    return PerplexityResult(ppl, nll, count, len(windows), context_length, stride)

@@ -16,6 +16,8 @@ import platform
 
 import torch
 
+from hf_accel._checks import check_int
+
 SEPARATOR = "\n\n"
 
 
@@ -54,10 +56,9 @@ def evaluation_ids(tokenizer, max_tokens: int = 16384) -> torch.Tensor:
         [1, n] int64 token ids, n = min(max_tokens, tokens in the text).
 
     Raises:
-        ValueError: ``max_tokens`` < 2.
+        ValueError: ``max_tokens`` not an int >= 2.
     """
-    if max_tokens < 2:
-        raise ValueError(f"max_tokens must be >= 2; got {max_tokens}")
+    max_tokens = check_int(max_tokens, "max_tokens", minimum=2)
     ids = tokenizer(pydoc_topics_text(), return_tensors="pt", add_special_tokens=False).input_ids
     return ids[:, :max_tokens]
 
@@ -74,10 +75,11 @@ def calibration_text(max_chars: int = 40_000, *, avoid_tokens: int = 16384, toke
         tokenizer: the model's tokenizer, for the exact overlap check.
 
     Raises:
-        ValueError: ``max_chars`` < 1, or the suffix would overlap the evaluation prefix.
+        ValueError: ``max_chars`` not an int >= 1, ``avoid_tokens`` not an int >= 0, or the suffix would overlap
+            the evaluation prefix.
     """
-    if max_chars < 1:
-        raise ValueError(f"max_chars must be >= 1; got {max_chars}")
+    max_chars = check_int(max_chars, "max_chars", minimum=1)
+    avoid_tokens = check_int(avoid_tokens, "avoid_tokens", minimum=0)
     topics = _topics()
     texts = [topics[k] for k in sorted(topics)]
     taken: list[str] = []
@@ -88,7 +90,9 @@ def calibration_text(max_chars: int = 40_000, *, avoid_tokens: int = 16384, toke
     suffix = SEPARATOR.join(taken)
     full = pydoc_topics_text()
     start = len(full) - len(suffix)
-    if tokenizer is not None:
+    if avoid_tokens == 0:  # no evaluation prefix to keep clear of
+        eval_end = 0
+    elif tokenizer is not None:
         ids = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         offsets = ids["offset_mapping"]
         eval_end = offsets[min(avoid_tokens, len(offsets)) - 1][1]

@@ -122,3 +122,24 @@ def test_lora_recovery_lowers_the_loss_and_returns_a_plain_model():
     assert merged.config.num_key_value_heads == 1
     with pytest.raises(ValueError, match="more than seq_len"):
         recover_with_lora(build("llama", layers=1, dtype=torch.float32), torch.arange(10), seq_len=32)
+
+
+@pytest.mark.parametrize("ids, settings, message", [
+    ([1, 2, 3] * 50, {}, "train_ids must be a torch tensor of token ids; got list"),
+    (torch.ones(150), {}, "train_ids must hold integer token ids; got a torch.float32 tensor"),
+    (torch.full((150,), 999), {}, r"train_ids must lie in \[0, 97\) \(the model's vocabulary\); got 999 .. 999"),
+    (torch.ones(2, 150, dtype=torch.long), {}, r"train_ids must be one text, \[n\] or \[1, n\]; got shape \(2, 150\)"),
+    (torch.ones(150, dtype=torch.long), {"steps": 2.5}, "steps must be an int; got 2.5"),
+    (torch.ones(150, dtype=torch.long), {"seq_len": 1}, "seq_len must be an int >= 2; got 1"),  # 0 targets: nan losses
+    (torch.ones(400, dtype=torch.long), {"seq_len": 300},
+     r"seq_len must be an int <= 256 \(the model's max_position_embeddings\); got 300"),
+    (torch.ones(150, dtype=torch.long), {"lr": 0}, "lr must be a number > 0; got 0"),
+])
+def test_lora_recovery_refuses_bad_inputs_before_training(ids, settings, message):
+    """Bad ids or settings raise ValueError naming them (were errors from inside torch, or nan losses / windows
+    past the model's positions without complaint), and the model is left as it was."""
+    model = build("llama", num_heads=4, num_kv_heads=4, layers=1, dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        recover_with_lora(model, ids, steps=settings.pop("steps", 2), seq_len=settings.pop("seq_len", 16), **settings)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not hasattr(model, "peft_config")

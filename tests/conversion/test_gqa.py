@@ -157,6 +157,17 @@ def test_bad_arguments_raise():
         convert_to_gqa(model, 2, method="activation", calibration_text=torch.arange(2 * max_pos + 2) % vocab,
                        context_length=max_pos + 1)
     assert model.config.num_key_value_heads == 8
+    # lengths that are not ints >= 2 (64.0 failed inside a slice; 1 and True built 1-token windows), and fewer
+    # calibration tokens than one window (was reported as too little calibration text)
+    for bad, message in ((64.0, "context_length must be an int; got 64.0"), (True, "context_length must be an int"),
+                         (1, "context_length must be an int >= 2; got 1")):
+        with pytest.raises(ValueError, match=message):
+            convert_to_gqa(model, 2, method="activation", calibration_text=torch.arange(90), context_length=bad)
+    with pytest.raises(ValueError, match="calibration_tokens=40 is less than context_length=64: not one calibration "
+                                         "window"):
+        convert_to_gqa(model, 2, method="activation", calibration_text=torch.arange(90), context_length=64,
+                       calibration_tokens=40)
+    assert model.config.num_key_value_heads == 8
     assert kv_head_choices(model) == [1, 2, 4, 8]
 
 
@@ -226,6 +237,15 @@ def test_permutation_alone_is_exact(model_type):
     torch.testing.assert_close(logits(model, ids), ref, **TIGHT)
     with pytest.raises(ValueError, match="permutation"):
         permute_kv_heads(model, [torch.tensor([0, 0, 1, 2])] * 2)
+    # a bad order of a later layer leaves the earlier layers as they were; non-int entries are refused (0.5 was
+    # truncated to 0 and accepted)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"orders\[1\] must be a permutation of range\(4\) \(ints\); "
+                                         r"got \[0, 0, 1, 2\]"):
+        permute_kv_heads(model, [[3, 2, 1, 0], [0, 0, 1, 2]])
+    with pytest.raises(ValueError, match=r"orders\[0\] must be a permutation .*got \[0.5, 1, 2, 3\]"):
+        permute_kv_heads(model, [[0.5, 1, 2, 3], [0, 1, 2, 3]])
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize("method", ["mean", "activation"])

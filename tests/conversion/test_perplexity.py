@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from hf_accel.evaluation import calibration_text, perplexity, pydoc_topics_fingerprint, pydoc_topics_text
+from hf_accel.evaluation import (calibration_text, evaluation_ids, perplexity, pydoc_topics_fingerprint,
+                                 pydoc_topics_text)
 from hf_accel.evaluation.perplexity import _windows
 
 from gqa_tiny_models import build
@@ -87,6 +88,28 @@ def test_bad_inputs_raise(model):
     with pytest.raises(ValueError, match=rf"context_length={positions + 1} is more than the model's {positions} "):
         perplexity(model, ids, context_length=positions + 1)
     assert perplexity(model, ids, context_length=positions).windows == 2
+    # ids outside the vocabulary (an IndexError from inside the embedding)
+    vocab = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=rf"input_ids must lie in \[0, {vocab}\) \(the model's vocabulary\); got 1 .. "
+                       f"{vocab}"):
+        perplexity(model, torch.tensor([1, 2, vocab]), context_length=4)
+    with pytest.raises(ValueError, match="got -1 .. 2"):
+        perplexity(model, torch.tensor([1, 2, -1]), context_length=4)
+
+
+def test_default_context_fits_the_model_and_huge_losses_give_inf():
+    """The default window is 512 tokens or the model's positions where fewer (a 256-position model was refused
+    for any input); a mean NLL past a float's exp range gives perplexity inf (was an OverflowError)."""
+    small = build("llama", num_heads=4, num_kv_heads=2, layers=1, dtype=torch.float64)
+    assert small.config.max_position_embeddings == 256
+    ids = torch.randint(0, 97, (300,))
+    res = perplexity(small, ids)
+    assert (res.context_length, res.windows, res.tokens_scored) == (256, 2, 298)
+    assert res.perplexity == pytest.approx(perplexity(small, ids, context_length=256).perplexity, rel=1e-12)
+    with torch.no_grad():
+        small.lm_head.weight.mul_(1e4)  # confident and wrong: thousands of nats a token
+    res = perplexity(small, ids)
+    assert res.nll_per_token > 710 and math.isfinite(res.nll_per_token) and res.perplexity == math.inf
 
 
 def test_pydoc_text_fingerprint_and_disjoint_calibration():
@@ -100,3 +123,23 @@ def test_pydoc_text_fingerprint_and_disjoint_calibration():
         calibration_text(len(text) - 1000)
     with pytest.raises(ValueError, match="max_chars"):
         calibration_text(0)
+    # avoid_tokens=0 keeps nothing clear, with or without a tokenizer (with one it read the text's last offset)
+    tok = _WordTokenizer()
+    assert calibration_text(1000, avoid_tokens=0, tokenizer=tok) == calibration_text(1000, avoid_tokens=0)
+    assert calibration_text(1000, avoid_tokens=5, tokenizer=tok) == calibration_text(1000)
+    with pytest.raises(ValueError, match="avoid_tokens must be an int >= 0; got -1"):
+        calibration_text(1000, avoid_tokens=-1, tokenizer=tok)
+    with pytest.raises(ValueError, match="max_chars must be an int; got 100.5"):
+        calibration_text(100.5)
+    with pytest.raises(ValueError, match="max_tokens must be an int; got 100.5"):
+        evaluation_ids(tok, 100.5)
+
+
+class _WordTokenizer:
+    """Whitespace-separated words as tokens, with their character offsets (what ``calibration_text`` reads)."""
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False, return_tensors=None):
+        import re
+
+        spans = [m.span() for m in re.finditer(r"\S+", text)]
+        return {"input_ids": list(range(len(spans))), "offset_mapping": spans}
