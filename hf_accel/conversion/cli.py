@@ -195,7 +195,7 @@ def _run(args) -> int:
     from hf_accel.conversion.gqa import (PCA_UNSUPPORTED, _check_model, check_num_kv_heads, convert_to_gqa,
                                          kv_head_choices)
     from hf_accel.conversion.pooling import CALIBRATED_METHODS
-    from hf_accel.conversion.recovery import recover_with_lora
+    from hf_accel.conversion.recovery import DEFAULT_SEQ_LEN, recover_with_lora
     from hf_accel.evaluation import calibration_text, evaluation_ids
     from hf_accel.models.loading import load_config, load_model
 
@@ -283,6 +283,10 @@ def _run(args) -> int:
     cal_ids = None
     if needs_text:
         cal_ids = tokenizer(calibration, return_tensors="pt", add_special_tokens=False).input_ids
+        if args.recovery_steps and cal_ids.numel() <= DEFAULT_SEQ_LEN:  # before the conversion and perplexity runs
+            raise CliError(f"--recovery-steps {args.recovery_steps} trains on windows of {DEFAULT_SEQ_LEN} tokens: the "
+                           f"calibration text has {cal_ids.numel()}; give a --calibration-file of more than "
+                           f"{DEFAULT_SEQ_LEN} tokens")
 
     before = _measure(model, tokenizer, eval_ids, args, device, kv_dtype=source_dtype)
     convert_to_gqa(model, args.num_kv_heads, method=args.method, grouping=args.grouping, calibration_text=cal_ids,

@@ -32,12 +32,16 @@ class RecoveryStats:
     losses: list[float] = field(repr=False, default_factory=list)
 
 
+#: tokens per training window of :func:`recover_with_lora` unless given
+DEFAULT_SEQ_LEN = 128
+
+
 def recover_with_lora(
     model,
     train_ids: torch.Tensor,
     *,
     steps: int = 150,
-    seq_len: int = 128,
+    seq_len: int = DEFAULT_SEQ_LEN,
     batch_size: int = 4,
     lr: float = 5e-4,
     rank: int = 16,

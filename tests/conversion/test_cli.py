@@ -136,6 +136,23 @@ def test_a_calibration_file_that_is_not_utf8_is_named(model_dir, tmp_path, capsy
     assert rc == 2 and f"--calibration-file {str(bad)!r} is not UTF-8 text" in err
 
 
+def test_recovery_on_a_calibration_file_shorter_than_one_window_is_refused_before_converting(model_dir, tmp_path,
+                                                                                            capsys, monkeypatch):
+    """--recovery-steps with a calibration file of fewer tokens than a training window: refused once the text is
+    tokenized, before the perplexity runs and the conversion (was: after both, naming seq_len, which the CLI has no
+    flag for)."""
+    import hf_accel.conversion.gqa as gqa
+
+    monkeypatch.setattr(gqa, "convert_to_gqa", lambda *a, **k: pytest.fail("converted"))
+    short = tmp_path / "cal.txt"
+    short.write_text("A few words of text.")
+    rc = main(["--model", str(model_dir), "--out", str(tmp_path / "o"), *ARGS, "--num-kv-heads", "2",
+               "--recovery-steps", "2", "--calibration-file", str(short)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and "--recovery-steps 2 trains on windows of 128 tokens: the calibration text has " in err
+    assert "give a --calibration-file of more than 128 tokens" in err and not (tmp_path / "o").exists()
+
+
 def test_a_context_length_past_the_model_positions_is_refused_before_its_weights_load(model_dir, tmp_path, capsys,
                                                                                          monkeypatch):
     import hf_accel.models.loading as loading
