@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 from hf_accel.kernels.paged_attention import paged_attention  # noqa: E402
 
@@ -332,7 +332,7 @@ def main():
             pos = [None if v == "None" else int(v) for v in items if "=" not in v]
             extra = {k: int(v) for k, v in (item.split("=") for item in items if "=" in item)}
             configs.append(tuple(pos + ([None] if len(pos) < 5 else []) + [extra]) if extra else tuple(pos))
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    require_cuda(__file__)
     rows = []
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]
     table = bench_bandwidth(rows, quick=args.quick, eager=args.eager, configs=configs, shapes=shapes,

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_replay_us, write_results  # noqa: E402
+from common import graph_replay_us, require_cuda, write_results  # noqa: E402
 
 from hf_accel.kernels.fused_linear import fused_linear  # noqa: E402
 from hf_accel.kernels.rms_norm import rms_norm  # noqa: E402
@@ -108,6 +108,7 @@ def main():
     ap.add_argument("--whole-k", action="store_true", help="K loop vs whole-K path (and the GEMV at one row)")
     ap.add_argument("--variants", default=None, help="--whole-k: comma list of WHOLE_K_VARIANTS names (default all)")
     args = ap.parse_args()
+    require_cuda(__file__)
     if args.split:
         return split_main(args)
     if args.whole_k:

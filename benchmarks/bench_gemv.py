@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_replay_us, write_results  # noqa: E402
+from common import graph_replay_us, require_cuda, write_results  # noqa: E402
 
 CFG = dict(hidden=4096, q=4096, kv=1024, inter=14336, vocab=128256, layers=32)
 MODEL = "llama3-8b-shape"
@@ -213,8 +213,7 @@ def main(argv=None):
     ap.add_argument("--skip-per-shape", action="store_true")
     ap.add_argument("--skip-chain", action="store_true")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_gemv needs a CUDA GPU")
+    require_cuda(__file__)
     t0 = time.perf_counter()
     dt = torch.bfloat16
     configs = []

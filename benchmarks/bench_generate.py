@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_step_overrides, write_results  # noqa: E402
+from common import decode_step_overrides, require_cuda, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 
@@ -189,7 +189,7 @@ def llama8b(tiny=False):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test with a tiny config")
@@ -204,6 +204,8 @@ def main():
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="wrap each model in a PeftModel with a rank-R LoRA adapter on every linear layer but the head")
     args = ap.parse_args()
+    if not args.tiny:  # the real shapes (a Llama-3-8B-shaped model is ~32 GB in float32) are GPU work
+        require_cuda(__file__, "--tiny runs a CPU smoke test")
     global LORA_RANK
     LORA_RANK = args.lora
     if args.generate_kwargs:

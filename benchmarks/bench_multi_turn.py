@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 from hf_accel.engine.call_options import output_cache  # noqa: E402
@@ -88,6 +88,8 @@ def main():
     ap.add_argument("--passes", type=int, default=3, help="timed passes of ours-fast and ours-fast-no-cache (hf, ours-hf-loop: 1)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    if args.device.startswith("cuda"):
+        require_cuda(__file__, "--device cpu runs on the CPU")
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     base, tok = load_model(None, dtype=dtype, device=args.device)
     providers = {

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 DT = torch.bfloat16
 SHAPES = (
@@ -595,7 +595,7 @@ def ttft(run: Run):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--sweep", action="store_true", help="measure launch variants")
     ap.add_argument("--ablate", action="store_true", help="stage-removal variants at B4 H32 L4096 D128")
     ap.add_argument("--no-ttft", action="store_true")
@@ -607,6 +607,7 @@ def main():
     ap.add_argument("--ttft-rounds", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per shape")
     args = ap.parse_args()
+    require_cuda(__file__)
     _raise_recompile_limit()
     run = Run(args)
     from hf_accel.kernels.prefill_tuning import candidate_configs as _candidate_configs

@@ -16,17 +16,19 @@ On CPU (``TRITON_INTERPRET=1``) it runs the checks at S 512 and times nothing.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import _read_kv_kernel  # noqa: E402  (the pointer-load reader of bench_decode.py)
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 B, S, HKV, D, BS = 1, 32768, 8, 128, 16
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,8 +79,11 @@ def timer(fn, reps=10):
     return triton.testing.do_bench(g.replay, warmup=5, rep=40) / reps
 
 
-def main():
+def main(argv=None):
     """Every variant: checked, then timed; prints a line per variant."""
+    argparse.ArgumentParser(description=__doc__.split("\n", 1)[0]).parse_args(argv)
+    if isinstance(_read_tma_contig, JITFunction):  # compiled for a GPU (not Triton's interpreter)
+        require_cuda(__file__, "TRITON_INTERPRET=1 runs its checks on the CPU")
     torch.manual_seed(0)
     nblk = S // BS
     kc = torch.randn(nblk, BS, HKV, D, device=DEV, dtype=torch.bfloat16)

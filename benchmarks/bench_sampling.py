@@ -9,6 +9,7 @@ calls after a warm-up call, next to stock transformers (sdpa) for greedy and top
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import smollm2_shaped_model, write_results  # noqa: E402
+from common import require_cuda, smollm2_shaped_model, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 
@@ -43,9 +44,9 @@ def timed(model, ids, kw, new_tokens, reps):
     return statistics.median(times[1:])
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_sampling needs a CUDA GPU")
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n", 1)[0]).parse_args(argv)
+    require_cuda(__file__)
     model = smollm2_shaped_model()
     rows, new_tokens = [], 128
     for bs in (1, 8):

@@ -25,6 +25,22 @@ def git_sha() -> str:
         return "unknown"
 
 
+def require_cuda(script: str, alternative: str | None = None) -> None:
+    """Returns when a CUDA GPU is present; else ends the process with exit code 2 and one line on stderr,
+    ``<script> needs a CUDA GPU (torch.cuda.is_available() is False)[; <alternative>]``.
+
+    Call it after the arguments are parsed (so that ``--help`` answers on any machine) and before any CUDA
+    tensor, model load or result file. ``script``: the caller's ``__file__`` (or its name); ``alternative``:
+    what runs without a GPU instead (e.g. ``"--tiny runs on CPU"``), appended to the line."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    hint = f"; {alternative}" if alternative else ""
+    print(f"{Path(script).name} needs a CUDA GPU (torch.cuda.is_available() is False){hint}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def meta() -> dict:
     import torch
     import transformers

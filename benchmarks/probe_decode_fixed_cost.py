@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 import bench_decode  # noqa: E402
 import hf_accel.kernels.paged_attention as pa  # noqa: E402
@@ -83,10 +83,10 @@ def _load_baseline(path):
 def main():
     import argparse
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--baseline", default=None, help="a paged_attention.py of another version, timed as 'base-*'")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    require_cuda(__file__)
     time_ms = bench_decode._timer(eager=False)
     rows, times = [], {}
     modules = [("", pa)] + ([("base-", _load_baseline(args.baseline))] if args.baseline else [])

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_replay_us, write_results  # noqa: E402
+from common import graph_replay_us, require_cuda, write_results  # noqa: E402
 
 from hf_accel.kernels.fused_linear import fused_linear  # noqa: E402
 from hf_accel.kernels.gemv import gemv  # noqa: E402
@@ -101,6 +101,7 @@ def main(argv=None):
     ap.add_argument("--block-n", type=int, default=4)
     ap.add_argument("--old-gemv", default=None, help="another gemv.py to time at one row as gemv-old")
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     old_gemv = None
     if args.old_gemv:
         import importlib.util

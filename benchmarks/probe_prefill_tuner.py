@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 from hf_accel.kernels.prefill import prefill_attention  # noqa: E402
 from hf_accel.kernels.prefill_tuning import bucket, candidate_configs, tuned_configs  # noqa: E402
@@ -35,6 +35,7 @@ def main(argv=None):
     ap.add_argument("--q-lens", default="48,256,384")
     ap.add_argument("--label", default="")
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     rows = []
     for model, (h, hkv, d) in SHAPES.items():
         for q_len in (int(v) for v in args.q_lens.split(",")):

@@ -24,6 +24,7 @@ providers ``--passes N`` times, interleaved (default 1): for an A/B of two trees
 
     python benchmarks/profile_call_overhead.py [--ab-copies] [--timings-only] [--passes N] [--stack]
 """
+import argparse
 import cProfile
 import os
 import statistics
@@ -36,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_speculative as bs  # noqa: E402
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 from hf_accel.engine.fast_generate import prefill_bucket  # noqa: E402
@@ -145,7 +146,15 @@ def prefill_variants(model, batches, rows, base):
     hf_accel.revert_model(model)
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--ab-copies", action="store_true",
+                    help="the call timings again with the EOS ids copied from pageable host memory")
+    ap.add_argument("--timings-only", action="store_true", help="no prefill variants, cProfile dumps or traces")
+    ap.add_argument("--passes", type=int, default=1, help="interleaved passes of the two providers")
+    ap.add_argument("--stack", action="store_true", help="trace one 128-token call with Python functions")
+    args = ap.parse_args(argv)
+    require_cuda(__file__)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp())
     model, tok = load_default_model(dtype="bfloat16", device="cuda")
     batches = [bs.encode(tok, [t], "cuda") for t in bs.chat_texts(tok, "grounded-text")]
@@ -159,12 +168,11 @@ def main():
             forget_eos(model)
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
 
-    timings_only = "--timings-only" in sys.argv
-    passes = int(sys.argv[sys.argv.index("--passes") + 1]) if "--passes" in sys.argv else 1
+    timings_only, passes = args.timings_only, args.passes
     if not timings_only:
         prefill_variants(model, batches, rows, base)
     variants = [("ours", None, False), ("ours-prompt_lookup", "prompt_lookup", False)] * passes
-    if "--ab-copies" in sys.argv:  # interleaved, twice: the GPU host's speed drifts between passes
+    if args.ab_copies:  # interleaved, twice: the GPU host's speed drifts between passes
         variants = [("ours", None, False), ("ours-blocking-copies", None, True),
                     ("ours-prompt_lookup", "prompt_lookup", False),
                     ("ours-prompt_lookup-blocking-copies", "prompt_lookup", True)] * 2
@@ -230,7 +238,7 @@ def main():
         pr.disable()
         pr.dump_stats(str(out_dir / f"call_{provider}.prof"))
         from torch.profiler import ProfilerActivity, profile
-        stack = "--stack" in sys.argv  # Python functions in the trace too (with_stack): a host timeline
+        stack = args.stack  # Python functions in the trace too (with_stack): a host timeline
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof:
             gen(ids, mask, 128 if stack else 1)
             sync()

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_speculative as bs  # noqa: E402
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 from hf_accel.models import load_default_model  # noqa: E402
@@ -109,12 +109,14 @@ def phases(stamps, t_enter: float) -> dict[str, float]:
     return dict(out)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script (float32, no fused path)")
     ap.add_argument("--prompts", type=int, default=8)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.device != "cpu":
+        require_cuda(__file__, "--device cpu checks the script on the CPU")
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     model, tok = load_default_model(dtype="bfloat16" if cuda else "float32", device=args.device)

@@ -22,6 +22,7 @@ and by cumulative time are printed, and the dumps are written to ``$OUT`` (``cal
 
     python benchmarks/profile_call_timeline.py [--cprofile]
 """
+import argparse
 import cProfile
 import io
 import os
@@ -37,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_speculative as bs  # noqa: E402
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 from hf_accel.models import load_default_model  # noqa: E402
@@ -92,7 +93,11 @@ def timeline_stats(intervals: list[tuple[float, float, str]], top: int = 0) -> d
     return stats
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--cprofile", action="store_true", help="also run each provider's 8 calls under cProfile")
+    args = ap.parse_args(argv)
+    require_cuda(__file__)
     from torch.profiler import ProfilerActivity, profile
 
     tmp = Path(tempfile.mkdtemp())
@@ -146,7 +151,7 @@ def main():
                              "metric": metric, "unit": ("ms" if metric.endswith("ms") or "_ms[" in metric else
                                                         "(ms from call start, µs, before, after)" if metric ==
                                                         "longest_gaps" else "count"), "value": value})
-        if "--cprofile" in sys.argv:
+        if args.cprofile:
             pr = cProfile.Profile()
             torch.cuda.synchronize()
             pr.enable()

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_in_turns, write_results  # noqa: E402
+from common import require_cuda, time_in_turns, write_results  # noqa: E402
 
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl  # noqa: E402
 
@@ -93,6 +93,7 @@ def main(argv=None):
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--no-switch", action="store_true", help="skip the switch_r<R> variants")
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     dev = "cuda"
     x = torch.zeros(2, device=dev)
     pdl = use_pdl(not args.no_pdl, x)

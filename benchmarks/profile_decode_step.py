@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 
 def _models(args):
@@ -196,8 +196,7 @@ def main(argv=None):
                     help="only time step variants, ','-separated: switch overrides 'NAME=VALUE+...' or "
                          + ", ".join([*ABLATIONS, "static-prologue"]))
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_decode_step needs a CUDA GPU")
+    require_cuda(__file__)
     rows = []
     t0 = time.perf_counter()
     for name, model in _models(args):

@@ -8,6 +8,7 @@ graph's time), plus the sum of idle gaps between consecutive kernels on the GPU.
 
     python benchmarks/profile_prefill.py
 """
+import argparse
 import json
 import statistics
 import sys
@@ -18,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_speculative as bs  # noqa: E402
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 from hf_accel.engine.fast_generate import prefill_bucket  # noqa: E402
@@ -38,7 +39,9 @@ def gpu_ms(graph, reps=20):
     return statistics.median(out)
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n", 1)[0]).parse_args(argv)
+    require_cuda(__file__)
     from torch.profiler import ProfilerActivity, profile
 
     model, tok = load_default_model(dtype="bfloat16", device="cuda")

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import graph_replay_us, write_results  # noqa: E402
+from common import graph_replay_us, require_cuda, write_results  # noqa: E402
 
 from hf_accel.kernels.paged_attention import paged_attention  # noqa: E402
 from hf_accel.kernels.prefill import prefill_attention  # noqa: E402
@@ -58,6 +58,7 @@ def main(argv=None):
                     help="heads / KV heads / head_dim: SmolLM2-135M's 9 / 3 / 64 or Llama-3-8B's 32 / 8 / 128")
     ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     global H, KV, D
     H, KV, D = (9, 3, 64) if args.shape == "smollm2" else (32, 8, 128)
     bsz = args.batch

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_speculative as bs  # noqa: E402
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 import hf_accel.integrations.generation_config as gcm  # noqa: E402
@@ -96,6 +96,7 @@ def main(argv=None):
     ap.add_argument("--category", default="grounded-text")
     ap.add_argument("--providers", default=",".join(v[0] for v in ALL_VARIANTS))
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     log = ReplayLog()
     model, tok = load_default_model(dtype="bfloat16", device="cuda")
     tok.padding_side = "left"  # a batch of prompts, as bench_speculative pads them

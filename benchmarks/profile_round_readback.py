@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_in_turns, write_results  # noqa: E402
+from common import require_cuda, time_in_turns, write_results  # noqa: E402
 
 from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl  # noqa: E402
 
@@ -97,6 +97,7 @@ def main(argv=None):
     ap.add_argument("--small", type=int, default=38, help="counters the small copy and the mapped ring carry")
     ap.add_argument("--no-mapped", action="store_true", help="leave out the variants writing to host memory")
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     dev = "cuda"
     x = torch.zeros(1, device=dev)
     info = torch.zeros(max(args.counters, 310), dtype=torch.long, device=dev)

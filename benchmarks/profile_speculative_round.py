@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_step_overrides, step_over_blocks, write_results  # noqa: E402
+from common import decode_step_overrides, require_cuda, step_over_blocks, write_results  # noqa: E402
 
 
 def time_graph(fn, reps=50):
@@ -46,14 +46,15 @@ def time_graph(fn, reps=50):
     return statistics.median(times), g
 
 
-def main():
+def main(argv=None):
     import argparse
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--set", default="", help="switches of hf_accel.engine.step_switches (NAME=VALUE+...)")
     ap.add_argument("--ab-verify-inputs", action="store_true",
                     help="also time the rounds with VERIFY_INPUTS_KERNEL off (metrics suffixed _torch_inputs)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    require_cuda(__file__)
     with decode_step_overrides(args.set):
         _main(args.ab_verify_inputs)
 

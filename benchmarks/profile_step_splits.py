@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_step_overrides, smollm2_shaped_model, step_over_blocks, write_results  # noqa: E402
+from common import (  # noqa: E402
+    decode_step_overrides,
+    require_cuda,
+    smollm2_shaped_model,
+    step_over_blocks,
+    write_results,
+)
 from profile_speculative_round import time_graph  # noqa: E402
 
 
@@ -52,6 +58,7 @@ def main(argv=None):
     ap.add_argument("--q-lens", default="1,2,16")
     ap.add_argument("--set", default="", help="switches of hf_accel.engine.step_switches (NAME=VALUE+...)")
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     with decode_step_overrides(args.set):
         _main(args)
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_in_turns, write_results  # noqa: E402
+from common import require_cuda, time_in_turns, write_results  # noqa: E402
 
 INFO = 300  # int64 counters, about a round's ``info`` row
 
@@ -51,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     dev = "cuda"
     x = torch.zeros(256, device=dev)
     info = torch.arange(INFO, dtype=torch.long, device=dev)

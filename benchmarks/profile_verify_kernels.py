@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_step_overrides, smollm2_shaped_model, step_over_blocks, write_results  # noqa: E402
+from common import (  # noqa: E402
+    decode_step_overrides,
+    require_cuda,
+    smollm2_shaped_model,
+    step_over_blocks,
+    write_results,
+)
 from profile_speculative_round import time_graph  # noqa: E402
 
 SETTINGS = {"default": "", "no_pdl": "DECODE_PDL=False+ATTENTION_PDL=False", "no_gemv": "GEMV_ONE_ROW=False"}
@@ -59,6 +65,7 @@ def main(argv=None):
                     help="named settings 'NAME:SPEC,NAME:SPEC' (SPEC: step_switches NAME=VALUE+...) instead "
                          "of the three above; the kernel tables then run under the first")
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     settings = dict(SETTINGS)
     if args.settings:
         settings = dict(item.split(":", 1) for item in args.settings.split(","))

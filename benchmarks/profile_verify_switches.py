@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import smollm2_shaped_model, step_over_blocks, write_results  # noqa: E402
+from common import require_cuda, smollm2_shaped_model, step_over_blocks, write_results  # noqa: E402
 from profile_speculative_round import time_graph  # noqa: E402
 
 PROMPT = 305
@@ -133,6 +133,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     names = args.variants.split(",")
     fns = build()
     rows, results = [], {n: {} for n in names}

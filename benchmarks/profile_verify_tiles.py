@@ -12,19 +12,22 @@ speculative verify pass runs) captured in a CUDA graph: the median of 50 replays
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import smollm2_shaped_model, step_over_blocks, write_results  # noqa: E402
+from common import require_cuda, smollm2_shaped_model, step_over_blocks, write_results  # noqa: E402
 from profile_speculative_round import time_graph  # noqa: E402
 
 PROMPT = 305
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n", 1)[0]).parse_args(argv)
+    require_cuda(__file__)
     from hf_accel.engine import step_switches
 
     model = smollm2_shaped_model()

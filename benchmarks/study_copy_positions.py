@@ -22,6 +22,7 @@ Writes ``study_copy_positions-cpu-<date>.json`` to ``$OUT`` or ``benchmarks/resu
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -91,7 +92,8 @@ class _Proposer:
         return drafts
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n", 1)[0]).parse_args(argv)
     data = json.load(open(SOURCE))["continuations"]
     rows = []
     for max_ngram in (3, 8):

@@ -12,6 +12,7 @@ compared with a float32 model's (the kernel's error should be of the order of SD
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import require_cuda, write_results  # noqa: E402
 
 import hf_accel  # noqa: E402
 from hf_accel.kernels import attention as attn_kernel  # noqa: E402
@@ -35,10 +36,9 @@ PROMPTS = [
 NEW_TOKENS = 128
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("this check needs a CUDA GPU", file=sys.stderr)
-        return 2
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n", 1)[0]).parse_args(argv)
+    require_cuda(__file__)
     model, tok = load_default_model(dtype="bfloat16", device="cuda")
     calls = {"n": 0}
     original = attn_kernel.attention
