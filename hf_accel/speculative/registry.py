@@ -4,6 +4,8 @@ accelerated (reverted when the engines close)."""
 
 from __future__ import annotations
 
+import torch
+
 from hf_accel._logging import log_once
 from hf_accel.speculative.config import SpeculativeConfig
 from hf_accel.speculative.engine import SpeculativeEngine
@@ -89,6 +91,12 @@ def engine_for(model, fast, config: SpeculativeConfig) -> SpeculativeEngine:
             engines.owned_drafts = [d for d in engines.owned_drafts if d is not config.draft_model]
         log_once(f"spec:{key}", f"hf-accel: speculative decoding with {config.method}"
                  + (f" (exit layer {engine.exit_layer})" if config.method == "early_exit" else ""))
+        dtype = next(model.parameters()).dtype
+        if dtype in (torch.float16, torch.bfloat16):
+            log_once(f"spec-low-precision:{dtype}", f"hf-accel: speculative decoding on a {dtype} model: the verify "
+                     "pass scores k + 1 positions in one forward, whose logits round differently from one-token "
+                     "steps, so greedy output can differ from plain greedy where two tokens' logits (nearly) tie; "
+                     "in float32 it equals plain greedy")
     else:
         engine.config = config
     return engine

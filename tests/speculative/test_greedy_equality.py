@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from speculative_helpers import LAYERS, greedy, repetitive_batch, spec_arg, truncated
+from speculative_helpers import LAYERS, _messages, greedy, repetitive_batch, spec_arg, truncated
 
 from hf_accel import SpeculativeConfig, accelerate_model, revert_model, speculative_stats
 from hf_accel.cache.paged_cache import PagedCache
@@ -257,3 +257,16 @@ def test_match_gated_matches_longer_than_the_classes_share_the_last_class(tiny):
     assert counts[0] == 1 and counts[NUM_CLASSES - 1] == 1 and sum(counts) == 2
     # the last 9 tokens (pattern[1:]) first occur at 1, followed by the second copy: pattern[0], pattern[1], ...
     assert st.valid[0].all() and st.drafts[0].tolist() == pattern[:4].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_low_precision_speculative_decoding_is_logged(dtype, tiny, hf_log):
+    """In bfloat16 the verify pass's logits round differently from one-token steps (near-ties can pick another
+    token than plain greedy): logged once, naming the dtype; float32, where greedy is exact, logs nothing."""
+    model = accelerate_model(tiny.model("llama", seed=80).to(dtype), speculative="prompt_lookup")
+    ids, mask = repetitive_batch(tiny, lengths=(14,), seed=81)
+    greedy(model, ids, mask, tiny.PAD, max_new_tokens=4)
+    logged = _messages(hf_log, "round differently from one-token steps")
+    assert len(logged) == (dtype == torch.bfloat16)
+    if logged:
+        assert logged[0].startswith("hf-accel: speculative decoding on a torch.bfloat16 model")
