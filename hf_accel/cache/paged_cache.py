@@ -446,11 +446,7 @@ class PagedCache(Cache):
                 if layer.is_initialized:
                     layer.keys[dst].copy_(layer.keys[src])
                     layer.values[dst].copy_(layer.values[src])
-        tables = [m.block_table(s) for s in self.seq_ids]
-        width = max(len(t) for t in tables)
-        table = torch.zeros(batch, width, dtype=torch.int32)
-        for b, t in enumerate(tables):
-            table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        table = self._block_table()
         pos = torch.arange(start, start + q_len)
         slots = table[:, pos // self.block_size] * self.block_size + (pos % self.block_size)
         seq_lens = torch.full((batch,), start + q_len, dtype=torch.int32)
@@ -458,6 +454,14 @@ class PagedCache(Cache):
                                seq_lens.to(device, non_blocking=True),
                                slots.reshape(-1).to(torch.int32).to(device, non_blocking=True), start + q_len)
         return self._step
+
+    def _block_table(self) -> torch.Tensor:
+        """[batch, max blocks per sequence] int32 CPU tensor of the sequences' block ids, zero-padded on the right."""
+        tables = [self.manager.block_table(s) for s in self.seq_ids]
+        table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+        for b, t in enumerate(tables):
+            table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        return table
 
     def _undo_step(self, start: int) -> None:
         """Take back a step that :meth:`_prepare_step` made and no layer wrote (the first layer's write failed or
@@ -608,11 +612,8 @@ class PagedCache(Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized or not self.seq_ids:
             return None, None
-        tables = [self.manager.block_table(s) for s in self.seq_ids]
-        table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long, device=layer.keys.device)
-        for b, t in enumerate(tables):
-            table[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-        rows = range(len(tables))
+        table = self._block_table().to(layer.keys.device)
+        rows = range(table.shape[0])
         keys = torch.stack([gather_kv(layer.keys, table, layer.length, b) for b in rows])
         values = torch.stack([gather_kv(layer.values, table, layer.length, b) for b in rows])
         return keys, values
