@@ -522,13 +522,22 @@ class PagedCache(Cache):
         absolute length to keep (older transformers); a 0-d integer tensor is accepted.
 
         Raises:
-            ValueError: a non-integer or several-element value, or more tokens to remove than the cache holds.
+            ValueError: a non-integer or several-element value, more tokens to remove than the cache holds, or,
+                after a forward that failed part-way (the first layers hold more tokens than the rest), a length
+                the shortest layer does not hold (its K/V at those positions were never written).
         """
         n = _integer(max_length, "crop's max_length")
         length = self.get_seq_length()
         new_length = length + n if n < 0 else (length if n == 0 else min(n, length))
         if new_length < 0:
             raise ValueError(f"cannot remove {-n} tokens from a cache holding {length}")
+        written = min(layer.length for layer in self.layers)
+        if new_length > written:
+            behind = [i for i, layer in enumerate(self.layers) if layer.length < new_length]
+            which = f"layer {behind[0]}" if len(behind) == 1 else f"layers {behind[0]}..{behind[-1]}"
+            raise ValueError(f"cannot keep {new_length} tokens: a forward failed part-way and {which} hold"
+                             f"{'s' if len(behind) == 1 else ''} only {written}; crop to {written} tokens or fewer "
+                             f"(cache.crop({written})), or release the cache")
         if new_length == length and all(self.manager.length(s) == length for s in self.seq_ids):
             return
         for s in self.seq_ids:

@@ -124,6 +124,13 @@ def test_a_forward_that_fails_part_way_is_named_and_recoverable(tiny, monkeypatc
     with pytest.raises(RuntimeError, match=rf"partial step. .* a forward failed part-way .* cache.crop\({length}\)"):
         s.step(_tokens(63, 3, 4))
     _assert_same_state(_state(s.cache), dict(before, pools=[(k.clone(), v.clone()) for k, v in before["pools"]]))
+    # crops that would keep positions the later layers never wrote (their pool slots hold stale K/V) are refused,
+    # the cache unchanged: one token fewer than layer 0 holds, and an absolute length past the shorter layers'
+    for bad in (-1, length + 1):
+        with pytest.raises(ValueError, match=rf"cannot keep {length + 1} tokens: a forward failed part-way and "
+                                             rf"layers? 1.* only {length}; crop to {length} tokens or fewer"):
+            s.cache.crop(bad)
+    _assert_same_state(_state(s.cache), dict(before, pools=[(k.clone(), v.clone()) for k, v in before["pools"]]))
     s.cache.crop(length)
     s.crop_mask(length)  # the interrupt left the Stepper's own mask two columns ahead too
     s.cache.manager.check()
