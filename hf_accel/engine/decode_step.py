@@ -429,10 +429,9 @@ class DecodeStep:
             k = k * cos + _rotate_half(k) * sin
             pools = self.cache.layers[layer_idx]
             write(k, v, pools.keys, pools.values, slot_mapping, check_slots=False)
-            kwargs = dict(causal=True, sm_scale=attn.scaling)
+            kwargs = dict(causal=True, sm_scale=attn.scaling, check_blocks=False)  # the block manager's tables
             if on_cuda:
                 kwargs["num_stages"] = self._attention_stages(b, t)
-                kwargs["check_blocks"] = False  # the block manager's tables: no device read per layer
                 if t == self.q_len:
                     kwargs["num_splits"] = self.num_splits
             o = attend(q.view(b, t, h, d).transpose(1, 2), pools.keys, pools.values, block_table, seq_lens, max_seq,

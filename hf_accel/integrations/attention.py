@@ -188,7 +188,7 @@ def hf_accel_attention_forward(
         fn = paged_attention if kernels else paged_attention_sdpa
         # the block manager's tables: no host check of the block ids (a device read per layer)
         out = fn(query, step.key_cache, step.value_cache, step.block_table, step.seq_lens, step.max_seq_len,
-                 attention_mask, causal=causal, sm_scale=scaling, **({"check_blocks": False} if kernels else {}))
+                 attention_mask, causal=causal, sm_scale=scaling, check_blocks=False)
         return out, None
     if kernels and query.shape[2] > 1 and _prefill_flops(query, key, causal) >= PREFILL_KERNEL_MIN_FLOPS:
         log_once("path:prefill", "hf-accel: prefill attention runs the Triton FlashAttention-2 kernel")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hf_accel.kernels.attention import attention_ref, attention_sdpa, sdpa_allowed
-from hf_accel.kernels.paged_attention import check_paged_args
+from hf_accel.kernels.paged_attention import _check_block_ids, check_paged_args
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, row: int) -> torch.Tensor:
@@ -45,17 +45,32 @@ def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return cache[table[:, pos // block_size], pos % block_size].transpose(1, 2)
 
 
+def _checked(query, key_cache, value_cache, block_table, seq_lens, key_mask, check_blocks: bool = True):
+    """:func:`check_paged_args`, plus the host checks of :func:`paged_attention`: with ``check_blocks``, ``seq_lens``
+    >= 0 and every block id read within the pools (a -1 would read the last block); a ``key_mask`` as wide as the
+    longest row."""
+    dims = check_paged_args(query, key_cache, value_cache, block_table, seq_lens, key_mask)
+    if check_blocks:
+        _check_block_ids(block_table, seq_lens, key_cache.shape[1], key_cache.shape[0])
+    longest = int(seq_lens.max()) if seq_lens.numel() else 0
+    if key_mask is not None and key_mask.shape[1] < longest:
+        raise ValueError(f"key_mask has {key_mask.shape[1]} columns, fewer than the longest row's {longest} keys")
+    return dims
+
+
 def paged_attention_sdpa(query, key_cache, value_cache, block_table, seq_lens, max_seq_len=None, key_mask=None,
-                         *, causal=True, sm_scale=None) -> torch.Tensor:
+                         *, causal=True, sm_scale=None, check_blocks: bool = True) -> torch.Tensor:
     """The same op as :func:`paged_attention` computed with PyTorch: each row's K/V read from the pools up to
     the longest row (a view for one row in consecutive blocks, else a gathered copy), then
     :func:`hf_accel.kernels.attention.attention_sdpa` with the rows' lengths as a key mask. The runtime path
     on machines without a GPU (CPU tensors): one ``scaled_dot_product_attention`` per call instead of
     :func:`paged_attention_ref`'s per-row float32 score tensors. Same arguments and output as
     :func:`paged_attention`, except that ``max_seq_len`` is not read (each row's ``seq_lens`` entry is) and a
-    block table too short for ``seq_lens`` raises IndexError; rows with no visible key are 0."""
-    batch, num_heads, _, q_len, head_dim = check_paged_args(query, key_cache, value_cache, block_table, seq_lens,
-                                                            key_mask)
+    block table too short for ``seq_lens`` raises IndexError; rows with no visible key are 0. Raises ValueError as
+    :func:`paged_attention` does for a negative ``seq_lens`` entry or a block id read outside the pools (both
+    checked only with ``check_blocks``, as there), or a ``key_mask`` narrower than the longest row."""
+    batch, num_heads, _, q_len, head_dim = _checked(query, key_cache, value_cache, block_table, seq_lens, key_mask,
+                                                    check_blocks)
     lengths = seq_lens.long()
     length = int(lengths.max()) if batch else 0
     if length == 0:  # no keys anywhere: every row is 0, as in the kernel
@@ -85,9 +100,11 @@ def paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, ma
     """PyTorch reference of :func:`paged_attention`: gathers each sequence's K/V and calls
     :func:`hf_accel.kernels.attention.attention_ref` per sequence. Same arguments and output, except that
     ``max_seq_len`` is not read (the kernel's rows longer than it are NaN; here they are computed in full) and a
-    block table too short for ``seq_lens`` raises IndexError (the kernel's rows are NaN)."""
-    batch, num_heads, _, q_len, head_dim = check_paged_args(query, key_cache, value_cache, block_table, seq_lens,
-                                                            key_mask)
+    block table too short for ``seq_lens`` raises IndexError (the kernel's rows are NaN). Raises ValueError as
+    :func:`paged_attention_sdpa` does."""
+    batch, num_heads, _, q_len, head_dim = _checked(query, key_cache, value_cache, block_table, seq_lens, key_mask)
+    if batch == 0:
+        return query.new_zeros(0, q_len, num_heads, head_dim)
     outs = []
     for b in range(batch):
         n = int(seq_lens[b])

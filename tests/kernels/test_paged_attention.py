@@ -313,25 +313,43 @@ def test_launcher_argument_errors(bad):
         paged_attention(*case.args(), mask, **kw)
 
 
+#: the op's three implementations: the kernel's launcher, the PyTorch runtime path, the reference
+IMPLEMENTATIONS = {"kernel": paged_attention, "sdpa": pat.paged_attention_sdpa, "ref": paged_attention_ref}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("bad_id", [-1, "num_blocks", 2**31 - 1])
-def test_block_id_outside_the_pools_is_refused(bad_id):
+def test_block_id_outside_the_pools_is_refused(bad_id, impl):
     """A block id that a sequence's keys need but that names no block of the pools: ValueError naming the
-    entry (the kernel would read outside the pools)."""
+    entry (the kernel would read outside the pools; the PyTorch paths read a -1 as the last block, silently)."""
     case = Case([40, 20], 4, 2, 1, 16, seed=5)
     q, kc, vc, table, lens, max_len = case.args()
     table = table.clone()
     table[1, 1] = kc.shape[0] if bad_id == "num_blocks" else bad_id  # row 1 reads blocks 0 and 1 (20 keys)
     with pytest.raises(ValueError, match=r"block_table\[1, 1\]"):
-        paged_attention(q, kc, vc, table, lens, max_len)
+        IMPLEMENTATIONS[impl](q, kc, vc, table, lens, max_len)
 
 
-def test_negative_seq_len_is_refused():
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_negative_seq_len_and_narrow_mask_are_refused(impl):
+    """A negative ``seq_lens`` entry (the PyTorch runtime path gave a zero row for it) and, for the PyTorch paths, a
+    key mask narrower than the longest row (a broadcast error from inside torch)."""
     case = Case([40, 20], 4, 2, 1, 16, seed=5)
     q, kc, vc, table, lens, max_len = case.args()
-    lens = lens.clone()
-    lens[0] = -3
+    bad = lens.clone()
+    bad[1] = -3
     with pytest.raises(ValueError, match="seq_lens must be >= 0"):
-        paged_attention(q, kc, vc, table, lens, max_len)
+        IMPLEMENTATIONS[impl](q, kc, vc, table, bad, max_len)
+    narrow = torch.ones(2, 30, dtype=torch.bool, device=q.device)
+    with pytest.raises(ValueError, match="30 columns, fewer than"):
+        IMPLEMENTATIONS[impl](q, kc, vc, table, lens, max_len, narrow)
+
+
+def test_reference_of_an_empty_batch_is_empty():
+    case = Case([40, 20], 4, 2, 1, 16, seed=5)
+    q, kc, vc, table, lens, max_len = case.args()
+    out = paged_attention_ref(q[:0], kc, vc, table[:0], lens[:0], max_len)
+    assert out.shape == (0, 1, q.shape[1], q.shape[3])
 
 
 def test_block_ids_past_a_sequence_are_not_checked():
