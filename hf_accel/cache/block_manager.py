@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_accel._checks import check_int
+
 
 class OutOfBlocksError(RuntimeError):
     """The pool has fewer free blocks than an operation needs; nothing was changed."""
@@ -46,6 +48,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int):
+        num_blocks, block_size = check_int(num_blocks, "num_blocks"), check_int(block_size, "block_size")
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.num_blocks = num_blocks
@@ -80,6 +83,7 @@ class BlockManager:
     def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         """Fresh blocks :meth:`append` would take (including a copy-on-write of a shared last block)."""
         s = self._get(seq_id)
+        num_new_tokens = check_int(num_new_tokens, "num_new_tokens")
         new_len = s.length + num_new_tokens
         need = -(-new_len // self.block_size) - len(s.blocks)
         if num_new_tokens > 0 and s.length % self.block_size and self._refcount[s.blocks[-1]] > 1:
@@ -92,7 +96,9 @@ class BlockManager:
 
         Raises:
             OutOfBlocksError: not enough free blocks (nothing is allocated).
+            ValueError: ``num_tokens`` not an int >= 0 (nothing is allocated).
         """
+        num_tokens = check_int(num_tokens, "num_tokens", minimum=0)
         seq_id = self._next_id
         self._next_id += 1
         self._seqs[seq_id] = _Sequence()
@@ -112,8 +118,9 @@ class BlockManager:
 
         Raises:
             OutOfBlocksError: not enough free blocks (the sequence is unchanged).
-            ValueError: negative ``num_tokens``.
+            ValueError: ``num_tokens`` not an int >= 0.
         """
+        num_tokens = check_int(num_tokens, "num_tokens")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         s = self._get(seq_id)
@@ -145,6 +152,7 @@ class BlockManager:
     def truncate(self, seq_id: int, new_length: int) -> None:
         """Shrink the sequence to ``new_length`` tokens (0 <= new_length <= length), freeing whole blocks."""
         s = self._get(seq_id)
+        new_length = check_int(new_length, "new_length")
         if not 0 <= new_length <= s.length:
             raise ValueError(f"new_length {new_length} outside [0, {s.length}] for sequence {seq_id}")
         keep = -(-new_length // self.block_size)
@@ -155,12 +163,14 @@ class BlockManager:
 
     def free(self, seq_id: int) -> None:
         """Release all blocks of the sequence and forget it."""
-        s = self._seqs.pop(seq_id)
+        s = self._get(seq_id)
+        del self._seqs[seq_id]
         for b in s.blocks:
             self._release(b)
 
     def grow(self, extra: int) -> None:
         """Add ``extra`` (>= 0) free blocks, ids ``num_blocks ..``; existing block tables are unchanged."""
+        extra = check_int(extra, "extra")
         if extra < 0:
             raise ValueError(f"extra must be >= 0, got {extra}")
         old = self.num_blocks

@@ -307,6 +307,28 @@ def test_argument_errors():
     assert m.length(a) == 5
 
 
+def test_non_integer_counts_and_unknown_ids_are_refused_with_the_state_unchanged():
+    """Counts that are not ints (a float length was stored, ``grow(1.5)`` set num_blocks to 5.5 before raising and
+    every later ``check`` failed) and a double free (a bare KeyError) raise naming the argument; nothing changes."""
+    for args in ((4.0, 4), (4, True)):
+        with pytest.raises(ValueError, match="must be an int"):
+            BlockManager(*args)
+    m = BlockManager(4, 4)
+    a = m.allocate(5)
+    for call, name in ((lambda: m.allocate(2.5), "num_tokens"), (lambda: m.allocate(-1), "num_tokens"),
+                       (lambda: m.append(a, True), "num_tokens"), (lambda: m.append(a, 1.5), "num_tokens"),
+                       (lambda: m.truncate(a, 1.5), "new_length"), (lambda: m.grow(1.5), "extra"),
+                       (lambda: m.blocks_needed(a, 0.5), "num_new_tokens")):
+        with pytest.raises(ValueError, match=name):
+            call()
+    assert (m.num_blocks, m.sequences(), m.length(a), m.num_free_blocks) == (4, [a], 5, 2)
+    m.check()
+    m.free(a)
+    with pytest.raises(KeyError, match=f"unknown sequence id {a}"):
+        m.free(a)
+    m.check()
+
+
 def test_low_ids_first_and_ids_never_reused():
     m = BlockManager(4, 2)
     a = m.allocate(3)
