@@ -503,7 +503,10 @@ class PagedCache(Cache):
     # -- transformers Cache API -------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write one layer's new K/V [batch, num_kv_heads, q_len, head_dim] and return what its attention
-        reads (see the module docstring). ValueError for a layer the cache was not built with."""
+        reads (see the module docstring). ValueError for a layer index that is not an int or that the cache was not
+        built with."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            raise ValueError(f"layer_idx must be an int; got {layer_idx!r}")
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"PagedCache was built for {len(self.layers)} layers and got an update of layer "
                              f"{layer_idx}: build it from the model's own config (PagedCache(model.config, ...))")
@@ -645,8 +648,10 @@ class PagedCache(Cache):
                         for layer in layers)
         slots = m.num_allocated_blocks * self.block_size
         # per sequence (a shared prefix counts once per sequence)
+        if length is not None:
+            length = _integer(length, "memory_stats' length")
         tokens = (m.tokens_stored() if length is None
-                  else sum(min(m.length(s), max(int(length), 0)) for s in self.seq_ids))
+                  else sum(min(m.length(s), max(length, 0)) for s in self.seq_ids))
         fill: dict[int, int] = {}  # physical fill of each block, for the waste figure
         for s in self.seq_ids:
             n = m.length(s) if length is None else min(m.length(s), max(int(length), 0))
@@ -687,4 +692,6 @@ def _row_indices(indices, what: str) -> list[int]:
             raise ValueError(f"{what} must be a 1-D integer tensor of row indices, got a {indices.dtype} tensor "
                              f"of shape {tuple(indices.shape)}")
         return [int(i) for i in indices.tolist()]
+    if not isinstance(indices, (list, tuple, range)):
+        raise ValueError(f"{what} must be a 1-D integer tensor (or a list) of row indices, got {indices!r}")
     return [_integer(i, what) for i in indices]

@@ -114,9 +114,10 @@ def reshape_and_cache(
 
 
 def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, *, check_slots: bool = True) -> None:
-    """PyTorch reference of :func:`reshape_and_cache` (same arguments, in place)."""
+    """PyTorch reference of :func:`reshape_and_cache` (same arguments, in place; as there, a slot outside the
+    pools is not written when ``check_slots`` is False)."""
     _check(key, value, key_cache, value_cache, slot_mapping, check_slots)
-    keep = slot_mapping >= 0
+    keep = (slot_mapping >= 0) & (slot_mapping < key_cache.shape[0] * key_cache.shape[1])
     slots = slot_mapping[keep].long()
     block_size = key_cache.shape[1]
     key_cache[slots // block_size, slots % block_size] = key[keep].to(key_cache.dtype)

@@ -161,3 +161,25 @@ def test_update_of_a_layer_the_config_lacks(tiny):
     ids, mask = tiny.batch(seed=2)
     with pytest.raises(ValueError, match="built for 1 layers and got an update of layer 1"):
         Stepper(model, PagedCache(short, num_blocks=40, block_size=4), ids, mask)
+
+
+def test_arguments_that_are_not_ints_are_refused(tiny):
+    """A layer index, row indices or a stats length of another type: ValueError naming it (were a TypeError from
+    inside the cache, layer True taken as layer 1, a string length accepted), the cache unchanged."""
+    model = accelerate(tiny.model("llama"))
+    cache = PagedCache(model.config, num_blocks=40, block_size=4)
+    ids, mask = tiny.batch(seed=3)
+    Stepper(model, cache, ids, mask)
+    stats = cache.memory_stats()
+    k = torch.zeros(3, 2, 1, 16)
+    for bad in (1.0, True):
+        with pytest.raises(ValueError, match=f"layer_idx must be an int; got {bad!r}"):
+            cache.update(k, k, bad)
+    for bad in (1, None):
+        with pytest.raises(ValueError, match="beam_idx must be a 1-D integer tensor \\(or a list\\) of row indices"):
+            cache.reorder_cache(bad)
+    with pytest.raises(ValueError, match="memory_stats' length must be an int"):
+        cache.memory_stats(length="3")
+    assert cache.memory_stats() == stats and cache.memory_stats(length=range(5)[3])["tokens_stored"] == 9
+    cache.reorder_cache(range(3))  # a range is a list of row indices
+    cache.manager.check()
