@@ -45,3 +45,10 @@ def check_token_ids(ids, model, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must lie in [0, {vocab}) (the model's vocabulary); got {int(ids.min())} .. "
                          f"{int(ids.max())}")
     return ids
+
+
+def model_positions(model) -> int | None:
+    """``model.config.max_position_embeddings`` where it is an int (the positions the model was trained on), else
+    None."""
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) else None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_accel._checks import check_int, check_token_ids
+from hf_accel._checks import check_int, check_token_ids, model_positions
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -82,8 +82,7 @@ def recover_with_lora(
     ids = train_ids.reshape(-1).long()
     steps, batch_size, rank = (check_int(v, name, minimum=1) for v, name in
                                ((steps, "steps"), (batch_size, "batch_size"), (rank, "rank")))
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    max_pos = max_pos if isinstance(max_pos, int) and not isinstance(max_pos, bool) else None
+    max_pos = model_positions(model)
     seq_len = check_int(seq_len, "seq_len", minimum=2, maximum=max_pos,
                         maximum_reason=" (the model's max_position_embeddings)")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hf_accel._checks import check_int, check_token_ids
+from hf_accel._checks import check_int, check_token_ids, model_positions
 
 
 @dataclass
@@ -90,8 +90,7 @@ def perplexity(
     if input_ids.dim() != 1 or input_ids.numel() < 2:
         raise ValueError(f"need at least 2 token ids in a [n] or [1, n] tensor; got shape {tuple(input_ids.shape)}")
     check_token_ids(input_ids, model, "input_ids")
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    max_pos = max_pos if isinstance(max_pos, int) and not isinstance(max_pos, bool) else None
+    max_pos = model_positions(model)
     if context_length is None:
         context_length = min(512, max_pos) if max_pos else 512
     stride = context_length if stride is None else stride
