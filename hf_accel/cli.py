@@ -143,10 +143,16 @@ _TEMPLATE_TOKENS = 256
 
 def _prompt_ids(tokenizer, prompt: str, chat_template: bool):
     """The prompt's input ids ([1, n] int64, CPU) and attention mask, through the chat template where asked for
-    and the tokenizer has one."""
+    and the tokenizer has one. CLIError where the template fails (it raises, or does not parse)."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as e:  # jinja2's TemplateError family (syntax errors, raise_exception in the template)
+            if not type(e).__module__.startswith("jinja2"):
+                raise
+            raise CLIError(f"the tokenizer's chat template failed ({type(e).__name__}: {e}); "
+                           "--no-chat-template sends the prompt as plain text") from None
     else:
         text = prompt
     return tokenizer(text, return_tensors="pt", add_special_tokens=False)

@@ -13,8 +13,23 @@ from hf_accel.cache.paged_cache import PagedCache
 def last_cache_stats(model) -> dict | None:
     """``PagedCache.memory_stats()`` of the model's last paged ``generate`` call (taken before the release). On the
     fast decode path its blocks are those reserved for the whole answer plus the call's one scratch block (padded
-    rows write there), and its tokens those the call left in the cache; None before the first such call."""
-    return getattr(model, "_hf_accel_last_cache_stats", None)
+    rows write there), and its tokens those the call left in the cache; None before the first such call, after a call
+    that raised (its cache's state is then not what a finished call leaves), for a model never accelerated, and for any
+    other object (never raises).
+
+    Args:
+        model: the model ``generate`` was called on (a transformers model, or a peft ``PeftModel`` wrapping one).
+
+    Returns:
+        A new dict (changing it changes nothing), or None."""
+    from hf_accel.integrations.patch import _unwrap_peft
+
+    try:
+        hf_model, _ = _unwrap_peft(model)
+        stats = vars(hf_model).get("_hf_accel_last_cache_stats")
+    except Exception:  # any object: None
+        return None
+    return dict(stats) if stats is not None else None
 
 
 @contextlib.contextmanager

@@ -232,7 +232,7 @@ def _run_fast(model, engine, gc, model_kwargs, speculative: SpeculativeConfig | 
     ``engine.check`` accepted; the caller holds ``engine.call_lock``."""
     log_once("generate-fast", "hf-accel: generate runs the fast decode path "
              f"({'CUDA graphs' if engine.device.type == 'cuda' and engine.use_cuda_graphs else 'eager steps'})")
-    model._hf_accel_spec_stats = None
+    model._hf_accel_spec_stats = model._hf_accel_last_cache_stats = None  # set again if the call returns
     if speculative is not None:
         from hf_accel.speculative.registry import engine_for
 
@@ -287,7 +287,7 @@ def _run_prepared_loop(model, engine, original_generate, args, kwargs, model_kwa
              + reason.replace("unsupported generate arguments", "generate arguments"))
     if speculative is not None:
         log_once(f"spec-skip:{reason}", f"hf-accel: speculative decoding not used: {reason}; plain fast path")
-    model._hf_accel_spec_stats = None
+    model._hf_accel_spec_stats = model._hf_accel_last_cache_stats = None  # set again if the call returns
     streamer = model_kwargs.get("streamer")
     prefix = passed_cache(model_kwargs)
 
@@ -461,6 +461,7 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
     cache = PagedCache(model.config, num_blocks=num_blocks, block_size=block_size, growable=growable)
     log_once("generate-paged", f"hf-accel: generate uses PagedCache (block_size {block_size})")
     returned = False
+    model._hf_accel_last_cache_stats = None  # set again if the call returns
     try:
         with _in_use(model, cache):
             out = original_generate(*args, **{CACHE_KWARG: cache}, **kwargs)
@@ -469,9 +470,9 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
         returned = output_cache(out) is cache
         if returned:
             cache.growable = True
+        model._hf_accel_last_cache_stats = cache.memory_stats()
         return out
     finally:
-        model._hf_accel_last_cache_stats = cache.memory_stats()
         if not returned:
             cache.release()
 
@@ -485,17 +486,15 @@ def _loop_on_passed(model, original_generate, args, kwargs):
     if not isinstance(passed, PagedCache):
         return original_generate(*args, **kwargs)
     start = passed.get_seq_length()
+    model._hf_accel_last_cache_stats = None  # set again if the call returns
     try:
         with _in_use(model, passed):
-            return original_generate(*args, **kwargs)
+            out = original_generate(*args, **kwargs)
     except BaseException:
         _roll_back(passed, start)
         raise
-    finally:
-        try:
-            model._hf_accel_last_cache_stats = passed.memory_stats()
-        except Exception:  # pragma: no cover - never hide the call's own outcome behind the stats
-            model._hf_accel_last_cache_stats = None
+    model._hf_accel_last_cache_stats = passed.memory_stats()
+    return out
 
 
 def _roll_back(cache: PagedCache, length: int) -> None:

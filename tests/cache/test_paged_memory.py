@@ -194,7 +194,7 @@ def test_blocks_freed_when_generate_raises(tiny, monkeypatch):
         tiny.greedy(model, ids, mask, 6, logits_processor=LogitsProcessorList([Boom()]))
     (cache,) = created
     assert cache.memory_stats()["blocks_allocated"] == 0
-    assert last_cache_stats(model)["tokens_stored"] == 3 * (ids.shape[1] + 2)
+    assert last_cache_stats(model) is None  # a call that raised leaves no stats
     assert paged_cache_mod._active.step is None
 
 
@@ -398,3 +398,57 @@ def test_a_repeated_call_reads_no_free_memory(tiny, monkeypatch, speculative):
     assert torch.equal(greedy(), first)
     assert not reads and engine.cache is pool
     assert (model._hf_accel_spec_stats is not None) == (speculative is not None)  # the speculative path ran
+
+
+@pytest.mark.parametrize("loop", ["transformers", "default"])
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_last_cache_stats_is_none_after_a_call_that_raised_and_a_copy_otherwise(loop, fail_at, tiny):
+    """A call that raises (here its streamer, on the prompt's put or on the first token's) leaves no stats: they
+    used to stay the previous call's, or claim the whole reservation as written. Stats are a copy: changing the
+    returned dict changes nothing."""
+    model = accelerate(tiny.model("llama", num_hidden_layers=1), loop)
+    ids, mask = tiny.batch(seed=7)
+    tiny.greedy(model, ids, mask, 3)
+    stats = last_cache_stats(model)
+    stats["blocks_allocated"] = -1
+    assert last_cache_stats(model)["blocks_allocated"] > 0
+
+    class Fails:
+        puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == fail_at:
+                raise KeyboardInterrupt("stop")
+
+        def end(self):
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        tiny.greedy(model, ids[:1], mask[:1], 6, streamer=Fails())
+    assert last_cache_stats(model) is None
+    tiny.greedy(model, ids, mask, 3)
+    assert last_cache_stats(model)["tokens_stored"] == ids.shape[0] * (ids.shape[1] + 3 - 1)
+
+
+def test_last_cache_stats_of_a_passed_paged_cache_is_none_after_a_call_that_raised(tiny):
+    from hf_accel.cache import PagedCache
+
+    model = accelerate(tiny.model("llama", num_hidden_layers=1), "transformers")
+    ids, mask = tiny.batch(seed=7, lengths=(5,))
+    cache = PagedCache(model.config, num_blocks=8, block_size=16)
+    kwarg = tiny.cache_kwarg(model)
+    tiny.greedy(model, ids, mask, 2, **{kwarg: cache})
+    assert last_cache_stats(model)["tokens_stored"] == 6
+
+    class Fails:
+        def put(self, value):
+            raise KeyboardInterrupt("stop")
+
+        def end(self):
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        tiny.greedy(model, torch.cat([ids, ids], 1), torch.cat([mask, mask], 1), 2, **{kwarg: cache},
+                    streamer=Fails())
+    assert last_cache_stats(model) is None

@@ -344,3 +344,36 @@ def test_a_short_prompt_loads_no_tokenizer_before_the_model(tiny, tmp_path, caps
     assert main(["generate", "--prompt", "hi", "--device", "cpu", "--model", str(tmp_path / "m")]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "stop here" in err and "early" not in err
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("{{ raise_exception('this template refuses') }}", "TemplateError: this template refuses"),
+    ("{% for m in messages %}{{ m.content ", "TemplateSyntaxError"),
+])
+def test_a_chat_template_that_fails_is_one_line_naming_no_chat_template(template, message, tiny, tmp_path, capsys,
+                                                                        monkeypatch):
+    """A tokenizer whose chat template raises or does not parse: exit 2 with the template's error and the option
+    that avoids it (it was a raw jinja2 traceback); with --no-chat-template the run goes on."""
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+
+    import hf_accel.models as models
+
+    vocab = {f"w{i}": i for i in range(100)}
+    backend = Tokenizer(tok_models.WordLevel(vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0")
+    tokenizer.chat_template = template
+    model = tiny.model("llama")
+    (tmp_path / "m").mkdir()
+    model.config.save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(models, "load_model", lambda path, **k: (model, tokenizer))
+    argv = ["generate", "--prompt", "w5 w6", "--device", "cpu", "--max-new-tokens", "2", "--model", str(tmp_path / "m")]
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and "--no-chat-template" in err and "Traceback" not in err
+    try:
+        assert main(argv + ["--no-chat-template"]) == 0
+    finally:
+        revert_model(model)
+    assert "greedy tokens identical: yes" in capsys.readouterr().out
