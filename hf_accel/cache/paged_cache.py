@@ -315,6 +315,12 @@ class PagedCache(Cache):
             the layers that ran a step ahead of the others; the next forward refuses to start (before
             anything changes), naming the ``crop`` (or ``release``) that recovers. So every forward must update
             every layer, in order, as transformers' models do.
+
+    Attributes:
+        token_ids: [batch, n] int64, the token ids whose K/V the first n positions hold, as an accelerated model's
+            ``generate`` recorded them (its returned sequences but the last token), or None where the cache was
+            written otherwise (the caller's own forwards). Kept by ``crop`` and the row operations; None after
+            ``release``. ``generate`` refuses a passed cache whose tokens differ from the call's ``input_ids``.
     """
 
     def __init__(self, config, *, num_blocks: int | None = None, block_size: int = 16,
@@ -345,6 +351,7 @@ class PagedCache(Cache):
         self.manager: BlockManager | None = None
         self.seq_ids: list[int] = []
         self._step: PagedStep | None = None
+        self.token_ids: torch.Tensor | None = None
         super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
 
     # -- sizing -----------------------------------------------------------------------------------
@@ -548,6 +555,8 @@ class PagedCache(Cache):
         for layer in self.layers:
             layer.crop(new_length)
         self._step = None
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids[:, :new_length]
 
     def _reindex(self, rows: list[int]) -> None:
         batch = len(self.seq_ids)
@@ -563,6 +572,8 @@ class PagedCache(Cache):
             m.free(s)
         self.seq_ids = new_ids
         self._step = None
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids[torch.tensor(rows, device=self.token_ids.device)]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row r continues beam ``beam_idx[r]`` (block tables forked, copy-on-write).
@@ -604,6 +615,7 @@ class PagedCache(Cache):
             self.manager.free_all()
         self.seq_ids = []
         self._step = None
+        self.token_ids = None
         for layer in self.layers:
             layer.length = 0
         if getattr(_active, "step", None) is not None:

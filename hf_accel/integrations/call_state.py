@@ -57,8 +57,9 @@ def cache_in_use(model) -> PagedCache | None:
     only: the running call owns it (it is released, or reused by the next call, when the call returns). During a
     fast-path call its sequences hold their reserved length: ``memory_stats()["tokens_stored"]`` counts the slots
     reserved for the whole answer (prompt + ``max_new_tokens`` + the decode step's lookahead), not the tokens
-    written so far, and ``get_seq_length()`` stays at the prompt's length until the call returns (the written
-    lengths live on the GPU); blocks and bytes are exact.
+    written so far, and ``get_seq_length()`` does not follow the call until it returns (the written lengths live on
+    the GPU: it reads the prompt's length, or 0 on a turn that continues a passed cache); blocks and bytes are
+    exact.
 
     Args:
         model: the model ``generate`` was called on (a transformers model, or a peft ``PeftModel`` wrapping one).

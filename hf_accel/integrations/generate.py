@@ -368,9 +368,55 @@ def paged_generate(model, original_generate, block_size: int, engine, *args, spe
     generation config merged into a caller's ``generation_config``, as transformers' loop reads it). Runs with
     the model's GPU as the current CUDA device (:func:`~hf_accel.kernels.device.on_device`: a model on
     ``cuda:1`` while ``cuda:0`` is current)."""
+    passed = passed_cache(kwargs)
+    passed = passed if isinstance(passed, PagedCache) else None
+    if passed is not None:
+        _check_passed_tokens(passed, _input_ids(args, kwargs), kwargs.get("attention_mask"))
     with on_device(engine.device if engine is not None else model.device):
-        return _paged_generate(model, original_generate, block_size, engine, *args, speculative=speculative,
-                               **kwargs)
+        out = _paged_generate(model, original_generate, block_size, engine, *args, speculative=speculative,
+                              **kwargs)
+    returned = output_cache(out)
+    _record_tokens(passed if passed is not None else returned if isinstance(returned, PagedCache) else None, out)
+    return out
+
+
+def _check_passed_tokens(passed: PagedCache, input_ids, attention_mask) -> None:
+    """ValueError where ``input_ids`` (the whole conversation: no mask, or one as wide) differs, at a position its
+    mask attends, from the tokens ``passed`` holds the K/V of (:attr:`PagedCache.token_ids`, recorded by an earlier
+    call): the cache belongs to another conversation, or to a branch that grew it (the same cache passed to two
+    continuations). Not checked where the cache has no record, or ``input_ids`` holds only the new tokens."""
+    recorded = passed.token_ids
+    if recorded is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape != input_ids.shape:
+        return
+    n = min(recorded.shape[1], input_ids.shape[1], passed.get_seq_length())
+    if n == 0 or recorded.shape[0] != input_ids.shape[0]:
+        return
+    given = input_ids[:, :n]
+    differ = given.to(recorded.device) != recorded[:, :n]
+    if isinstance(attention_mask, torch.Tensor):
+        differ &= attention_mask[:, :n].to(recorded.device).bool()
+    if not bool(differ.any()):
+        return
+    row, pos = (int(v) for v in differ.nonzero()[0])
+    raise ValueError(
+        f"the passed PagedCache holds the K/V of other tokens than input_ids: row {row}, position {pos} is token "
+        f"{int(recorded[row, pos])} in the cache and {int(given[row, pos])} in input_ids. A cache continues the "
+        "conversation it was filled with (input_ids: its previous turn's sequences followed by the new prompt); to "
+        "branch two continuations from one cache, pass each a copy.deepcopy of it")
+
+
+def _record_tokens(cache: PagedCache | None, out) -> None:
+    """:attr:`PagedCache.token_ids` of ``cache`` after a call that returned ``out``: its sequences but the last token,
+    where they are the tokens of the cached positions (as many rows, one position more); None otherwise (the call
+    was given only the new tokens)."""
+    if cache is None:
+        return
+    sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+    fits = (isinstance(sequences, torch.Tensor) and sequences.dim() == 2 and sequences.shape[0] == len(cache.seq_ids)
+            and sequences.shape[1] - 1 == cache.get_seq_length())
+    cache.token_ids = sequences[:, :-1].detach().clone() if fits else None
 
 
 def _paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):

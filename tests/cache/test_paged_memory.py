@@ -438,7 +438,7 @@ def test_last_cache_stats_of_a_passed_paged_cache_is_none_after_a_call_that_rais
     ids, mask = tiny.batch(seed=7, lengths=(5,))
     cache = PagedCache(model.config, num_blocks=8, block_size=16)
     kwarg = tiny.cache_kwarg(model)
-    tiny.greedy(model, ids, mask, 2, **{kwarg: cache})
+    out = tiny.greedy(model, ids, mask, 2, **{kwarg: cache})
     assert last_cache_stats(model)["tokens_stored"] == 6
 
     class Fails:
@@ -449,6 +449,6 @@ def test_last_cache_stats_of_a_passed_paged_cache_is_none_after_a_call_that_rais
             pass
 
     with pytest.raises(KeyboardInterrupt):
-        tiny.greedy(model, torch.cat([ids, ids], 1), torch.cat([mask, mask], 1), 2, **{kwarg: cache},
-                    streamer=Fails())
+        tiny.greedy(model, torch.cat([out, ids], 1), torch.ones(1, out.shape[1] + ids.shape[1], dtype=torch.long), 2,
+                    **{kwarg: cache}, streamer=Fails())
     assert last_cache_stats(model) is None

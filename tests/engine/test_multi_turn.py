@@ -402,3 +402,74 @@ def test_speculative_turns_at_batch_1_equal_stock(method, tiny, fast_calls, monk
         k, v = _paged_kv(cache, layer, length)
         torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fast_decode", [True, False], ids=["fast-path", "transformers-loop"])
+def test_a_cache_grown_by_another_branch_is_refused_and_a_copy_per_branch_matches_stock(fast_decode, tiny):
+    """One returned cache passed to two continuations: branch A grows it, and branch B (a longer input than what A
+    left) used to continue from A's K/V without an error (stock's DynamicCache does the same). The cache records
+    the tokens it holds (``token_ids``), so B is refused, naming the first position that differs; a deepcopy per
+    branch gives each branch stock's tokens."""
+    stock = tiny.model("llama", seed=101)
+    ids, mask = tiny.batch(seed=102)
+    model = accelerate_model(copy.deepcopy(stock), fast_decode=fast_decode)
+    kw = dict(do_sample=False, pad_token_id=tiny.PAD)
+    name = tiny.cache_kwarg(model)
+    with torch.no_grad():
+        first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True,
+                               **kw)
+    cache = output_cache(first)
+    assert torch.equal(cache.token_ids, first.sequences[:, :-1])
+    spare = copy.deepcopy(cache)
+    grown = mask.shape[1]
+
+    def branch(seed, n_new):
+        more = _tokens(seed, ids.shape[0], n_new)
+        ids2 = torch.cat([first.sequences, more], 1)
+        mask2 = torch.ones_like(ids2)
+        mask2[:, :grown] = mask
+        return ids2, mask2
+
+    ids_a, mask_a = branch(103, 2)
+    ids_b, mask_b = branch(104, 12)  # longer than what branch A leaves in the cache
+    with torch.no_grad():
+        a = model.generate(input_ids=ids_a, attention_mask=mask_a, max_new_tokens=4, **{name: cache}, **kw)
+        assert cache.get_seq_length() == a.shape[1] - 1 < ids_b.shape[1]
+        pos = int((ids_a[0] != ids_b[0, : ids_a.shape[1]]).nonzero()[0])  # the first token where the branches differ
+        assert pos >= first.sequences.shape[1]
+        with pytest.raises(ValueError, match=f"row 0, position {pos} is token {int(ids_a[0, pos])} in the cache and "
+                                             f"{int(ids_b[0, pos])} in input_ids.*copy.deepcopy"):
+            model.generate(input_ids=ids_b, attention_mask=mask_b, max_new_tokens=4, **{name: cache}, **kw)
+        b = model.generate(input_ids=ids_b, attention_mask=mask_b, max_new_tokens=4, **{name: spare}, **kw)
+        want_a = stock.generate(input_ids=ids_a, attention_mask=mask_a, max_new_tokens=4, **kw)
+        want_b = stock.generate(input_ids=ids_b, attention_mask=mask_b, max_new_tokens=4, **kw)
+    assert torch.equal(a, want_a) and torch.equal(b, want_b)
+
+
+@pytest.mark.parametrize("fast_decode", [True, False], ids=["fast-path", "transformers-loop"])
+def test_token_record_follows_crop_and_row_selection(fast_decode, tiny):
+    """``crop`` and ``batch_select_indices`` keep ``token_ids`` in step with the cache: a continuation after them is
+    accepted and equals stock; a padding token the mask hides may differ."""
+    stock = tiny.model("llama", seed=105)
+    ids, mask = tiny.batch(seed=106)
+    model = accelerate_model(copy.deepcopy(stock), fast_decode=fast_decode)
+    kw = dict(do_sample=False, pad_token_id=tiny.PAD, max_new_tokens=3)
+    name = tiny.cache_kwarg(model)
+    with torch.no_grad():
+        first = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **kw)
+    cache = output_cache(first)
+    cache.crop(-2)
+    cache.batch_select_indices(torch.tensor([2, 0]))
+    kept = first.sequences[[2, 0], : cache.get_seq_length()]
+    assert torch.equal(cache.token_ids, kept)
+    ids2 = torch.cat([kept, _tokens(107, 2, 3)], 1)
+    mask2 = torch.ones_like(ids2)
+    mask2[:, : mask.shape[1]] = mask[[2, 0]]
+    ids2[0, 0] = 5  # row 2's first position is padding (masked): not compared
+    assert mask2[0, 0] == 0
+    with torch.no_grad():
+        got = model.generate(input_ids=ids2, attention_mask=mask2, **{name: cache}, **kw)
+        want = stock.generate(input_ids=ids2, attention_mask=mask2, **kw)
+    assert torch.equal(got, want)
+    cache.release()
+    assert cache.token_ids is None
