@@ -133,7 +133,9 @@ def backoff_hint(spec: dict) -> str | None:
         return f"  no verify round ran in this answer: {what}; a longer answer gives it more chances"
     if spec.get("backed_off_steps", 0) <= spec.get("verify_steps", 0) or plain is None or not verify:
         return None
-    return (f"  mostly plain steps: here a verify round took {min(verify):.2f}-{max(verify):.2f} ms against "
+    low, high = f"{min(verify):.2f}", f"{max(verify):.2f}"
+    took = low if low == high else f"{low}-{high}"
+    return (f"  mostly plain steps: here a verify round took {took} ms against "
             f"{plain:.2f} ms for a plain step, so the adaptive draft length drafts only where enough is accepted")
 
 

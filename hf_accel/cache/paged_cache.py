@@ -283,7 +283,8 @@ class PagedLayer(CacheLayerMixin):
 
 
 class PagedCache(Cache):
-    """A paged KV cache for ``model.generate(past_key_values=PagedCache(model.config, ...))``.
+    """A paged KV cache for ``model.generate(cache=PagedCache(model.config, ...))`` (``past_key_values=`` in
+    transformers releases before the ``cache=`` argument, where it is the only name).
 
     Meant for a model prepared by :func:`hf_accel.accelerate_model`, whose attention reads the pools in place.
     Under any other attention implementation (read from ``config._attn_implementation`` at every update) the

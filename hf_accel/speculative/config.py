@@ -125,8 +125,9 @@ class SpeculativeConfig:
             raise TypeError(f"a peft {type(arg).__qualname__} cannot be the draft model of speculative=: merge its "
                             "adapters into a transformers model first (draft.merge_and_unload()); as "
                             "generate(assistant_model=...) it runs in transformers' assisted loop")
-        raise TypeError("speculative must be a SpeculativeConfig, one of "
-                        f"{', '.join(repr(m) for m in METHODS)} or a draft model; got {type(arg).__qualname__}")
+        names = " or ".join(repr(m) for m in METHODS if m != "draft_model")  # that method takes a model
+        raise TypeError(f"speculative must be a SpeculativeConfig, {names}, or a draft model (a transformers "
+                        f"PreTrainedModel); got {type(arg).__qualname__}")
 
 
 def _is_peft(obj) -> bool:

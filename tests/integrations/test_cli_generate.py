@@ -205,6 +205,7 @@ def test_backoff_hint_names_the_round_times_only_when_mostly_backed_off():
     spec = {"verify_steps": 1, "backed_off_steps": 17, "round_ms": {"0": 47.0, "1": 217.0, "4": 230.5}}
     hint = backoff_hint(spec)
     assert "217.00-230.50 ms" in hint and "47.00 ms for a plain step" in hint
+    assert "took 217.00 ms against" in backoff_hint({**spec, "round_ms": {"0": 47.0, "2": 217.0}})  # one value
     assert backoff_hint({**spec, "verify_steps": 20}) is None
     assert backoff_hint({**spec, "round_ms": {"0": 47.0}}) is None  # no verify round timed
     none_ran = backoff_hint({"method": "early_exit", "verify_steps": 0, "backed_off_steps": 11, "round_ms": {}})

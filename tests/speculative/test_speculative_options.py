@@ -58,8 +58,11 @@ def test_bad_options_raise_and_leave_the_model_untouched(tiny):
         SpeculativeConfig(method="prompt_lookup", exit_layer=2)
     SpeculativeConfig(method="early_exit", max_ngram=3, min_ngram=1)  # the defaults, given: nothing ignored
     SpeculativeConfig(method="prompt_lookup", adaptive=False, match_gated=False)
-    with pytest.raises(TypeError, match="speculative must be"):
+    with pytest.raises(TypeError, match="speculative must be") as refused:
         accelerate_model(model, speculative=3)
+    # the names a string may take ('draft_model' needs the model itself)
+    assert "'prompt_lookup' or 'early_exit', or a draft model" in str(refused.value)
+    assert "'draft_model'" not in str(refused.value)
     other_vocab = tiny.model("llama", vocab_size=96)
     with pytest.raises(ValueError, match="vocab_size"):
         accelerate_model(model, speculative=other_vocab)
