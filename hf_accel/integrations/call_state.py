@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 
 from hf_accel.cache.paged_cache import PagedCache
@@ -109,4 +110,4 @@ def speculative_stats(model) -> dict | None:
 
     hf_model, _ = _unwrap_peft(model)
     stats = getattr(hf_model, "_hf_accel_spec_stats", None)
-    return dict(stats) if stats else None
+    return copy.deepcopy(stats) if stats else None

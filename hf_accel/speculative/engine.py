@@ -116,12 +116,14 @@ class SpeculativeEngine:
     def _draft_engine(self, draft):
         """The draft model's FastEngine; accelerates the draft if it is not yet (reverted again if a check
         after that fails, so a refused draft is left as it was)."""
-        from hf_accel.integrations.patch import accelerate_model, is_accelerated, revert_model
+        from hf_accel.integrations.patch import _STATE_ATTR, accelerate_model, is_accelerated, revert_model
 
         check_draft(self.model, draft)
         self.draft_accelerated_here = not is_accelerated(draft)
         if self.draft_accelerated_here:
             accelerate_model(draft)
+            # named by accelerate_model's error if the caller then accelerates the draft with other options
+            getattr(draft, _STATE_ATTR)["draft_of"] = type(self.model).__name__
         try:
             engine = getattr(draft, "_hf_accel_engine", None)
             if engine is None:

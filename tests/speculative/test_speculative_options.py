@@ -30,7 +30,28 @@ def test_accelerating_again_with_other_speculative_options_raises(tiny):
                   SpeculativeConfig("draft_model", draft_model=draft, num_draft_tokens=4, adaptive=False)):
         with pytest.raises(ValueError, match="already accelerated"):
             accelerate_model(ours, speculative=other)
+    # the draft, accelerated by hf-accel for that model: the message says so (the caller never accelerated it)
+    with pytest.raises(ValueError, match="already accelerated as the draft model of a LlamaForCausalLM's "
+                                         "speculative decoding"):
+        accelerate_model(draft, speculative="prompt_lookup")
     revert_model(ours)
+    with pytest.raises(ValueError, match=r"^model already accelerated with") as refused:  # no draft mention
+        other = accelerate_model(copy.deepcopy(model))
+        accelerate_model(other, speculative="prompt_lookup")
+    assert "as the draft model" not in str(refused.value)
+
+
+def test_speculative_stats_are_a_deep_copy(tiny):
+    """Changing the returned dict, nested dicts included, changes nothing the next read returns."""
+    model = accelerate_model(tiny.model("llama", num_hidden_layers=LAYERS), speculative="prompt_lookup")
+    ids, mask = repetitive_batch(tiny)
+    greedy(model, ids, mask, tiny.PAD, max_new_tokens=8)
+    stats = speculative_stats(model)
+    want = copy.deepcopy(stats)
+    stats["draft_lengths"]["999"] = 1
+    stats["round_ms"].clear()
+    stats["verify_steps"] = -5
+    assert speculative_stats(model) == want and want["draft_lengths"]
 
 
 def test_bad_options_raise_and_leave_the_model_untouched(tiny):
