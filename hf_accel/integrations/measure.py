@@ -160,9 +160,9 @@ def measure_generate(model, inputs: dict, streamer: BaseStreamer | None = None, 
             ``attention_mask`` [batch, prompt_len].
         streamer: optional streamer (e.g. ``TextStreamer``) that also receives the tokens.
         time_first_token: time the first token through a :class:`TimingStreamer` passed to ``generate`` (default).
-            False passes no streamer of ours (``ttft_s`` is None unless ``streamer`` is given, which then still
-            gets the tokens but gives no timestamps): the call runs exactly as given, which matters where a
-            streamer changes its path (speculative decoding at batch > 1 runs plain decoding with a streamer).
+            False passes no streamer of ours (``ttft_s`` is None; a ``streamer`` given still gets the tokens): the
+            call runs exactly as given, which matters where a streamer changes its path (speculative decoding at
+            batch > 1 runs plain decoding with a streamer).
             Beam search (``num_beams`` > 1) takes no streamer: it is timed without one.
         **generate_kwargs: passed to ``generate`` as they are (``max_new_tokens``, ``generation_config``,
             ``do_sample``, ...). With ``return_dict_in_generate`` the stats read the output's ``sequences``.

@@ -408,12 +408,10 @@ def accelerate_model(
     previous = getattr(hf_model, _STATE_ATTR, None)
     if previous is not None:
         if previous.get("options") != options:
-            how = (f"as the draft model of a {previous['draft_of']}'s speculative decoding (revert_model on that model "
-                   "reverts it too)" if previous.get("draft_of") else "")
-            raise ValueError(
-                f"model already accelerated{' ' + how if how else ''} with {previous.get('options')}; call "
-                f"revert_model first to use {options}"
-            )
+            how = (f" as the draft model of a {previous['draft_of']}'s speculative decoding (revert_model on that "
+                   "model reverts it too)" if previous.get("draft_of") else "")
+            raise ValueError(f"model already accelerated{how} with {previous.get('options')}; call revert_model "
+                             f"first to use {options}")
         logger.info("hf-accel: model already accelerated; nothing to do")
         return model
 
