@@ -207,8 +207,9 @@ def bench_bandwidth(rows, quick=False, eager=False, configs=None, shapes=SHAPES,
             if chunk is not None:
                 kw["chunk_tokens"] = chunk
             kw.update({k: bool(v) for k, v in extra.items() if k in ("pdl", "trigger", "preload_kv")})
-            if extra.get("split_multiple"):
-                kw["split_multiple"] = extra["split_multiple"]
+            for key in ("split_multiple", "block_m"):
+                if extra.get(key):
+                    kw[key] = extra[key]
             if extra.get("merge"):
                 kw["merge_counters"] = torch.zeros(B * H_KV, dtype=torch.int32, device="cuda")
             try:
@@ -317,7 +318,8 @@ def main():
     ap.add_argument("--configs", default=None,
                     help="sweep only these: 'block_n,warps,stages,splits|None[,chunk_tokens][,key=int...];...' "
                          "with keys pdl, trigger, preload_kv (0/1: PDL launches between the graph's calls), "
-                         "merge (1: splits merged in the kernel), split_multiple (keys per split rounded to it)")
+                         "merge (1: splits merged in the kernel), split_multiple (keys per split rounded to it), "
+                         "block_m (query rows per program)")
     ap.add_argument("--variants", default=None,
                     help="also time the default call with these settings of hf_accel.kernels.paged_attention's "
                          "constants, then the default again: 'NAME=VALUE[,NAME=VALUE];...', e.g. "
