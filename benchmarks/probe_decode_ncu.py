@@ -75,7 +75,10 @@ def main():
         raise SystemExit(f"ncu failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}\n{text[-3000:]}")
     rows = []
     values = {}
-    for rec in csv.DictReader(io.StringIO(text[start:])):
+    csv_lines = [line for line in text[start:].splitlines() if line.startswith('"')]  # not the program's output
+    for rec in csv.DictReader(io.StringIO("\n".join(csv_lines))):
+        if not rec.get("Kernel Name") or not rec.get("Metric Name"):
+            continue
         kernel = rec["Kernel Name"].split("(")[0]
         key = (rec["Section Name"], rec["Metric Name"], rec["Metric Unit"])
         values.setdefault(key, {}).setdefault(kernel, []).append(rec["Metric Value"])
