@@ -87,12 +87,14 @@ def main():
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--baseline", default=None, help="a paged_attention.py of another version, timed as 'base-*'")
+    ap.add_argument("--lengths", default=None, help="only these KV lengths, e.g. '32768' (no fit below 2 lengths)")
     args = ap.parse_args()
+    lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
     require_cuda(__file__)
     time_ms = bench_decode._timer(eager=False)
     rows, times = [], {}
     modules = [("", pa)] + ([("base-", _load_baseline(args.baseline))] if args.baseline else [])
-    for S in LENGTHS:
+    for S in lengths:
         g = torch.Generator(device="cuda").manual_seed(S)
         nb = S // BLOCK
         k_cache = torch.randn(nb, BLOCK, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -154,8 +156,8 @@ def main():
     print(f"\n{'reader':30} {'fixed us':>9} {'ns/1k tokens':>13} {'streaming TB/s':>15}")
     # lengths whose K/V exceed the L2 (shorter ones are partly re-read from L2 by the graph's next call)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    fit_lengths = [S for S in LENGTHS if 2 * S * H_KV * D * 2 > l2]
-    names = sorted({name for name, S in times if (name, LENGTHS[0]) in times})
+    fit_lengths = [S for S in lengths if 2 * S * H_KV * D * 2 > l2]
+    names = sorted({name for name, S in times if (name, lengths[0]) in times}) if len(fit_lengths) > 1 else []
     for name in names:
         a, b = fit(fit_lengths, [times[name, S] * 1e3 for S in fit_lengths])
         stream = 2 * H_KV * D * 2 / (b * 1e-6) / 1e12  # bytes per token / seconds per token
