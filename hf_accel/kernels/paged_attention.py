@@ -43,15 +43,10 @@ from hf_accel.kernels.pdl import gdc_launch_dependents, gdc_wait, use_pdl
 def _attend_tile(q, KCache, VCache, KeyMask, phys, offs_n, end, m_i, l_i, acc, offs_d, d_valid, row_valid, q_pos,
                  causal_shift, kh_off, vh_off, block_size, sm_scale_log2, b64,
                  stride_ks, stride_kb, stride_kd, stride_vb, stride_vs, stride_vd, stride_mb, stride_mn,
-                 IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, IEEE_DOT: tl.constexpr,
-                 FULL: tl.constexpr):
+                 IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, IEEE_DOT: tl.constexpr):
     """One ``BLOCK_N`` tile of keys ``offs_n`` (valid below ``end``; key row n in block ``phys[n]``, slot
-    ``n % block_size``) folded into the online softmax (m_i, l_i, acc) of FlashAttention-2. ``FULL``: every key
-    of the tile is below ``end`` (no key-validity mask: fewer instructions per tile)."""
-    if FULL:
-        n_valid = tl.full(offs_n.shape, 1, tl.int1)
-    else:
-        n_valid = offs_n < end
+    ``n % block_size``) folded into the online softmax (m_i, l_i, acc) of FlashAttention-2."""
+    n_valid = offs_n < end
     slot = offs_n % block_size
     k = tl.load(KCache + phys[None, :] * stride_kb + slot[None, :] * stride_ks + kh_off
                 + offs_d[:, None] * stride_kd, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
@@ -69,14 +64,14 @@ def _paged_attention_kernel(
     Q, KCache, VCache, BlockTable, SeqLens, KeyMask, Out, PartOut, PartLse, Counters,
     sm_scale_log2,
     stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr, stride_kd: tl.constexpr,
-    stride_vb: tl.constexpr, stride_vs: tl.constexpr, stride_vh: tl.constexpr, stride_vd: tl.constexpr,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tb, stride_tn,
     stride_mb, stride_mn,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_ps, stride_pb, stride_pm, stride_ph,
     stride_ls, stride_lb, stride_lm,
-    q_len, head_dim, num_kv_heads, block_size: tl.constexpr, tokens_per_split, table_len,
+    q_len, head_dim, num_kv_heads, block_size, tokens_per_split, table_len,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -94,8 +89,6 @@ def _paged_attention_kernel(
     MERGE_ROWS: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
     TRIGGER_AFTER_KEYS: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    FULL_TILES: tl.constexpr,
 ):
     if not PRELOAD_KV:
         if PDL:
@@ -123,10 +116,7 @@ def _paged_attention_kernel(
     q_head = kv_head * GROUP + rows % GROUP
     row_valid = q_pos < q_len
     offs_d = tl.arange(0, BLOCK_D)
-    if EVEN_D:
-        d_valid = tl.full([BLOCK_D], 1, tl.int1)
-    else:
-        d_valid = offs_d < head_dim
+    d_valid = offs_d < head_dim
 
     causal_shift = seq_len - q_len
     # keys the grid and the block table cover; a longer seq_len is a caller error, answered with NaN below
@@ -182,7 +172,7 @@ def _paged_attention_kernel(
                 q, KCache, VCache, KeyMask, phys.to(tl.int64), offs_n, end, m_i, l_i, acc, offs_d, d_valid,
                 row_valid, q_pos, causal_shift, kh_off, vh_off, block_size, sm_scale_log2, b64,
                 stride_ks, stride_kb, stride_kd, stride_vb, stride_vs, stride_vd, stride_mb, stride_mn,
-                IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT, False)
+                IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT)
     else:
         # chunks of CHUNK_BLOCKS cache blocks: a chunk's block ids are loaded once, before its tile loop,
         # and each tile picks its ids from registers (tl.gather); with no load feeding another load's
@@ -193,10 +183,7 @@ def _paged_attention_kernel(
         for first_block in range(start // block_size, tl.cdiv(end, block_size), CHUNK_BLOCKS):
             chunk_start = tl.maximum(start, first_block * block_size)
             chunk_end = tl.minimum(end, (first_block + CHUNK_BLOCKS) * block_size)
-            # FULL_TILES: the chunk's whole tiles without a key-validity mask, then its partial last tile (if any)
-            # with one; else every tile masked
-            full_end = chunk_start + (chunk_end - chunk_start) // BLOCK_N * BLOCK_N if FULL_TILES else chunk_start
-            for start_n in range(chunk_start, full_end, BLOCK_N):
+            for start_n in range(chunk_start, chunk_end, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 local = tl.minimum(offs_n // block_size - first_block, CHUNK_BLOCKS - 1)
                 phys = tl.gather(ids, local, 0)
@@ -204,16 +191,7 @@ def _paged_attention_kernel(
                     q, KCache, VCache, KeyMask, phys.to(tl.int64), offs_n, chunk_end, m_i, l_i, acc, offs_d,
                     d_valid, row_valid, q_pos, causal_shift, kh_off, vh_off, block_size, sm_scale_log2, b64,
                     stride_ks, stride_kb, stride_kd, stride_vb, stride_vs, stride_vd, stride_mb, stride_mn,
-                    IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT, True)
-            for start_n in range(full_end, chunk_end, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                local = tl.minimum(offs_n // block_size - first_block, CHUNK_BLOCKS - 1)
-                phys = tl.gather(ids, local, 0)
-                m_i, l_i, acc = _attend_tile(
-                    q, KCache, VCache, KeyMask, phys.to(tl.int64), offs_n, chunk_end, m_i, l_i, acc, offs_d,
-                    d_valid, row_valid, q_pos, causal_shift, kh_off, vh_off, block_size, sm_scale_log2, b64,
-                    stride_ks, stride_kb, stride_kd, stride_vb, stride_vs, stride_vd, stride_mb, stride_mn,
-                    IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT, False)
+                    IS_CAUSAL, HAS_KEY_MASK, IEEE_DOT)
             offs_b = first_block + CHUNK_BLOCKS + tl.arange(0, CHUNK_BLOCKS)
             ids = tl.load(table + offs_b * stride_tn, mask=offs_b * block_size < end, other=0)
 
@@ -373,9 +351,6 @@ MERGE_WARPS = None
 MERGE_PDL_TRIGGER = "after_wait"
 #: KV splits target about this many programs per SM (see ``num_splits``).
 SPLIT_PROGRAMS_PER_SM = 2
-#: Whether the chunked kernel runs a chunk's whole ``BLOCK_N`` tiles without a key-validity mask (its partial last
-#: tile keeps one); False masks every tile.
-FULL_TILES = True
 
 
 def merge_warps(num_splits: int, block_d: int) -> int:
@@ -602,7 +577,7 @@ def paged_attention(
         TRIGGER_AFTER_KEYS=trigger_keys, NUM_SPLITS=num_splits if fused_merge else 1,
         MERGE_SPLITS=triton.next_power_of_2(num_splits) if fused_merge else 1,
         MERGE_ROWS=merge_rows,
-        PRELOAD_KV=bool(preload_kv), EVEN_D=head_dim == block_d, FULL_TILES=bool(FULL_TILES),
+        PRELOAD_KV=bool(preload_kv),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch,
     )
     if split and not fused_merge:
