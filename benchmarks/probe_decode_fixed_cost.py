@@ -16,7 +16,7 @@ ones partly from L2). Readers:
   warps that hold its tile: 1 here), still with the PDL launch;
 - ``ours-merge-no-pdl``: the merge kernel launched after the attention kernel (``MERGE_PDL_TRIGGER`` None), on 1 warp;
   ``ours-merge-pdl-after-keys``: launched once the attention programs' K/V are in; ``ours-merge-4-warps-no-pdl``:
-  neither (the defaults before 2026-12-07);
+  neither (the defaults before 2026-12-07); ``ours-key-groups-4``: the key-groups kernel (``KEY_GROUPS`` 4);
 - ``merge-only-<w>-warps``: the split-merge kernel alone (32 splits x 32 heads) with w warps per program
   (the launcher's default is 4).
 
@@ -52,6 +52,7 @@ VARIANTS = [
     ("ours-merge-no-pdl", {}, {"MERGE_PDL_TRIGGER": None}),
     ("ours-merge-pdl-after-keys", {}, {"MERGE_PDL_TRIGGER": "after_keys"}),
     ("ours-merge-4-warps-no-pdl", {}, {"MERGE_WARPS": 4, "MERGE_PDL_TRIGGER": None}),
+    ("ours-key-groups-4", {}, {"KEY_GROUPS": 4}),
 ]
 
 
