@@ -72,6 +72,32 @@ def _read_kv_kernel(KC, VC, BlockTable, Out, stride_kb, stride_ks, stride_kh, st
     tl.store(Out + (pid_bh * tl.num_programs(1) + pid_s) * HEAD_DIM + offs_d, tl.sum(acc, 0))
 
 
+def b1_case(S: int, seed: int):
+    """Batch-1 decode inputs at KV length ``S`` on the GPU: GQA ``H``/``H_KV``, head_dim ``D``, bf16 pools of
+    ``BLOCK``-token blocks in a random order (``randperm`` block table). Returns (k_cache, v_cache, table,
+    seq_lens, q)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nb = S // BLOCK
+    k_cache = torch.randn(nb, BLOCK, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v_cache = torch.randn(nb, BLOCK, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(nb, device="cuda", generator=g).view(1, nb).int()
+    seq_lens = torch.full((1,), S, dtype=torch.int32, device="cuda")
+    q = torch.randn(1, H, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return k_cache, v_cache, table, seq_lens, q
+
+
+def contiguous_kv(k_cache, v_cache, table, S):
+    """The K/V of a :func:`b1_case` as contiguous [1, H_KV, S, D] tensors."""
+    k = k_cache[table.long()].reshape(1, S, H_KV, D).transpose(1, 2).contiguous()
+    v = v_cache[table.long()].reshape(1, S, H_KV, D).transpose(1, 2).contiguous()
+    return k, v
+
+
+def sdpa_reference(q, k, v):
+    """float32 SDPA of one query token over contiguous K/V, as [1, 1, H, D] (``paged_attention``'s output layout)."""
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True).transpose(1, 2)
+
+
 def read_ceiling(k_cache, v_cache, block_table, k, v, S, time_ms, splits_options):
     """Best TB/s of :func:`_read_kv_kernel` over ``splits_options`` (BLOCK_N 64, 4 warps), paged and contiguous."""
     B, H_kv, _, D = k.shape

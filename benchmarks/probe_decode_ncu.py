@@ -34,13 +34,7 @@ KERNELS = "regex:_paged_attention_kernel|_read_kv_kernel|_merge_splits_kernel"
 def launch(reps: int) -> None:
     import triton
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    nb = S // BLOCK
-    k_cache = torch.randn(nb, BLOCK, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v_cache = torch.randn(nb, BLOCK, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    table = torch.randperm(nb, device="cuda", generator=g).view(1, nb).int()
-    seq_lens = torch.full((1,), S, dtype=torch.int32, device="cuda")
-    q = torch.randn(1, H, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k_cache, v_cache, table, seq_lens, q = bench_decode.b1_case(S, seed=0)
     tps = triton.cdiv(triton.cdiv(S, SPLITS), 64) * 64
     out = torch.empty(H_KV * SPLITS * D, device="cuda", dtype=torch.float32)
     for _ in range(reps):

@@ -189,18 +189,8 @@ def main():
 
     mod = stamped_module()
     S = args.seq_len
-    g = torch.Generator(device="cuda").manual_seed(0)
-    nb = S // BLOCK
-    k_cache = torch.randn(nb, BLOCK, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v_cache = torch.randn(nb, BLOCK, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    table = torch.randperm(nb, device="cuda", generator=g).view(1, nb).int()
-    seq_lens = torch.full((1,), S, dtype=torch.int32, device="cuda")
-    q = torch.randn(1, H, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = k_cache[table.long()].reshape(1, S, H_KV, D).transpose(1, 2).contiguous()
-    v = v_cache[table.long()].reshape(1, S, H_KV, D).transpose(1, 2).contiguous()
-    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                                           enable_gqa=True).transpose(1, 2)
-    k = v = None
+    k_cache, v_cache, table, seq_lens, q = bench_decode.b1_case(S, seed=0)
+    ref = bench_decode.sdpa_reference(q, *bench_decode.contiguous_kv(k_cache, v_cache, table, S))
     programs = H_KV * SPLITS
     attn = torch.zeros(REPS, programs * SLOTS, dtype=torch.int64, device="cuda")
     merge = torch.zeros(REPS, H * SLOTS, dtype=torch.int64, device="cuda")
