@@ -81,10 +81,18 @@ STAMP_BUFFERS = [None, None, None]  # attention, merge, read-only: int64 [progra
 _PID3 = "((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0))"
 
 
-def _edit(text: str, old: str, new: str) -> str:
-    if text.count(old) != 1:
-        raise SystemExit(f"probe_decode_timeline: expected one {old!r} in the kernel source, found {text.count(old)}")
-    return text.replace(old, new)
+def _edit(text: str, old: str, new: str, within: str | None = None) -> str:
+    """``text`` with ``old`` replaced by ``new``; ``within``: only inside the function of that name (from its
+    ``def`` to the next top-level definition). Stops the probe unless ``old`` occurs there exactly once."""
+    start, end = 0, len(text)
+    if within is not None:
+        start = text.index(f"\ndef {within}(")
+        following = [i for i in (text.find("\n@triton.jit", start + 1), text.find("\ndef ", start + 1)) if i >= 0]
+        end = min(following, default=len(text))
+    region = text[start:end]
+    if region.count(old) != 1:
+        raise SystemExit(f"probe_decode_timeline: expected one {old!r} in the kernel source, found {region.count(old)}")
+    return text[:start] + region.replace(old, new) + text[end:]
 
 
 def stamped_module():
@@ -104,7 +112,7 @@ def stamped_module():
                 "    if TRIGGER_AFTER_KEYS:\n        gdc_launch_dependents()  # every K/V")
     src = _edit(src, "        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=io_mask)\n",
                 "        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=io_mask)\n"
-                "    _record(Stamps, pid_lin, t0, c0, t1, c1)\n")
+                "    _record(Stamps, pid_lin, t0, c0, t1, c1)\n", within="_paged_attention_kernel")
     src = _edit(src, "merge_counters if fused_merge else seq_lens,\n",
                 "merge_counters if fused_merge else seq_lens, STAMP_BUFFERS[0],\n")
     # merge kernel: start, past its PDL wait, end
