@@ -697,16 +697,18 @@ def paged_attention(
     check_dense("paged_attention", seq_lens=seq_lens)
     check_launch_device(query, "paged_attention", "hf_accel.kernels.paged_attention_torch.paged_attention_ref")
     check_interpreter_dot(query, "paged_attention")
+    # the two kernels' arguments after their pointers: scale, strides, sizes
+    scalars = (sm_scale * _LOG2E,
+               *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
+               *out.stride(), *p_strides, *l_strides,
+               q_len, head_dim, num_kv_heads, block_size, tokens_per_split, block_table.shape[1])
     key_groups = KEY_GROUPS or 1
     use_key_groups = (key_groups > 1 and chunk_blocks > 0 and not fused_merge and not preload_kv and not trigger_keys
                       and block_n % key_groups == 0 and block_n // key_groups >= 16)
     if use_key_groups:
         _paged_attention_key_groups_kernel[grid](
             query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
-            sm_scale * _LOG2E,
-            *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
-            *out.stride(), *p_strides, *l_strides,
-            q_len, head_dim, num_kv_heads, block_size, tokens_per_split, block_table.shape[1],
+            *scalars,
             GROUP=group, BLOCK_M=block_m, KEY_GROUPS=key_groups, GROUP_N=block_n // key_groups, BLOCK_D=block_d,
             IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
             IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl, TRIGGER=trigger_start,
@@ -716,10 +718,7 @@ def paged_attention(
         _paged_attention_kernel[grid](
             query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
             merge_counters if fused_merge else seq_lens,
-            sm_scale * _LOG2E,
-            *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
-            *out.stride(), *p_strides, *l_strides,
-            q_len, head_dim, num_kv_heads, block_size, tokens_per_split, block_table.shape[1],
+            *scalars,
             GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
             IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl,
