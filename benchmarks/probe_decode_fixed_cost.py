@@ -20,8 +20,8 @@ ones partly from L2). Readers:
 - ``merge-only-<w>-warps``: the split-merge kernel alone (32 splits x 32 heads) with w warps per program
   (the launcher's default is 4).
 
-``--baseline FILE`` times ``ours`` and ``ours-attention-only`` of another version of ``paged_attention.py`` too
-(prefix ``base-``).
+``--baseline FILE`` (repeatable) times ``ours``, ``ours-key-groups-4`` (where the file has ``KEY_GROUPS``) and
+``ours-attention-only`` of another version of ``paged_attention.py`` too (prefix: the file's stem and ``-``).
 
 Equal per-token costs and different fixed costs put the gap in the prologue / epilogue / merge; a larger
 per-token cost puts it in the tile loop. Writes ``probe_decode_fixed_cost-<date>.json``.
@@ -43,8 +43,8 @@ import hf_accel.kernels.paged_attention as pa  # noqa: E402
 H, H_KV, D, BLOCK = 32, 8, 128, 16
 SPLITS = 32
 LENGTHS = (4096, 8192, 16384, 32768, 65536)
-#: (name, paged_attention kwargs or "fused", module constants set for the call); a baseline module runs the
-#: first only
+#: (name, paged_attention kwargs or "fused", module constants set for the call); a baseline module runs those
+#: named in BASELINE_VARIANTS
 VARIANTS = [
     ("ours", {}, {}),
     ("ours-fused-merge", "fused", {}),
@@ -54,6 +54,7 @@ VARIANTS = [
     ("ours-merge-4-warps-no-pdl", {}, {"MERGE_WARPS": 4, "MERGE_PDL_TRIGGER": None}),
     ("ours-key-groups-4", {}, {"KEY_GROUPS": 4}),
 ]
+BASELINE_VARIANTS = ("ours", "ours-key-groups-4")
 
 
 class _NoLaunch:
@@ -75,7 +76,7 @@ def _load_baseline(path):
     """``paged_attention`` of another version of the module (a file), for an A/B in the same process."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("paged_attention_baseline", path)
+    spec = importlib.util.spec_from_file_location("paged_attention_" + Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -85,14 +86,17 @@ def main():
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--baseline", default=None, help="a paged_attention.py of another version, timed as 'base-*'")
+    ap.add_argument("--baseline", action="append", default=[],
+                    help="a paged_attention.py of another version, timed as '<stem>-*' (repeatable)")
     ap.add_argument("--lengths", default=None, help="only these KV lengths, e.g. '32768' (no fit below 2 lengths)")
     args = ap.parse_args()
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
     require_cuda(__file__)
     time_ms = bench_decode._timer(eager=False)
     rows, times = [], {}
-    modules = [("", pa)] + ([("base-", _load_baseline(args.baseline))] if args.baseline else [])
+    modules = [("", pa)] + [(Path(path).stem + "-", _load_baseline(path)) for path in args.baseline]
+    if len({prefix for prefix, _ in modules}) != len(modules):
+        ap.error("--baseline files need different stems")
     for S in lengths:
         k_cache, v_cache, table, seq_lens, q = bench_decode.b1_case(S, seed=S)
         k, v = bench_decode.contiguous_kv(k_cache, v_cache, table, S)
@@ -100,7 +104,8 @@ def main():
         counters = torch.zeros(H_KV, dtype=torch.int32, device="cuda")
         kw = dict(num_splits=SPLITS, check_blocks=False)
         for prefix, mod in modules:
-            for name, extra, overrides in VARIANTS if not prefix else VARIANTS[:1]:
+            names = None if not prefix else BASELINE_VARIANTS
+            for name, extra, overrides in [v for v in VARIANTS if names is None or v[0] in names]:
                 if any(not hasattr(mod, attr) for attr in overrides):
                     continue
                 saved = {attr: getattr(mod, attr) for attr in overrides}
