@@ -16,12 +16,12 @@ ones partly from L2). Readers:
   warps that hold its tile: 1 here), still with the PDL launch;
 - ``ours-merge-no-pdl``: the merge kernel launched after the attention kernel (``MERGE_PDL_TRIGGER`` None), on 1 warp;
   ``ours-merge-pdl-after-keys``: launched once the attention programs' K/V are in; ``ours-merge-4-warps-no-pdl``:
-  neither (the defaults before 2026-12-07); ``ours-key-groups-4``: the key-groups kernel (``KEY_GROUPS`` 4);
+  neither (the defaults before 2026-12-07);
 - ``merge-only-<w>-warps``: the split-merge kernel alone (32 splits x 32 heads) with w warps per program
   (the launcher's default is 4).
 
-``--baseline FILE`` (repeatable) times ``ours``, ``ours-key-groups-4`` (where the file has ``KEY_GROUPS``) and
-``ours-attention-only`` of another version of ``paged_attention.py`` too (prefix: the file's stem and ``-``).
+``--baseline FILE`` (repeatable) times ``ours`` and ``ours-attention-only`` of another version of
+``paged_attention.py`` too (prefix: the file's stem and ``-``).
 
 Equal per-token costs and different fixed costs put the gap in the prologue / epilogue / merge; a larger
 per-token cost puts it in the tile loop. Writes ``probe_decode_fixed_cost-<date>.json``.
@@ -52,9 +52,8 @@ VARIANTS = [
     ("ours-merge-no-pdl", {}, {"MERGE_PDL_TRIGGER": None}),
     ("ours-merge-pdl-after-keys", {}, {"MERGE_PDL_TRIGGER": "after_keys"}),
     ("ours-merge-4-warps-no-pdl", {}, {"MERGE_WARPS": 4, "MERGE_PDL_TRIGGER": None}),
-    ("ours-key-groups-4", {}, {"KEY_GROUPS": 4}),
 ]
-BASELINE_VARIANTS = ("ours", "ours-key-groups-4")
+BASELINE_VARIANTS = ("ours",)
 
 
 class _NoLaunch:

@@ -251,134 +251,6 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _paged_attention_key_groups_kernel(
-    Q, KCache, VCache, BlockTable, SeqLens, KeyMask, Out, PartOut, PartLse,
-    sm_scale_log2,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_tb, stride_tn,
-    stride_mb, stride_mn,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_ps, stride_pb, stride_pm, stride_ph,
-    stride_ls, stride_lb, stride_lm,
-    q_len, head_dim, num_kv_heads, block_size, tokens_per_split, table_len,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    KEY_GROUPS: tl.constexpr,
-    GROUP_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
-    SPLIT: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-    CHUNK_BLOCKS: tl.constexpr,
-    PDL: tl.constexpr,
-    TRIGGER: tl.constexpr,
-):
-    """:func:`_paged_attention_kernel` (chunked block ids) with each ``KEY_GROUPS * GROUP_N``-key tile taken as
-    ``KEY_GROUPS`` groups of ``GROUP_N`` keys, each group with its own online-softmax state ([KEY_GROUPS, BLOCK_M]
-    running max and sum, [KEY_GROUPS, BLOCK_M, BLOCK_D] accumulator; batched ``tl.dot``), merged once after the
-    tile loop as FlashDecoding merges splits. A tile then needs no reduction across the groups, which the 2D tile's
-    row max and sum need across its warps (sm_90 SASS of the B1 GQA 32/8 D128 loop: 2 barriers per tile against
-    12). Same arguments and outputs as :func:`_paged_attention_kernel` without the fused merge and the KV preload."""
-    if PDL:
-        gdc_wait()  # Q and the cache are written by the kernels before this one
-    if TRIGGER:
-        gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    b = pid_bh // num_kv_heads
-    kv_head = pid_bh % num_kv_heads
-    b64 = b.to(tl.int64)
-    start = pid_s * tokens_per_split
-    offs_b = start // block_size + tl.arange(0, CHUNK_BLOCKS)
-    ids = tl.load(BlockTable + b64 * stride_tb + offs_b * stride_tn,
-                  mask=(offs_b < table_len) & (offs_b * block_size < start + tokens_per_split), other=0)
-    seq_len = tl.load(SeqLens + b)
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_pos = rows // GROUP
-    q_head = kv_head * GROUP + rows % GROUP
-    row_valid = q_pos < q_len
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < head_dim
-    causal_shift = seq_len - q_len
-    covered = tl.minimum(tl.num_programs(2) * tokens_per_split, table_len * block_size)
-    end = tl.minimum(tl.minimum(seq_len, start + tokens_per_split), covered)
-    if IS_CAUSAL:
-        last_pos = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
-        end = tl.minimum(end, last_pos + causal_shift + 1)
-
-    q = tl.load(Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
-                + q_pos[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-    q3 = tl.broadcast_to(q[None, :, :], (KEY_GROUPS, BLOCK_M, BLOCK_D))
-    m_i = tl.full([KEY_GROUPS, BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([KEY_GROUPS, BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([KEY_GROUPS, BLOCK_M, BLOCK_D], dtype=tl.float32)
-    kh_off = kv_head.to(tl.int64) * stride_kh
-    vh_off = kv_head.to(tl.int64) * stride_vh
-    table = BlockTable + b64 * stride_tb
-    group_keys = tl.arange(0, KEY_GROUPS)[:, None] * GROUP_N + tl.arange(0, GROUP_N)[None, :]  # [groups, keys]
-    for first_block in range(start // block_size, tl.cdiv(end, block_size), CHUNK_BLOCKS):
-        chunk_start = tl.maximum(start, first_block * block_size)
-        chunk_end = tl.minimum(end, (first_block + CHUNK_BLOCKS) * block_size)
-        for start_n in range(chunk_start, chunk_end, KEY_GROUPS * GROUP_N):
-            offs_n = start_n + group_keys
-            n_valid = offs_n < chunk_end
-            local = tl.minimum(offs_n // block_size - first_block, CHUNK_BLOCKS - 1)
-            phys = tl.reshape(tl.gather(ids, tl.reshape(local, [KEY_GROUPS * GROUP_N]), 0),
-                              [KEY_GROUPS, GROUP_N]).to(tl.int64)
-            slot = offs_n % block_size
-            k = tl.load(KCache + phys[:, None, :] * stride_kb + slot[:, None, :] * stride_ks + kh_off
-                        + offs_d[None, :, None] * stride_kd,
-                        mask=n_valid[:, None, :] & d_valid[None, :, None], other=0.0)  # [groups, D, keys]
-            s = _dot(q3, k, IEEE_DOT) * sm_scale_log2  # [groups, rows, keys]
-            allowed = n_valid[:, None, :] & row_valid[None, :, None]
-            if IS_CAUSAL:
-                allowed = allowed & (offs_n[:, None, :] <= (q_pos[None, :, None] + causal_shift))
-            if HAS_KEY_MASK:
-                km = tl.load(KeyMask + b64 * stride_mb + offs_n * stride_mn, mask=n_valid, other=0)
-                allowed = allowed & (km[:, None, :] != 0)
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 2))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, :, None])
-            l_i = l_i * alpha + tl.sum(p, 2)
-            v = tl.load(VCache + phys[:, :, None] * stride_vb + slot[:, :, None] * stride_vs + vh_off
-                        + offs_d[None, None, :] * stride_vd,
-                        mask=n_valid[:, :, None] & d_valid[None, None, :], other=0.0)  # [groups, keys, D]
-            acc = acc * alpha[:, :, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
-            m_i = m_new
-        offs_b = first_block + CHUNK_BLOCKS + tl.arange(0, CHUNK_BLOCKS)
-        ids = tl.load(table + offs_b * stride_tn, mask=offs_b * block_size < end, other=0)
-
-    # the groups' states merged: weights exp2(m_g - max_g m_g) (0 for a group that saw no key)
-    m_row = tl.max(m_i, 0)
-    w = tl.exp2(m_i - tl.where(m_row == float("-inf"), 0.0, m_row)[None, :])
-    l_row = tl.sum(l_i * w, 0)
-    l_safe = tl.where(l_row == 0.0, 1.0, l_row)
-    out = tl.sum(acc * w[:, :, None], 0) / l_safe[:, None]
-    if seq_len > covered:  # NaN rather than attention over a prefix of the keys
-        out = tl.full([BLOCK_M, BLOCK_D], float("nan"), dtype=tl.float32)
-    io_mask = row_valid[:, None] & d_valid[None, :]
-    if SPLIT:
-        lse = tl.where(l_row == 0.0, float("-inf"), m_row + tl.log2(l_safe))
-        p_ptrs = (PartOut + pid_s * stride_ps + b64 * stride_pb + q_pos[:, None].to(tl.int64) * stride_pm
-                  + q_head[:, None].to(tl.int64) * stride_ph + offs_d[None, :])
-        tl.store(p_ptrs, out, mask=io_mask)
-        tl.store(PartLse + pid_s * stride_ls + b64 * stride_lb + q_pos.to(tl.int64) * stride_lm + q_head,
-                 lse, mask=row_valid)
-    else:
-        o_ptrs = (Out + b64 * stride_ob + q_pos[:, None].to(tl.int64) * stride_om
-                  + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od)
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=io_mask)
-
-
-@triton.jit
 def _merge_splits_kernel(
     PartOut, PartLse, Out,
     stride_ps, stride_pr,
@@ -479,12 +351,6 @@ MERGE_WARPS = None
 MERGE_PDL_TRIGGER = "after_wait"
 #: KV splits target about this many programs per SM (see ``num_splits``).
 SPLIT_PROGRAMS_PER_SM = 2
-#: None (or 1): the tile kernel. An int > 1: launches on the chunked block-id path without ``merge_counters``,
-#: ``preload_kv`` or the "after_keys" trigger use :func:`_paged_attention_key_groups_kernel` with this many groups of
-#: ``block_n // KEY_GROUPS`` (>= 16) keys per tile, each with its own softmax state. Off by default: not yet timed
-#: on a GPU (its sm_90 tile loop, Triton 3.6, B1 GQA 32/8 D128 bf16: 571 instructions and 2 barriers per warp against
-#: 625 and 12).
-KEY_GROUPS = None
 
 
 def merge_warps(num_splits: int, block_d: int) -> int:
@@ -697,38 +563,23 @@ def paged_attention(
     check_dense("paged_attention", seq_lens=seq_lens)
     check_launch_device(query, "paged_attention", "hf_accel.kernels.paged_attention_torch.paged_attention_ref")
     check_interpreter_dot(query, "paged_attention")
-    # the two kernels' arguments after their pointers: scale, strides, sizes
-    scalars = (sm_scale * _LOG2E,
-               *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
-               *out.stride(), *p_strides, *l_strides,
-               q_len, head_dim, num_kv_heads, block_size, tokens_per_split, block_table.shape[1])
-    key_groups = KEY_GROUPS or 1
-    use_key_groups = (key_groups > 1 and chunk_blocks > 0 and not fused_merge and not preload_kv and not trigger_keys
-                      and block_n % key_groups == 0 and block_n // key_groups >= 16)
-    if use_key_groups:
-        _paged_attention_key_groups_kernel[grid](
-            query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
-            *scalars,
-            GROUP=group, BLOCK_M=block_m, KEY_GROUPS=key_groups, GROUP_N=block_n // key_groups, BLOCK_D=block_d,
-            IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
-            IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl, TRIGGER=trigger_start,
-            num_warps=num_warps, num_stages=num_stages, **pdl_launch,
-        )
-    else:
-        _paged_attention_kernel[grid](
-            query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
-            merge_counters if fused_merge else seq_lens,
-            *scalars,
-            GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
-            IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl,
-            FUSED_MERGE=fused_merge, TRIGGER=trigger_start,
-            TRIGGER_AFTER_KEYS=trigger_keys, NUM_SPLITS=num_splits if fused_merge else 1,
-            MERGE_SPLITS=triton.next_power_of_2(num_splits) if fused_merge else 1,
-            MERGE_ROWS=merge_rows,
-            PRELOAD_KV=bool(preload_kv),
-            num_warps=num_warps, num_stages=num_stages, **pdl_launch,
-        )
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, block_table, seq_lens, mask_arg, out, part_out, part_lse,
+        merge_counters if fused_merge else seq_lens,
+        sm_scale * _LOG2E,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(), *stride_m,
+        *out.stride(), *p_strides, *l_strides,
+        q_len, head_dim, num_kv_heads, block_size, tokens_per_split, block_table.shape[1],
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        IS_CAUSAL=bool(causal), HAS_KEY_MASK=key_mask is not None, SPLIT=split,
+        IEEE_DOT=query.dtype == torch.float32, CHUNK_BLOCKS=chunk_blocks, PDL=pdl,
+        FUSED_MERGE=fused_merge, TRIGGER=trigger_start,
+        TRIGGER_AFTER_KEYS=trigger_keys, NUM_SPLITS=num_splits if fused_merge else 1,
+        MERGE_SPLITS=triton.next_power_of_2(num_splits) if fused_merge else 1,
+        MERGE_ROWS=merge_rows,
+        PRELOAD_KV=bool(preload_kv),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch,
+    )
     if split and not fused_merge:
         out_rows = out.view(batch * q_len * num_heads, head_dim) if out.is_contiguous() else None
         target = out_rows if out_rows is not None else torch.empty(batch * q_len * num_heads, head_dim,
