@@ -152,7 +152,8 @@ def main():
     # lengths whose K/V exceed the L2 (shorter ones are partly re-read from L2 by the graph's next call)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     fit_lengths = [S for S in lengths if 2 * S * H_KV * D * 2 > l2]
-    names = sorted({name for name, S in times if (name, lengths[0]) in times}) if len(fit_lengths) > 1 else []
+    timed_at_all = {name for name, _ in times if all((name, S) in times for S in fit_lengths)}
+    names = sorted(timed_at_all) if len(fit_lengths) > 1 else []
     for name in names:
         a, b = fit(fit_lengths, [times[name, S] * 1e3 for S in fit_lengths])
         stream = 2 * H_KV * D * 2 / (b * 1e-6) / 1e12  # bytes per token / seconds per token
