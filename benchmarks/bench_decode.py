@@ -120,19 +120,24 @@ def read_ceiling(k_cache, v_cache, block_table, k, v, S, time_ms, splits_options
     return best
 
 
+def capture_calls(fn, reps: int = REPS) -> torch.cuda.CUDAGraph:
+    """``reps`` back-to-back calls of ``fn`` captured in one CUDA graph, after one eager warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return graph
+
+
 def _timer(eager: bool):
     import triton.testing as tt
 
     def time_ms(fn):
         if eager:
             return tt.do_bench(fn, warmup=25, rep=100)
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(REPS):
-                fn()
-        return tt.do_bench(graph.replay, warmup=10, rep=100) / REPS
+        return tt.do_bench(capture_calls(fn).replay, warmup=10, rep=100) / REPS
 
     return time_ms
 

@@ -104,16 +104,6 @@ class Sampler:
         return out
 
 
-def graph_of(fn, reps: int = bench_decode.REPS) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return graph
-
-
 def run_window(graph: torch.cuda.CUDAGraph, seconds: float) -> tuple[float, float, float]:
     """Replays ``graph`` back to back for about ``seconds``: (µs per call, window start, window end)."""
     graph.replay()
@@ -150,18 +140,19 @@ def main():
     err = (out.float() - ref).abs().max().item()
     assert err < 2e-2, f"ours S{S} error {err}"
 
-    graphs = {"ours": graph_of(lambda: pa.paged_attention(q, k_cache, v_cache, table, seq_lens, S, **kw))}
+    capture = bench_decode.capture_calls
+    graphs = {"ours": capture(lambda: pa.paged_attention(q, k_cache, v_cache, table, seq_lens, S, **kw))}
     merge_kernel = pa._merge_splits_kernel
     pa._merge_splits_kernel = _NoLaunch()
     try:
-        graphs["ours-attention-only"] = graph_of(
+        graphs["ours-attention-only"] = capture(
             lambda: pa.paged_attention(q, k_cache, v_cache, table, seq_lens, S, **kw))
     finally:
         pa._merge_splits_kernel = merge_kernel
     tps = triton.cdiv(triton.cdiv(S, SPLITS), 64) * 64
     ns = triton.cdiv(S, tps)
     acc = torch.empty(bench_decode.H_KV * ns * bench_decode.D, device="cuda", dtype=torch.float32)
-    graphs["read-only"] = graph_of(lambda: bench_decode._read_kv_kernel[(bench_decode.H_KV, ns)](
+    graphs["read-only"] = capture(lambda: bench_decode._read_kv_kernel[(bench_decode.H_KV, ns)](
         k_cache, v_cache, table, acc, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0),
         bench_decode.H_KV, tps, S, BLOCK_N=64, HEAD_DIM=bench_decode.D, BLOCK_SIZE=bench_decode.BLOCK, PAGED=True,
         num_warps=4, num_stages=3))
