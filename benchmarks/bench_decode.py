@@ -98,21 +98,35 @@ def sdpa_reference(q, k, v):
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True).transpose(1, 2)
 
 
+def read_only_call(k_cache, v_cache, block_table, S, splits, k=None, v=None):
+    """A zero-argument launch of :func:`_read_kv_kernel` (BLOCK_N 64, 4 warps, 3 stages) on the grid of
+    ``paged_attention`` with about ``splits`` KV splits of whole 64-key tiles: through the block table, or from the
+    contiguous [B, H_kv, S, D] ``k`` / ``v`` when given. Returns (launch, splits used)."""
+    B, H_kv, D = block_table.shape[0], k_cache.shape[2], k_cache.shape[3]
+    tps = triton.cdiv(triton.cdiv(S, splits), 64) * 64
+    ns = triton.cdiv(S, tps)
+    out = torch.empty(B * H_kv * ns * D, device=k_cache.device, dtype=torch.float32)
+    paged = k is None
+    kc, vc = (k_cache, v_cache) if paged else (k, v)
+
+    def launch():
+        _read_kv_kernel[(B * H_kv, ns)](
+            kc, vc, block_table, out, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_table.stride(0), H_kv, tps, S, BLOCK_N=64, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1],
+            PAGED=paged, num_warps=4, num_stages=3)
+
+    return launch, ns
+
+
 def read_ceiling(k_cache, v_cache, block_table, k, v, S, time_ms, splits_options):
     """Best TB/s of :func:`_read_kv_kernel` over ``splits_options`` (BLOCK_N 64, 4 warps), paged and contiguous."""
-    B, H_kv, _, D = k.shape
     nbytes = 2 * k.numel() * k.element_size()
     best = {}
     for paged in (True, False):
         for splits in splits_options:
-            tps = triton.cdiv(triton.cdiv(S, splits), 64) * 64
-            ns = triton.cdiv(S, tps)
-            out = torch.empty(B * H_kv * ns * D, device="cuda", dtype=torch.float32)
-            kc, vc = (k_cache, v_cache) if paged else (k, v)
-            ms = time_ms(lambda: _read_kv_kernel[(B * H_kv, ns)](
-                kc, vc, block_table, out, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                block_table.stride(0), H_kv, tps, S, BLOCK_N=64, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1],
-                PAGED=paged, num_warps=4, num_stages=3))
+            launch, ns = read_only_call(k_cache, v_cache, block_table, S, splits,
+                                        *((None, None) if paged else (k, v)))
+            ms = time_ms(launch)
             tbs = nbytes / (ms * 1e-3) / 1e12
             key = "paged" if paged else "contiguous"
             if key not in best or tbs > best[key][0]:

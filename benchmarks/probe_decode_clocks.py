@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import require_cuda, write_results  # noqa: E402
@@ -149,13 +148,7 @@ def main():
             lambda: pa.paged_attention(q, k_cache, v_cache, table, seq_lens, S, **kw))
     finally:
         pa._merge_splits_kernel = merge_kernel
-    tps = triton.cdiv(triton.cdiv(S, SPLITS), 64) * 64
-    ns = triton.cdiv(S, tps)
-    acc = torch.empty(bench_decode.H_KV * ns * bench_decode.D, device="cuda", dtype=torch.float32)
-    graphs["read-only"] = capture(lambda: bench_decode._read_kv_kernel[(bench_decode.H_KV, ns)](
-        k_cache, v_cache, table, acc, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0),
-        bench_decode.H_KV, tps, S, BLOCK_N=64, HEAD_DIM=bench_decode.D, BLOCK_SIZE=bench_decode.BLOCK, PAGED=True,
-        num_warps=4, num_stages=3))
+    graphs["read-only"] = capture(bench_decode.read_only_call(k_cache, v_cache, table, S, SPLITS)[0])
 
     nbytes = 2 * S * bench_decode.H_KV * bench_decode.D * 2
     rows = []

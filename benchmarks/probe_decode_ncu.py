@@ -32,17 +32,11 @@ KERNELS = "regex:_paged_attention_kernel|_read_kv_kernel|_merge_splits_kernel"
 
 
 def launch(reps: int) -> None:
-    import triton
-
     k_cache, v_cache, table, seq_lens, q = bench_decode.b1_case(S, seed=0)
-    tps = triton.cdiv(triton.cdiv(S, SPLITS), 64) * 64
-    out = torch.empty(H_KV * SPLITS * D, device="cuda", dtype=torch.float32)
+    read_only = bench_decode.read_only_call(k_cache, v_cache, table, S, SPLITS)[0]
     for _ in range(reps):
         paged_attention(q, k_cache, v_cache, table, seq_lens, S, num_splits=SPLITS, check_blocks=False)
-        bench_decode._read_kv_kernel[(H_KV, SPLITS)](
-            k_cache, v_cache, table, out, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            table.stride(0), H_KV, tps, S, BLOCK_N=64, HEAD_DIM=D, BLOCK_SIZE=BLOCK, PAGED=True,
-            num_warps=4, num_stages=3)
+        read_only()
     torch.cuda.synchronize()
 
 
