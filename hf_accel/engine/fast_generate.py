@@ -216,6 +216,7 @@ class FastEngine(CallChecks):
             if step.fused and self.merged is None:
                 self.merged = merge_projections(self.model) or []
             step.merged = self.merged or None
+            step.on_step = self.call_lock.step  # a call waiting for this one sees it making progress
             self.steps[key] = step
             self.snapshot = weight_snapshot(self.model)  # after the merge, which gives the projections new storage
         return step

@@ -33,6 +33,7 @@ from transformers.generation import utils as _gen_utils
 from hf_accel._logging import log_once
 from hf_accel.cache import paged_cache
 from hf_accel.cache.paged_cache import PagedCache
+from hf_accel.engine import call_lock
 from hf_accel.engine.call_options import expand_return_sequences, output_cache, passed_cache
 from hf_accel.integrations.assisted import _ASSISTED, StockLoopReason, assisted_config
 # cache_in_use, last_cache_stats and speculative_stats are also read from this module (re-exported)
@@ -208,19 +209,26 @@ def _try_fast(model, engine, args, kwargs, speculative: SpeculativeConfig | None
                 gc.assistant_early_exit = None
                 gc.max_matching_ngram_size = None
             gc, model_kwargs = expand_return_sequences(gc, model_kwargs)  # sampling, n > 1: n rows per prompt
-            with engine.call_lock:  # concurrent calls on one model wait for each other
-                reason = engine.check(gc, model_kwargs)
-                if reason is None:
-                    with _in_use(model, engine):
-                        return _run_fast(model, engine, gc, model_kwargs, speculative, assisted)
-                if original_generate is not None:
-                    call, gc, model_kwargs = _stop_strings_as_criterion(model, kwargs, gc, model_kwargs)
-                    prepared_reason = engine.check(gc, model_kwargs, prepared_loop=True)
-                    if prepared_reason is None:
+            # concurrent calls on one model wait for each other, unless the running one stops stepping (it may be
+            # waiting for this one: a streamer that runs generate on this model in another thread and joins it)
+            with engine.call_lock.unless_stalled() as held:
+                if not held:
+                    reason = (f"a generate call running on this model in another thread ran no step for "
+                              f"{call_lock.STALL_S:g} s while this one waited for it (is a streamer or callback of "
+                              "that call waiting for this one?)")
+                else:
+                    reason = engine.check(gc, model_kwargs)
+                    if reason is None:
                         with _in_use(model, engine):
-                            return _run_prepared_loop(model, engine, original_generate, args, call, model_kwargs,
-                                                      reason, speculative)
-                    reason = prepared_reason  # what keeps the call off both routes
+                            return _run_fast(model, engine, gc, model_kwargs, speculative, assisted)
+                    if original_generate is not None:
+                        call, gc, model_kwargs = _stop_strings_as_criterion(model, kwargs, gc, model_kwargs)
+                        prepared_reason = engine.check(gc, model_kwargs, prepared_loop=True)
+                        if prepared_reason is None:
+                            with _in_use(model, engine):
+                                return _run_prepared_loop(model, engine, original_generate, args, call,
+                                                          model_kwargs, reason, speculative)
+                        reason = prepared_reason  # what keeps the call off both routes
     log_once(f"fast-skip:{reason}", f"hf-accel: fast decode path not used: {reason}; transformers' loop runs "
              "on hf-accel's kernels")
     return None

@@ -125,3 +125,80 @@ def test_generate_from_inside_a_running_generate_raises_and_the_model_still_work
     with pytest.raises(RuntimeError, match="already running in this thread"):
         _greedy(ours, ids, mask, tiny.PAD, streamer=_CallsGenerateAgain(ours, ids, mask, tiny.PAD))
     assert torch.equal(_greedy(ours, ids, mask, tiny.PAD), ref)
+
+
+class _HandsGenerateToAThread(BaseStreamer):
+    """A streamer whose first ``put`` runs ``generate`` on the same model in another thread and waits for it."""
+
+    def __init__(self, model, ids, mask, pad, wait_s):
+        self.args, self.wait_s = (model, ids, mask, pad), wait_s
+        self.inner = self.finished = None
+
+    def put(self, value):
+        if self.finished is not None:
+            return
+        result = {}
+        thread = threading.Thread(target=lambda: result.setdefault("out", _greedy(*self.args)), daemon=True)
+        thread.start()
+        thread.join(timeout=self.wait_s)
+        self.finished, self.inner = not thread.is_alive(), result.get("out")
+
+    def end(self):
+        pass
+
+
+def test_a_call_the_running_call_waits_for_runs_transformers_loop(tiny, hf_log, monkeypatch):
+    """A streamer that hands a generate on the same model to another thread and joins it: that call stops waiting
+    for the lock once the running call has made no step for STALL_S, runs transformers' loop (logged) and returns
+    the tokens it would get alone; the running call then finishes with its own."""
+    from hf_accel.engine import call_lock
+
+    monkeypatch.setattr(call_lock, "STALL_S", 0.3)
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    ref = _greedy(model, ids, mask, tiny.PAD)
+    ours = accelerate_model(copy.deepcopy(model))
+    streamer = _HandsGenerateToAThread(ours, ids[:1], mask[:1], tiny.PAD, wait_s=30)
+    t0 = time.monotonic()
+    out = _greedy(ours, ids, mask, tiny.PAD, streamer=streamer)
+    assert streamer.finished, "the inner generate was still waiting after 30 s"
+    assert time.monotonic() - t0 < 20
+    assert torch.equal(streamer.inner, _greedy(model, ids[:1], mask[:1], tiny.PAD))
+    assert torch.equal(out, ref)
+    assert any("ran no step for 0.3 s while this one waited" in m for m in hf_log.messages)
+    assert torch.equal(_greedy(ours, ids, mask, tiny.PAD), ref)  # the fast path again, lock free
+
+
+def test_a_waiter_keeps_waiting_while_the_holder_steps():
+    """unless_stalled: a holder that keeps stepping for longer than the stall time is waited for; one that stops
+    stepping is not (the waiter gets False after about the stall time, without the lock)."""
+    from hf_accel.engine.call_lock import CallLock
+
+    lock, got = CallLock(), {}
+
+    def waiter(name):
+        with lock.unless_stalled(0.3) as held:
+            got[name] = (held, time.monotonic())
+
+    with lock:
+        thread = threading.Thread(target=waiter, args=("stepping",))
+        thread.start()
+        for _ in range(10):  # 1 s of steps, each 0.1 s apart
+            time.sleep(0.1)
+            lock.step()
+        assert "stepping" not in got
+        released = time.monotonic()
+    thread.join(timeout=10)
+    assert got["stepping"][0] is True and got["stepping"][1] >= released
+    with lock:
+        start = time.monotonic()
+        thread = threading.Thread(target=waiter, args=("stalled",))
+        thread.start()
+        thread.join(timeout=10)
+        assert got["stalled"][0] is False and 0.3 <= got["stalled"][1] - start < 5
+    with lock.unless_stalled() as held:  # free: taken at once
+        assert held and lock.held_here()
+        with pytest.raises(RuntimeError, match="already running in this thread"):
+            with lock.unless_stalled():
+                pass
+    assert not lock.held_here()
