@@ -261,6 +261,8 @@ class CallChecks:
                 continue
             if key in ("output_scores", "output_logits") and not getattr(gc, "return_dict_in_generate", False):
                 continue  # transformers returns them only with return_dict_in_generate
+            if key == "max_matching_ngram_size" and getattr(gc, "prompt_lookup_num_tokens", None) is None:
+                continue  # transformers reads it only for prompt lookup
             default = defaults.get(key, None)
             if value not in (default, None) and value != {}:
                 return f"generation option {key}={value!r}"

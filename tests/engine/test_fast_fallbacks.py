@@ -368,6 +368,20 @@ def test_inputs_keyword_takes_the_fast_path(tiny, decode_steps, hf_log):
     assert not _messages(hf_log, "keeps transformers' cache")
 
 
+def test_max_matching_ngram_size_without_prompt_lookup_keeps_the_fast_path(tiny, decode_steps, hf_log):
+    """transformers reads ``max_matching_ngram_size`` only for prompt lookup: without ``prompt_lookup_num_tokens`` the
+    call decodes as without it, and so takes the fast path (it used to fall back to transformers' loop)."""
+    model = tiny.model("llama")
+    ids, mask = tiny.batch(seed=1)
+    stock = _generate(model, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None, max_matching_ngram_size=3)
+    assert torch.equal(stock, _generate(model, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None))
+    ours = _accelerated(model)
+    out = _generate(ours, ids, mask, tiny.PAD, max_new_tokens=6, eos_token_id=None, max_matching_ngram_size=3)
+    assert torch.equal(out, stock)
+    assert decode_steps and _messages(hf_log, FAST_MSG)
+    assert not _messages(hf_log, "max_matching_ngram_size")
+
+
 def test_a_layer_forward_patched_before_the_first_call_or_a_subclass_override_turns_the_fast_path_off(
         tiny, hf_log, decode_steps):
     """A layer class's forward patched before accelerate_model or before the first generate (a wrapper with
