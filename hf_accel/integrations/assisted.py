@@ -28,9 +28,10 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
     :func:`~hf_accel.speculative.config.check_draft` refuses (another architecture, vocabulary or device,
     training mode, ...: transformers' own assisted loop runs it, or raises its own error).
 
-    An ``assistant_early_exit`` of 0 (not "no early exit": transformers' loop runs a draft of no layers) or above
-    the model's layer count (its draft runs every layer) gives a :class:`StockLoopReason`: the call runs
-    transformers' own assisted loop on transformers' own cache, as without hf-accel.
+    An ``assistant_early_exit`` of 0 (not "no early exit": transformers' loop runs a draft of no layers) or of at
+    least the model's layer count (its draft runs every layer) gives a :class:`StockLoopReason`: the call runs
+    transformers' own assisted loop on transformers' own cache, as without hf-accel (the draft's own ``generate``
+    calls included).
 
     Raises:
         ValueError: a negative ``assistant_early_exit`` int (stock transformers fails on it with a less specific
@@ -71,12 +72,10 @@ def assisted_config(model, kwargs) -> tuple[SpeculativeConfig | None, dict, str 
         if value and (isinstance(value, bool) or not isinstance(value, int)):
             return None, kwargs, f"{name}={value!r} is not an int"
     layers = getattr(model.config, "num_hidden_layers", None)
-    if early and isinstance(early, int) and not isinstance(early, bool) and layers is not None and early > layers:
+    if early and isinstance(early, int) and not isinstance(early, bool) and layers is not None and early >= layers:
         # transformers' loop sets the model config to that many layers for its draft (which then runs them all)
-        return None, kwargs, StockLoopReason(f"assistant_early_exit={early} is more than the model's {layers} "
+        return None, kwargs, StockLoopReason(f"assistant_early_exit={early} is not below the model's {layers} "
                                              f"layers (hf-accel drafts with 1 .. {layers - 1} of them)")
-    if early and layers is not None and int(early) >= layers:
-        return None, kwargs, f"assistant_early_exit={early} is not below the model's {layers} layers"
     if assistant is not None:  # the model itself too: transformers' assisted loop takes it, hf-accel does not
         from hf_accel.speculative.config import check_draft
 

@@ -112,7 +112,7 @@ def test_negative_assistant_early_exit_raises(tiny):
     assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD), stock)
 
 
-@pytest.mark.parametrize("bad", [0, LAYERS + 1, 99])
+@pytest.mark.parametrize("bad", [0, LAYERS, LAYERS + 1, 99])
 def test_assistant_early_exit_out_of_range_runs_transformers_loop_and_cache(tiny, hf_log, bad):
     """0 is not "no early exit" and a value past the last layer is not refused by stock transformers (its draft runs
     no layers / every layer): such a call runs transformers' own assisted loop on its own cache (no PagedCache: its
@@ -129,6 +129,8 @@ def test_assistant_early_exit_out_of_range_runs_transformers_loop_and_cache(tiny
     assert torch.equal(out.sequences, stock)
     assert not isinstance(out.past_key_values, PagedCache), type(out.past_key_values)
     assert _messages(hf_log, f"transformers' assisted generation runs on its own cache: assistant_early_exit={bad} ")
+    # the draft's own generate calls run as stock too (no PagedCache of hf-accel's, no fallback of its fast path)
+    assert not _messages(hf_log, "hf-accel: generate uses PagedCache") and not _messages(hf_log, "fast decode path not used")
     assert ours.config.num_hidden_layers == LAYERS
     assert speculative_stats(ours) is None
     assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD), stock)
@@ -146,7 +148,8 @@ def test_per_call_assisted_arguments_follow_each_call(tiny, hf_log):
     # an exit layer at or past the last layer: transformers' own loop, as stock does it
     assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD, eos_token_id=None, assistant_early_exit=LAYERS),
                        greedy(model, ids[:1], mask[:1], tiny.PAD, eos_token_id=None))
-    assert _messages(hf_log, f"assistant_early_exit={LAYERS} is not below the model's {LAYERS} layers")
+    assert _messages(hf_log, f"transformers' assisted generation runs on its own cache: assistant_early_exit={LAYERS} "
+                             f"is not below the model's {LAYERS} layers")
     # past the last layer: transformers' own loop and cache (test_assistant_early_exit_out_of_range_...)
     assert torch.equal(greedy(ours, ids[:1], mask[:1], tiny.PAD, eos_token_id=None, assistant_early_exit=LAYERS + 1),
                        greedy(model, ids[:1], mask[:1], tiny.PAD, eos_token_id=None))
