@@ -77,6 +77,10 @@ def default_num_splits(programs: int, capacity: int, device) -> int:
     return max(1, min(want, triton.cdiv(capacity, switches.DECODE_MIN_SPLIT_KEYS)))
 
 
+def _no_step() -> None:
+    """:attr:`DecodeStep.on_step` of a step no engine counts."""
+
+
 class DecodeStep:
     """Static buffers + step function (+ CUDA graph on GPU) for ``batch`` rows of ``q_len`` new tokens.
 
@@ -98,8 +102,8 @@ class DecodeStep:
     def __init__(self, model, cache, batch: int, max_blocks: int, use_graph: bool, fused: bool | None = None,
                  merged=None, q_len: int = 1, num_layers: int | None = None):
         self.model = model
-        #: called as each step, verification or prefill starts (the engine's ``CallLock.step``), or None
-        self.on_step = None
+        #: called as each step, verification or prefill starts (the engine sets its ``CallLock.step``)
+        self.on_step = _no_step
         self.cache = cache
         self.batch = batch
         self.q_len = q_len
@@ -190,8 +194,7 @@ class DecodeStep:
         ``key_mask`` are [b, ...] (views of the step's buffers or the caller's). ``fresh``: the caller
         guarantees ``cache_lens`` is all 0 (a prompt prefill), so the fused step may attend over the
         forward's own K/V (:data:`~hf_accel.engine.step_switches.PREFILL_CONTIGUOUS_ATTENTION`)."""
-        if self.on_step is not None:
-            self.on_step()
+        self.on_step()
         if self.fused:
             return self._forward_fused(input_ids, position_ids, cache_lens, block_table, key_mask, last_only,
                                        num_splits, logits_index, fresh)
@@ -533,8 +536,7 @@ class DecodeStep:
         """One greedy step with its bookkeeping (one graph replay on GPU). With :attr:`greedy_flags`, each replay
         also publishes the unfinished flags, numbered 1, 2, ... over the step's life
         (:attr:`greedy_flags_number` is the last replay's)."""
-        if self.on_step is not None:
-            self.on_step()
+        self.on_step()
         if not self.use_graph:
             self._greedy_tail(self._forward())
             return
@@ -559,8 +561,7 @@ class DecodeStep:
     @torch.inference_mode()
     def run(self) -> torch.Tensor:
         """Run one step (graph replay on GPU once captured); returns ``logits`` [batch, q_len, vocab] float32."""
-        if self.on_step is not None:
-            self.on_step()
+        self.on_step()
         if not self.use_graph:
             self.logits = self._forward()
             return self.logits
@@ -577,8 +578,7 @@ class DecodeStep:
     def replay(self, key, fn):
         """Run ``fn()`` — a function of static buffers that leaves its inputs unchanged, so running it
         twice is harmless — captured in a CUDA graph under ``key`` at first use (GPU); returns its output."""
-        if self.on_step is not None:
-            self.on_step()
+        self.on_step()
         if not self.use_graph:
             return fn()
         entry = self.graphs.get(key)
