@@ -81,23 +81,28 @@ def _merge_projections(model) -> list[MergedLayer] | None:
 def projections_share_storage(model) -> bool:
     """Whether any layer's Q/K/V or gate/up weights are slices of one storage (merged by this engine, or by the
     engine of the model this one was pickled from: ``torch.save`` keeps the sharing)."""
-    def storage(linear):
-        return linear.weight.untyped_storage().data_ptr()
+    def storage(linear):  # None for a module without a weight tensor (a quantized Linear's weight is a method)
+        weight = getattr(linear, "weight", None)
+        return weight.untyped_storage().data_ptr() if isinstance(weight, torch.Tensor) else None
+
 
     for ly in model.model.layers:
         a, mlp = ly.self_attn, ly.mlp
-        if storage(a.q_proj) == storage(a.k_proj) or storage(mlp.gate_proj) == storage(mlp.up_proj):
+        q, g = storage(a.q_proj), storage(mlp.gate_proj)
+        if (q is not None and q == storage(a.k_proj)) or (g is not None and g == storage(mlp.up_proj)):
             return True
     return False
 
 
 def unmerge_projections(model) -> None:
     """Give every projection its own storage again (the same ``Parameter`` objects, values unchanged;
-    ordinary tensors, also when called inside ``torch.inference_mode``)."""
+    ordinary tensors, also when called inside ``torch.inference_mode``). Modules replaced since the merge by ones
+    without weight tensors (a quantized Linear, whose ``weight`` is a method) are left as they are."""
     with torch.inference_mode(False), torch.no_grad():
         for ly in model.model.layers:
             a, mlp = ly.self_attn, ly.mlp
             for m in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
-                m.weight.data = m.weight.detach().clone()
-                if m.bias is not None:
-                    m.bias.data = m.bias.detach().clone()
+                for name in ("weight", "bias"):
+                    t = getattr(m, name, None)
+                    if isinstance(t, torch.Tensor):
+                        t.data = t.detach().clone()

@@ -503,6 +503,34 @@ def test_an_lm_head_without_a_weight_runs_transformers_loop(tiny, hf_log, decode
     assert not decode_steps and _messages(hf_log, "an LM head without a [vocab, hidden] weight (Sequential)")
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")  # torch.ao.quantization's own
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.interpreter)])
+def test_an_mlp_quantized_after_a_fast_call_runs_on_the_unfused_step(fused, tiny, hf_log, decode_steps):
+    """A layer's MLP replaced after a fast-path call by torch's dynamic int8 quantization (its Linear layers' ``weight``
+    is a method, not a tensor): releasing the old steps raised AttributeError reading that weight's storage. Now
+    the decode step that runs the model's own modules runs it, with stock's tokens (the fused step refuses it,
+    logged), and the projections the fused step had merged get their own storage back."""
+    quantize_dynamic = getattr(pytest.importorskip("torch.ao.quantization"), "quantize_dynamic", None)
+    if quantize_dynamic is None:
+        pytest.skip("this torch has no torch.ao.quantization.quantize_dynamic")
+    model = tiny.model("llama", seed=18)
+    ids, mask = tiny.batch(seed=19)
+    stock_model = copy.deepcopy(model)
+    ours = _accelerated(model, fused=fused)
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=4),
+                       _generate(stock_model, ids, mask, tiny.PAD, max_new_tokens=4)) and decode_steps
+    assert bool(ours._hf_accel_engine.merged) == fused
+    for m in (ours, stock_model):
+        m.model.layers[1].mlp = quantize_dynamic(m.model.layers[1].mlp, {torch.nn.Linear}, dtype=torch.qint8)
+    decode_steps.clear()
+    assert torch.equal(_generate(ours, ids, mask, tiny.PAD, max_new_tokens=6),
+                       _generate(stock_model, ids, mask, tiny.PAD, max_new_tokens=6))
+    assert decode_steps and not any(decode_steps)  # the model's own modules run in the (unfused) decode step
+    assert not fused or _messages(hf_log, "fused decode step does not take this model (a projection that does not")
+    first = ours.model.layers[0].self_attn
+    assert first.q_proj.weight.untyped_storage().data_ptr() != first.k_proj.weight.untyped_storage().data_ptr()
+
+
 def test_forwards_that_pass_for_transformers_code_but_are_not_the_layers_own_turn_the_fast_path_off(
         tiny, hf_log, decode_steps):
     """Functions defined in a transformers namespace passed for a layer's own forward: another class's forward set
