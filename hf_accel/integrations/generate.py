@@ -370,6 +370,30 @@ def _foreign_attention(model) -> str | None:
     return None
 
 
+def _shared_layer_idx(model) -> str | None:
+    """Why the model's attention from before ``accelerate_model`` must run its ``generate`` (None: it need not): two
+    decoder layers with one ``self_attn.layer_idx`` (a layer duplicated without renumbering it, as in depth
+    up-scaling). Both write their K/V into one layer of transformers' cache, which then holds more keys than the
+    queries and the mask cover; transformers' attention functions read that in their own ways (SDPA's causal
+    flag aligns it top-left, hf-accel's kernels bottom-right), so only the model's own attention gives stock's
+    tokens."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return None
+    configured = getattr(model.config, "num_hidden_layers", None)
+    runs = configured if isinstance(configured, int) else len(layers)  # (transformers runs the first ones)
+    seen: dict[object, int] = {}
+    for i, layer in zip(range(runs), layers):
+        idx = getattr(layer._modules.get("self_attn"), "layer_idx", None)
+        if idx is None:
+            continue
+        if idx in seen:
+            return (f"decoder layers {seen[idx]} and {i} have the same self_attn.layer_idx ({idx}), so share a cache "
+                    "layer")
+        seen[idx] = i
+    return None
+
+
 def paged_generate(model, original_generate, block_size: int, engine, *args, speculative=None, **kwargs):
     """Fast path (speculative where asked), else ``original_generate`` with a fresh PagedCache, unless
     :func:`_skip_reason` applies. Those decisions read the call's prepared generation config (the model's
@@ -442,7 +466,7 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
         return original_generate(*args, **kwargs)
     if kwargs.get("cache_implementation") == "paged":  # transformers reads it from the call's arguments only
         return _continuous_batching(model, original_generate, engine, args, kwargs)
-    foreign = _foreign_attention(model)
+    foreign = _foreign_attention(model) or _shared_layer_idx(model)
     if foreign is not None:
         from hf_accel.integrations.patch import original_attention
 

@@ -248,6 +248,38 @@ def test_pruned_or_reordered_layers_keep_transformers_cache(tiny, edit, hf_log):
     assert any(reason in r.getMessage() and "keeps transformers' cache" in r.getMessage() for r in hf_log.records)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_duplicated_layer_sharing_a_cache_layer_runs_stock(tiny, padded, hf_log):
+    """A decoder layer duplicated without renumbering its ``layer_idx`` (depth up-scaling by copying layers, config
+    updated): both copies write one layer of transformers' cache, which then holds more keys than the queries and
+    the mask cover. Stock's SDPA reads that with its own (top-left) causal alignment, hf-accel's attention bottom-right:
+    other tokens, silently (and tokens where stock raises, given a padding mask). generate now runs transformers'
+    loop with the model's own attention, logged: stock's tokens, or stock's error."""
+    model = tiny.model("llama", seed=89, num_hidden_layers=3)
+    layers = model.model.layers
+    twin = copy.deepcopy(layers[1])
+    twin.self_attn.config = model.config  # (a deep copy's own config would run stock for another reason)
+    model.model.layers = torch.nn.ModuleList([layers[0], layers[1], twin, layers[2]])
+    model.config.num_hidden_layers = 4
+    ids, mask = tiny.batch(seed=90)
+    if not padded:
+        ids, mask = ids[:1], mask[:1]  # (a row without padding: transformers passes SDPA no mask)
+        assert bool(mask.all())
+    stock_model = copy.deepcopy(model)
+    ours = accelerate_model(model)
+    if padded:  # stock's SDPA gets a mask narrower than that cache layer's keys and raises: so does hf-accel
+        with pytest.raises(RuntimeError, match="must match the size"):
+            tiny.greedy(stock_model, ids, mask, max_new_tokens=6)
+        with pytest.raises(RuntimeError, match="must match the size"):
+            tiny.greedy(ours, ids, mask, max_new_tokens=6)
+    else:
+        assert torch.equal(tiny.greedy(ours, ids, mask, max_new_tokens=12),
+                           tiny.greedy(stock_model, ids, mask, max_new_tokens=12))
+    assert any("decoder layers 1 and 2 have the same self_attn.layer_idx (1)" in r.getMessage()
+               and "model's own attention ('sdpa')" in r.getMessage() for r in hf_log.records)
+    assert model.config._attn_implementation == "hf_accel"
+
+
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_layer_of_another_model_with_its_own_attention_runs_stock(tiny, where, hf_log):
     """A decoder layer taken from another (not accelerated) model keeps that model's config, whose attention is
