@@ -353,12 +353,16 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                   load=chosen == "convert-gqa")
     _add_optional(sub, "demo", "hf_accel.demo_launch", "start the Gradio demo (stock HF vs hf-accel side by side)",
                   load=chosen == "demo")
+    for command_parser in sub.choices.values():  # unrecognized arguments: the subcommand's usage names them
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if args.verbose:
         logging.getLogger("hf_accel").setLevel(logging.INFO)

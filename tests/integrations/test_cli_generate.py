@@ -31,6 +31,18 @@ def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "usage"), [
+    (["generate", "--prompt", "hi", "--frobnicate"], "usage: hf-accel generate"),
+    (["convert-gqa", "--num-kv-heads", "1", "--out", "x", "--frobnicate"], "usage: hf-accel convert-gqa"),
+])
+def test_unrecognized_arguments_show_the_subcommands_usage(argv, usage, capsys):
+    """argparse answered an unknown option after a subcommand with the top-level usage, which does not list it."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == EXIT_USAGE and err.startswith(usage) and "unrecognized arguments: --frobnicate" in err
+
+
 def test_json_path_under_a_file_names_the_file(tmp_path, capsys):
     """--json a/x.json where a is a file: the message says a is a file (not that a folder is missing)."""
     parent = tmp_path / "notes.txt"
