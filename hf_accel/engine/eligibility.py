@@ -340,8 +340,9 @@ class CallChecks:
             fit = self._blocks_that_fit()
             if fit is not None and need > fit:  # the fast path reserves the whole answer up front
                 gib = need * self._block_bytes() / 2**30
-                return (f"the KV cache of prompt + max_new_tokens ({need} blocks, {gib:.1f} GiB) does not fit in "
-                        f"free device memory ({fit} blocks)")
+                return (f"the KV cache of prompt + max_new_tokens ({need} blocks with the fast path's "
+                        f"{MAX_LOOKAHEAD}-token lookahead and scratch block, {gib:.1f} GiB) does not fit in free "
+                        f"device memory ({fit} blocks)")
         return None
 
     def _passed_cache_reason(self, prefix, gc, ids: torch.Tensor) -> str | None:
