@@ -90,6 +90,20 @@ class BlockManager:
             need += 1
         return max(need, 0)
 
+    def blocks_needed_together(self, seq_ids, num_new_tokens: int) -> int:
+        """Fresh blocks that :meth:`append` of ``num_new_tokens`` to every sequence of ``seq_ids`` (distinct ids)
+        would take in all. Less than the sum of :meth:`blocks_needed` where all the holders of a shared, partly
+        filled last block append: each but the last copies it, and the last writes into it in place."""
+        seq_ids = list(seq_ids)
+        need = sum(self.blocks_needed(s, num_new_tokens) for s in seq_ids)
+        if num_new_tokens > 0:
+            appending: dict[int, int] = {}  # shared partly filled last block -> holders appending to it
+            for s in map(self._get, seq_ids):
+                if s.length % self.block_size and self._refcount[s.blocks[-1]] > 1:
+                    appending[s.blocks[-1]] = appending.get(s.blocks[-1], 0) + 1
+            need -= sum(k == self._refcount[b] for b, k in appending.items())
+        return need
+
     # -- operations ---------------------------------------------------------------------------
     def allocate(self, num_tokens: int = 0) -> int:
         """A new sequence holding ``num_tokens`` slots; returns its id.

@@ -437,7 +437,7 @@ class PagedCache(Cache):
         if any(m.length(s) != start for s in self.seq_ids):
             raise RuntimeError(f"PagedCache out of sync: a layer starts at {start}, the block tables hold "
                                f"{[m.length(s) for s in self.seq_ids]} tokens. {self._recovery()}")
-        needed = sum(m.blocks_needed(s, q_len) for s in self.seq_ids)
+        needed = m.blocks_needed_together(self.seq_ids, q_len)
         if needed > m.num_free_blocks and self.growable:
             self._grow(max(needed - m.num_free_blocks, m.num_blocks))
         if needed > m.num_free_blocks:

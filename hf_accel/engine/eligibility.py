@@ -392,7 +392,7 @@ class CallChecks:
                 need = batch * -(-keep // prefix.block_size)
                 free = prefix._num_blocks if m is None else m.num_free_blocks
             else:
-                need = sum(m.blocks_needed(s, keep - cached) for s in prefix.seq_ids)
+                need = m.blocks_needed_together(prefix.seq_ids, keep - cached)
                 free = m.num_free_blocks
             if need > free:
                 return (f"the passed PagedCache (not growable) has {free} free blocks and prompt + max_new_tokens "

@@ -609,7 +609,7 @@ class FastEngine(CallChecks):
             if not target.seq_ids:
                 target.seq_ids = [m.allocate(0) for _ in range(batch)]
             start = target.get_seq_length()
-            need = sum(m.blocks_needed(s, keep - start) for s in target.seq_ids)
+            need = m.blocks_needed_together(target.seq_ids, keep - start)
             if need > m.num_free_blocks:
                 target._grow(max(need - m.num_free_blocks, m.num_blocks))
         copies = []

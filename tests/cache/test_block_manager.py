@@ -9,6 +9,7 @@ block freed while still in use shows up as corrupted content, not only as a brok
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -122,6 +123,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         values = [next(self.counter) for _ in range(n)]
         self._write(s, len(self.tokens[s]), values)
         self.tokens[s] += values
+
+    @precondition(lambda self: self.m is not None and self.tokens)
+    @rule(picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=6), n=st.integers(0, 6))
+    def append_together(self, picks, n):
+        """One step of a batch (a cache's forward): ``n`` slots appended to each of several sequences. The joint
+        count is exact: the appends take exactly that many blocks, or (more than are free) one of them fails. Forked
+        rows sharing a partly filled last block were counted one copy too many."""
+        m = self.m
+        seqs = list(dict.fromkeys(self._pick(i) for i in picks))
+        need = m.blocks_needed_together(seqs, n)
+        trial = copy.deepcopy(m)
+        try:
+            for s in seqs:
+                trial.append(s, n)
+        except OutOfBlocksError:
+            assert need > m.num_free_blocks
+            return
+        assert need == m.num_free_blocks - trial.num_free_blocks <= m.num_free_blocks
+        for s in seqs:
+            for src, dst in m.append(s, n):
+                self.pool[dst] = list(self.pool[src])
+            values = [next(self.counter) for _ in range(n)]
+            self._write(s, len(self.tokens[s]), values)
+            self.tokens[s] += values
 
     @precondition(lambda self: self.m is not None and self.tokens)
     @rule(i=st.integers(0, 10**6))

@@ -265,3 +265,31 @@ def test_crop_also_brings_block_tables_ahead_of_the_layers_back(tiny):
     cache.crop(2)
     assert _tables(cache) == _tables(ref)
     assert torch.equal(_continue(cache, 93), _continue(ref, 93))
+
+
+@pytest.mark.parametrize("growable", [False, True])
+def test_rows_sharing_a_partly_filled_block_need_one_copy_fewer_than_rows(tiny, growable):
+    """Rows forked from one sequence (``batch_repeat_interleave``, beam search) share its partly filled last block: of
+    three rows appending a token, two copy it and the last writes into it in place, so 2 free blocks suffice. The
+    step counted a copy per row: it raised OutOfBlocksError ("needed 3 ... 2 free"), or grew a growable pool. The
+    rows' K/V then read back as written."""
+    config = tiny.config("llama")
+    cache = PagedCache(config, num_blocks=4, block_size=4, growable=growable)
+    g = torch.Generator().manual_seed(0)
+    def kv(batch, q):
+        return tuple(torch.randn(batch, config.num_key_value_heads, q, config.head_dim, generator=g) for _ in range(2))
+
+    prompt = [kv(1, 6) for _ in range(config.num_hidden_layers)]
+    for i, (k, v) in enumerate(prompt):
+        cache.update(k, v, i)
+    cache.batch_repeat_interleave(3)
+    assert cache.manager.num_free_blocks == 2
+    step = [kv(3, 1) for _ in range(config.num_hidden_layers)]
+    for i, (k, v) in enumerate(step):
+        cache.update(k, v, i)
+    assert cache.manager.num_blocks == 4 and cache.manager.num_free_blocks == 0
+    cache.manager.check()
+    for i in range(config.num_hidden_layers):
+        keys, values = cache.layer_kv(i)
+        assert torch.equal(keys, torch.cat([prompt[i][0].expand(3, -1, -1, -1), step[i][0]], 2))
+        assert torch.equal(values, torch.cat([prompt[i][1].expand(3, -1, -1, -1), step[i][1]], 2))
