@@ -226,6 +226,16 @@ class PagedLayer(CacheLayerMixin):
             raise ValueError(f"PagedCache layer {self.layer_idx} holds {self.keys.shape[2]} KV heads of size "
                              f"{self.keys.shape[3]} and got {num_kv_heads} of size {head_dim}: a cache belongs to "
                              "one model (pass another model a cache of its own)")
+        if (key_states.dtype, key_states.device) != (self.keys.dtype, self.keys.device) or \
+                (value_states.dtype, value_states.device) != (key_states.dtype, key_states.device):
+            if self.length or value_states.dtype != key_states.dtype or value_states.device != key_states.device:
+                raise ValueError(
+                    f"PagedCache layer {self.layer_idx} holds {self.keys.dtype} K/V on {self.keys.device} and got "
+                    f"keys {key_states.dtype} on {key_states.device}, values {value_states.dtype} on "
+                    f"{value_states.device}: a cache holds one dtype on one device (pass a new PagedCache)")
+            # empty (after reset() / release(), which keep the pools): new pools of the new dtype or device, as
+            # transformers' DynamicCache gives a reset cache
+            self.lazy_initialization(key_states, value_states)
         if self.layer_idx == 0:  # a new forward: refuse a partial step before anything changes
             self._cache._check_whole_steps()
             self._cache._make_writable()
@@ -611,7 +621,8 @@ class PagedCache(Cache):
                 layer.lazy_initialization(probe, probe)
 
     def release(self) -> None:
-        """Free every block (the pools stay allocated); the cache is empty afterwards."""
+        """Free every block (the pools stay allocated; K/V of another dtype or device written next replace them);
+        the cache is empty afterwards."""
         if self.manager is not None:
             self.manager.free_all()
         self.seq_ids = []

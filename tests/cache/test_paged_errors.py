@@ -293,3 +293,32 @@ def test_rows_sharing_a_partly_filled_block_need_one_copy_fewer_than_rows(tiny, 
         keys, values = cache.layer_kv(i)
         assert torch.equal(keys, torch.cat([prompt[i][0].expand(3, -1, -1, -1), step[i][0]], 2))
         assert torch.equal(values, torch.cat([prompt[i][1].expand(3, -1, -1, -1), step[i][1]], 2))
+
+
+def test_k_v_of_another_dtype_raise_unless_the_cache_is_empty(tiny):
+    """A cache holding float32 K/V given bfloat16 K/V (another model's): written into the float32 pools silently
+    (or SDPA's dtype error one call later). Now a ValueError names both, with the cache unchanged; an emptied cache
+    (``reset()`` / ``release()`` keep the pools) gets new pools of the new dtype, as transformers' DynamicCache
+    does after ``reset()``."""
+    config = tiny.config("llama")
+    cache = PagedCache(config, num_blocks=8, block_size=4)
+    g = torch.Generator().manual_seed(3)
+
+    def kv(q, dtype=torch.float32):
+        return [torch.randn(1, config.num_key_value_heads, q, config.head_dim, generator=g).to(dtype)
+                for _ in range(2)]
+
+    for i in range(config.num_hidden_layers):
+        cache.update(*kv(3), i)
+    before = _state(cache)
+    for k, v in (kv(1, torch.bfloat16), (kv(1)[0], kv(1, torch.bfloat16)[1])):
+        with pytest.raises(ValueError, match="PagedCache layer 0 holds torch.float32 K/V on cpu and got keys"):
+            cache.update(k, v, 0)
+        _assert_same_state(_state(cache), dict(before, pools=[(k.clone(), v.clone()) for k, v in before["pools"]]))
+    cache.reset()
+    written = [kv(5, torch.bfloat16) for _ in range(config.num_hidden_layers)]
+    for i, (k, v) in enumerate(written):
+        assert cache.update(k, v, i)[0].dtype == torch.bfloat16
+    for i, (k, v) in enumerate(written):
+        keys, values = cache.layer_kv(i)
+        assert torch.equal(keys, k) and torch.equal(values, v)
