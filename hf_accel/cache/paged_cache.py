@@ -538,16 +538,17 @@ class PagedCache(Cache):
         finally:
             self._caller_config = None
 
-    def crop(self, max_length) -> None:
+    def crop(self, tokens_to_remove) -> None:
         """Roll back: a negative count removes that many tokens, 0 does nothing, a positive value is the
-        absolute length to keep (older transformers); a 0-d integer tensor is accepted.
+        absolute length to keep (the meaning older transformers gave it, which transformers' own caches now
+        refuse); a 0-d integer tensor is accepted. The argument has transformers' ``Cache.crop`` name.
 
         Raises:
             ValueError: a non-integer or several-element value, more tokens to remove than the cache holds, or,
                 after a forward that failed part-way (the first layers hold more tokens than the rest), a length
                 the shortest layer does not hold (its K/V at those positions were never written).
         """
-        n = _integer(max_length, "crop's max_length")
+        n = _integer(tokens_to_remove, "crop's tokens_to_remove")
         length = self.get_seq_length()
         new_length = length + n if n < 0 else (length if n == 0 else min(n, length))
         if new_length < 0:

@@ -104,12 +104,14 @@ def test_crop_argument_forms(tiny):
     expect(10)
     cache.crop(torch.tensor(9, dtype=torch.int32))
     expect(9)
+    cache.crop(tokens_to_remove=-1)  # transformers' Cache.crop keyword
+    expect(8)
     cache.crop(100)  # longer than the cache: nothing to remove
-    expect(9)
+    expect(8)
     with pytest.raises(ValueError):
-        cache.crop(-10)
-    expect(9)
-    cache.crop(-9)  # everything: all blocks back
+        cache.crop(-9)
+    expect(8)
+    cache.crop(-8)  # everything: all blocks back
     expect(0)
 
     # an emptied cache takes a fresh prefill and gives the fresh cache's logits
