@@ -215,6 +215,11 @@ class PagedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        for name, t in (("key", key_states), ("value", value_states)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] == 0:
+                got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"PagedCache layer {self.layer_idx}: {name} states must be a tensor [batch >= 1, "
+                                 f"num_kv_heads, q_len, head_dim]; got {got}")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, num_kv_heads, q_len, head_dim = key_states.shape

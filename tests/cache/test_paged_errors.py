@@ -8,6 +8,8 @@ exactly as one that never saw the failed step.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from paged_cache_helpers import Stepper, _assert_same_state, _state, _tokens, accelerate
@@ -322,3 +324,13 @@ def test_k_v_of_another_dtype_raise_unless_the_cache_is_empty(tiny):
     for i, (k, v) in enumerate(written):
         keys, values = cache.layer_kv(i)
         assert torch.equal(keys, k) and torch.equal(values, v)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 16), (1, 2, 2, 3, 16), (0, 2, 3, 16)])
+def test_k_v_that_are_not_a_4d_batch_raise_naming_the_shape(tiny, shape):
+    """3-D or 5-D K/V, or a batch of no rows, raised IndexError / unpacking / max() errors from inside the cache."""
+    cache = PagedCache(tiny.config("llama"), num_blocks=8, block_size=4)
+    message = rf"key states must be a tensor \[batch >= 1, .*got shape {re.escape(str(shape))}"
+    with pytest.raises(ValueError, match=message):
+        cache.update(torch.zeros(shape), torch.zeros(shape), 0)
+    assert cache.get_seq_length() == 0 and not cache.seq_ids
