@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hf_accel._checks import check_int
 from hf_accel._logging import log_once
 from hf_accel.cache.block_manager import BlockManager, OutOfBlocksError
 from hf_accel.kernels.paged_attention_torch import gather_kv
@@ -343,9 +344,8 @@ class PagedCache(Cache):
                  memory_fraction: float | None = None, growable: bool = False):
         if (num_blocks is None) == (memory_fraction is None):
             raise ValueError("give exactly one of num_blocks and memory_fraction")
-        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
-                                       or num_blocks < 1):
-            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        if num_blocks is not None:  # (an integral number: a numpy int too, as BlockManager takes)
+            num_blocks = check_int(num_blocks, "num_blocks", minimum=1)
         if memory_fraction is not None and (isinstance(memory_fraction, bool)
                                             or not isinstance(memory_fraction, (int, float))
                                             or not 0 < memory_fraction <= 1):

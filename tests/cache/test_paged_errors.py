@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from paged_cache_helpers import Stepper, _assert_same_state, _state, _tokens, accelerate
@@ -48,6 +49,7 @@ def test_constructor_errors(tiny):
 
 def test_bad_arguments_raise_and_leave_the_cache_unchanged(tiny):
     config = tiny.config("llama")
+    assert PagedCache(config, num_blocks=np.int64(8))._num_blocks == 8  # a numpy int is an int, as BlockManager has it
     for kw in ({"num_blocks": 2.5}, {"num_blocks": "4"}, {"num_blocks": True}, {"memory_fraction": "0.5"},
                {"memory_fraction": True}):
         with pytest.raises(ValueError, match="num_blocks must be an int|memory_fraction must be a number"):
