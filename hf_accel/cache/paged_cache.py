@@ -232,13 +232,14 @@ class PagedLayer(CacheLayerMixin):
             raise ValueError(f"PagedCache layer {self.layer_idx} holds {self.keys.shape[2]} KV heads of size "
                              f"{self.keys.shape[3]} and got {num_kv_heads} of size {head_dim}: a cache belongs to "
                              "one model (pass another model a cache of its own)")
-        if (key_states.dtype, key_states.device) != (self.keys.dtype, self.keys.device) or \
-                (value_states.dtype, value_states.device) != (key_states.dtype, key_states.device):
-            if self.length or value_states.dtype != key_states.dtype or value_states.device != key_states.device:
+        given = (key_states.dtype, key_states.device, value_states.dtype, value_states.device)
+        if given != (self.keys.dtype, self.keys.device, self.values.dtype, self.values.device):
+            if self.length:  # (K and V may differ: under autocast a layer's keys can be float32, its values not)
                 raise ValueError(
-                    f"PagedCache layer {self.layer_idx} holds {self.keys.dtype} K/V on {self.keys.device} and got "
-                    f"keys {key_states.dtype} on {key_states.device}, values {value_states.dtype} on "
-                    f"{value_states.device}: a cache holds one dtype on one device (pass a new PagedCache)")
+                    f"PagedCache layer {self.layer_idx} holds keys {self.keys.dtype} on {self.keys.device}, values "
+                    f"{self.values.dtype} on {self.values.device} and got keys {key_states.dtype} on "
+                    f"{key_states.device}, values {value_states.dtype} on {value_states.device}: a cache keeps its "
+                    "dtypes and device (pass a new PagedCache)")
             # empty (after reset() / release(), which keep the pools): new pools of the new dtype or device, as
             # transformers' DynamicCache gives a reset cache
             self.lazy_initialization(key_states, value_states)

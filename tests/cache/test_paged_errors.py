@@ -316,7 +316,8 @@ def test_k_v_of_another_dtype_raise_unless_the_cache_is_empty(tiny):
         cache.update(*kv(3), i)
     before = _state(cache)
     for k, v in (kv(1, torch.bfloat16), (kv(1)[0], kv(1, torch.bfloat16)[1])):
-        with pytest.raises(ValueError, match="PagedCache layer 0 holds torch.float32 K/V on cpu and got keys"):
+        with pytest.raises(ValueError, match="PagedCache layer 0 holds keys torch.float32 on cpu, values torch.float32 "
+                           "on cpu and got keys"):
             cache.update(k, v, 0)
         _assert_same_state(_state(cache), dict(before, pools=[(k.clone(), v.clone()) for k, v in before["pools"]]))
     cache.reset()
