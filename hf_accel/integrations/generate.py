@@ -105,7 +105,7 @@ def _skip_reason(model, args, kwargs, assisted_handled: bool = False, engine=Non
     gen_config = gc if gc is not None else (kwargs.get("generation_config") or model.generation_config)
     options = {} if gc is not None else kwargs  # a prepared config holds the call's options already
     passed = passed_cache(kwargs)
-    if passed is not None and not (engine is not None and isinstance(passed, PagedCache)):
+    if passed is not None and not isinstance(passed, PagedCache):
         return "the caller passed its own cache"
     if options.get("cache_implementation") or getattr(gen_config, "cache_implementation", None):
         return "a cache_implementation was requested"
@@ -516,7 +516,11 @@ def _paged_generate(model, original_generate, block_size: int, engine, *args, sp
                 return out
     reason = _skip_reason(model, args, kwargs, engine=engine, gc=gc)
     if reason is not None:
-        log_once(f"generate-skip:{reason}", f"hf-accel: generate keeps transformers' cache: {reason}")
+        if isinstance(passed_cache(kwargs), PagedCache):  # (its loop writes the caller's PagedCache)
+            log_once(f"generate-skip-passed:{reason}", f"hf-accel: generate continues the caller's PagedCache in "
+                     f"transformers' loop: {reason}")
+        else:
+            log_once(f"generate-skip:{reason}", f"hf-accel: generate keeps transformers' cache: {reason}")
         return _loop_on_passed(model, original_generate, args, kwargs)
     if engine is not None and speculative is None:
         out = _try_fast(model, engine, args, kwargs, prepared=prepared, original_generate=original_generate)

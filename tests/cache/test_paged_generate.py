@@ -104,7 +104,7 @@ def test_generate_sampling_num_return_sequences(model_type, tiny, one_thread):
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_beam_search_with_paged_cache_matches_stock(model_type, tiny, one_thread):
+def test_beam_search_with_paged_cache_matches_stock(model_type, tiny, one_thread, hf_log):
     model = tiny.model(model_type, seed=15)
     ids, mask = tiny.batch(seed=15)
     kw = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, do_sample=False, pad_token_id=tiny.PAD,
@@ -119,6 +119,9 @@ def test_beam_search_with_paged_cache_matches_stock(model_type, tiny, one_thread
     torch.testing.assert_close(ours.sequences_scores, stock.sequences_scores, rtol=1e-4, atol=1e-5)
     cache.manager.check()
     assert len(cache.seq_ids) == 9  # batch * num_beams rows
+    # the log names the cache the loop writes: the caller's (it once said transformers' cache was kept)
+    said = [r.getMessage() for r in hf_log.records if "beam search" in r.getMessage()]
+    assert said == ["hf-accel: generate continues the caller's PagedCache in transformers' loop: beam search"]
     cache.release()  # the caller owns a cache it passed
     assert cache.memory_stats()["blocks_allocated"] == 0
 
