@@ -85,7 +85,6 @@ def projections_share_storage(model) -> bool:
         weight = getattr(linear, "weight", None)
         return weight.untyped_storage().data_ptr() if isinstance(weight, torch.Tensor) else None
 
-
     for ly in model.model.layers:
         a, mlp = ly.self_attn, ly.mlp
         q, g = storage(a.q_proj), storage(mlp.gate_proj)
