@@ -669,12 +669,13 @@ def _unshared_projections(model, module, state_dict, prefix, local_metadata) -> 
 
 
 def uninstall(model) -> None:
+    engine = model.__dict__.get("_hf_accel_engine")
+    if engine is not None:  # first: an error here leaves the model as it was (accelerated, generate installed)
+        engine.release()
     model.__dict__.pop("generate", None)
     for hook in model.__dict__.pop("_hf_accel_state_dict_hooks", ()):
         hook.remove()
-    engine = model.__dict__.pop("_hf_accel_engine", None)
-    if engine is not None:
-        engine.release()
+    model.__dict__.pop("_hf_accel_engine", None)
     engines = model.__dict__.pop("_hf_accel_spec_engines", None)
     if engines is not None:
         engines.close()  # reverts the draft models its engines accelerated

@@ -497,9 +497,9 @@ def _restore(hf_model, peft_model, state: dict) -> None:
     """Undo accelerate_model's changes recorded in ``state``, also those of a call that failed part-way:
     attention implementation, generate (and a draft model its speculative engine accelerated), LoRA merge
     (base weights copied back bit for bit from the copies taken before merging)."""
+    paged_generate.uninstall(hf_model)  # first: it may raise (releasing the engine), leaving the model accelerated
     if state.pop("attn_switched", False):
         _restore_attention(hf_model, state["attn_implementation"])
-    paged_generate.uninstall(hf_model)
     guards = state.pop("peft_guards", None)
     if guards is not None:
         attrs, hooks = guards

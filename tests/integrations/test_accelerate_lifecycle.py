@@ -65,6 +65,34 @@ def test_revert_leaves_no_hf_accel_attributes(tiny):
         assert set(model.__dict__) == before, set(model.__dict__) ^ before
 
 
+def test_a_revert_that_fails_leaves_the_model_accelerated(tiny, monkeypatch):
+    """An error while the fast path's engine lets its state go (merged projections, graphs): revert_model had
+    already set the attention back and taken generate off, so the model was half reverted (neither accelerated nor
+    stock). Now it raises with the model as accelerated as before, and a second revert is exact."""
+    from hf_accel.engine.fast_generate import FastEngine
+
+    model = tiny.model("llama", seed=8)
+    ids, mask = tiny.batch(seed=9)
+    stock = tiny.greedy(copy.deepcopy(model), ids, mask)
+    accelerate_model(model)
+    assert torch.equal(tiny.greedy(model, ids, mask), stock)
+
+    def fail(self):
+        raise RuntimeError("release failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FastEngine, "release", fail)
+        with pytest.raises(RuntimeError, match="release failed"):
+            revert_model(model)
+    assert is_accelerated(model) and model.config._attn_implementation == "hf_accel"
+    assert "generate" in model.__dict__ and model.__dict__.get("_hf_accel_engine") is not None
+    assert torch.equal(tiny.greedy(model, ids, mask), stock)
+    revert_model(model)
+    assert not is_accelerated(model) and model.config._attn_implementation == "sdpa"
+    assert not [k for k in model.__dict__ if k.startswith("_hf_accel")] and "generate" not in model.__dict__
+    assert torch.equal(tiny.greedy(model, ids, mask), stock)
+
+
 def test_revert_restores_eager_implementation(tiny):
     model = tiny.model("mistral", seed=9)
     model.set_attn_implementation("eager")
