@@ -147,13 +147,19 @@ def _check_passed_length(passed, input_ids, attention_mask) -> None:
                          "turn's sequences followed by the new prompt)")
 
 
+def _decoder_layers(model) -> torch.nn.ModuleList | None:
+    """``model.model.layers`` of a llama-family model (None where the model has no such ModuleList)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) else None
+
+
 def _layers_unlike_config(model) -> str | None:
     """Why a PagedCache, which keeps one pool per configured layer and takes each forward as a step of every
     layer, cannot serve the layers transformers' forward runs (the first ``config.num_hidden_layers``; None: it
     can): layers removed or reordered without updating ``config.num_hidden_layers`` and each attention's
     ``layer_idx`` (pruning). Transformers' own cache takes such a model, so its loop and cache run it."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
+    layers = _decoder_layers(model)
+    if layers is None:
         return None
     configured = getattr(model.config, "num_hidden_layers", None)
     if not isinstance(configured, int):
@@ -355,8 +361,8 @@ def _foreign_attention(model) -> str | None:
     implementation. transformers builds one attention mask per forward, in the format of the model config's
     implementation, and hands it to every layer: that layer's attention function would get hf-accel's
     mask (a 2-D key mask), which it cannot read."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
+    layers = _decoder_layers(model)
+    if layers is None:
         return None
     config = model.config
     for i, layer in enumerate(layers):
@@ -377,8 +383,8 @@ def _shared_layer_idx(model) -> str | None:
     queries and the mask cover; transformers' attention functions read that in their own ways (SDPA's causal
     flag aligns it top-left, hf-accel's kernels bottom-right), so only the model's own attention gives stock's
     tokens."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
+    layers = _decoder_layers(model)
+    if layers is None:
         return None
     configured = getattr(model.config, "num_hidden_layers", None)
     runs = configured if isinstance(configured, int) else len(layers)  # (transformers runs the first ones)
