@@ -527,8 +527,14 @@ class PagedCache(Cache):
     # -- transformers Cache API -------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write one layer's new K/V [batch, num_kv_heads, q_len, head_dim] and return what its attention
-        reads (see the module docstring). ValueError for a layer index that is not an int or that the cache was not
-        built with."""
+        reads (see the module docstring).
+
+        Raises:
+            ValueError: a layer index that is not an int or that the cache was not built with; K/V that are not
+                a 4-D batch of at least one row, whose heads or head size differ from the layer's pools, or whose
+                dtype or device differ from them while the layer holds tokens (an emptied layer makes new pools).
+            OutOfBlocksError: the step needs more free blocks than the pool has (nothing changed).
+        """
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
             raise ValueError(f"layer_idx must be an int; got {layer_idx!r}")
         if not 0 <= layer_idx < len(self.layers):
