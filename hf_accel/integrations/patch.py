@@ -147,6 +147,9 @@ def _guard_peft(peft_model, state: dict) -> None:
 
 
 def _revert_for(peft_model, what: str) -> None:
+    """Revert hf-accel on ``peft_model`` if it merged its LoRA adapters; ``what`` is the clause saying why, read
+    after "when" ("train() was called", "LoRA weights changed while merged"), in the log and in
+    :func:`revert_model`'s error afterwards."""
     state = getattr(peft_model.get_base_model(), _STATE_ATTR, None)
     if state is not None and state.get("lora_merged"):
         logger.warning("hf-accel: %s on a PeftModel whose LoRA adapters hf-accel merged: reverted hf-accel first "
@@ -156,20 +159,20 @@ def _revert_for(peft_model, what: str) -> None:
 
 
 def _peft_revert_first(peft_model, owner, name: str, *args, **kwargs):
-    _revert_for(peft_model, f"{name}()")
+    _revert_for(peft_model, f"{name}() was called")
     owner.__dict__.pop(name, None)  # (the revert removed it already)
     return getattr(owner, name)(*args, **kwargs)
 
 
 def _peft_train(peft_model, mode: bool = True):
     if mode:
-        _revert_for(peft_model, "train()")
+        _revert_for(peft_model, "train() was called")
     return type(peft_model).train(peft_model, mode)
 
 
 def _peft_pre_forward(module, args, kwargs):
     if torch.is_grad_enabled() and any(p.requires_grad for p in lora_parameters(module)):
-        _revert_for(module, "a forward with autograd")
+        _revert_for(module, "a forward with autograd ran")
     else:
         revert_if_lora_changed(module)
 
@@ -179,12 +182,12 @@ def revert_if_lora_changed(model) -> bool:
     change = lora_change(model)
     if change is not None:
         _revert_for(model if _unwrap_peft(model)[1] is not None else getattr(model, _STATE_ATTR)["lora_peft"],
-                    f"{change} while merged; a call")
+                    f"{change} while merged")
     return change is not None
 
 
 def _peft_before_load(peft_model, *args, **kwargs):
-    _revert_for(peft_model, "load_state_dict()")
+    _revert_for(peft_model, "load_state_dict() was called")
 
 
 def _peft_state_dict(peft_model, module, state_dict, prefix, local_metadata):
@@ -204,7 +207,7 @@ def _peft_state_dict(peft_model, module, state_dict, prefix, local_metadata):
     changed = (lora is None or lora != state["lora_values"][0] or scalings != state["lora_values"][1] or params is None
                or base_fingerprints([getattr(module, k) for k in params]) != stored)
     if changed:
-        _revert_for(peft_model, "state_dict() after weights changed while merged")
+        _revert_for(peft_model, "state_dict() was called after weights changed while merged")
         return
     for name, value in params.items():
         if prefix + name in state_dict:
@@ -484,8 +487,8 @@ def revert_model(model):
     if state is None:
         what = hf_model.__dict__.get(_AUTO_REVERTED_ATTR)
         if what is not None:
-            raise ValueError(f"this model is not accelerated: hf-accel already reverted it itself when {what} was "
-                             "called on the PeftModel (logged); accelerate_model(model) accelerates it again")
+            raise ValueError(f"this model is not accelerated: hf-accel already reverted it itself when {what} on "
+                             "the PeftModel (logged); accelerate_model(model) accelerates it again")
         raise ValueError("this model is not accelerated: accelerate_model was not called on it, or revert_model "
                          "already undid it")
     _restore(hf_model, peft_model, state)

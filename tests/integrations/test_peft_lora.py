@@ -177,6 +177,14 @@ def test_peft_weights_changed_while_merged_give_what_stock_gives(change, tiny, h
     assert not is_accelerated(ours) and _reverted_logged(hf_log, "")
     for (name, a), b in zip(ours.state_dict().items(), stock.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+    with pytest.raises(ValueError) as err:  # a script's own revert_model afterwards is told why, in a sentence
+        revert_model(ours)
+    base = "base weights of LoRA layers changed while merged"
+    loaded = "load_state_dict() was called"
+    said = {"load_state_dict": loaded, "set_peft_model_state_dict": loaded, "set_adapter": "add_adapter() was called", "base_in_place": base, "base_data": base}.get(
+                change, "LoRA weights or scalings changed while merged")
+    message = str(err.value)
+    assert f"hf-accel already reverted it itself when {said} on the PeftModel (logged)" in message, message
 
 
 def test_peft_state_dict_while_merged_holds_the_unmerged_weights(tiny, hf_log):
