@@ -2,7 +2,8 @@
 
 Per row: find the first earlier occurrence of the row's last ``n`` tokens (``n = max_ngram .. min_ngram``,
 longest first) among its committed tokens and draft the ``k`` tokens that followed it. One program per
-row scans the row in blocks; the PyTorch reference, :func:`ngram_lookup_ref`, takes ~12 launches per n.
+row scans the row's committed tokens (not its whole capacity) in blocks; the PyTorch reference,
+:func:`ngram_lookup_ref`, takes ~12 launches per n.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ def _ngram_lookup_kernel(Tokens, Lengths, Starts, Drafts, Valid, Ngram, Counts, 
     start = tl.load(Starts + b).to(tl.int32)
     found = length * 0 - 1
     matched = length * 0
+    # only the committed tokens from the row's first real one are scanned, not the whole capacity (prompt +
+    # max_new_tokens): a match starts at or after `start` and ends before `length`
+    first_blk = (start // BLOCK) * BLOCK
     for i in tl.static_range(MAX_NGRAM - MIN_NGRAM + 1):  # n = MAX_NGRAM - i (constexpr, written inline)
         best = length * 0 + capacity
-        for blk in range(0, capacity, BLOCK):
+        for blk in range(first_blk, length, BLOCK):
             s = blk + tl.arange(0, BLOCK)
             # (scalar conditions broadcast as tensors: Triton's interpreter rejects a scalar-and-tensor mask)
             hit = (s >= start) & (s + (MAX_NGRAM - i) < length) & (s * 0 + length - (MAX_NGRAM - i) >= start)
@@ -139,6 +143,10 @@ def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tens
 def ngram_lookup_ref(tokens: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, k: int, max_ngram: int = 3,
                      min_ngram: int = 1, with_ngram: bool = False):
     """PyTorch reference of :func:`ngram_lookup` (same arguments and results)."""
+    if tokens.device.type == "cpu" and tokens.shape[0]:
+        # only the committed columns can match or be drafted: a capacity of prompt + max_new_tokens (possibly
+        # millions) would otherwise be compared in full every round (on CUDA that would take a device read)
+        tokens = tokens[:, :max(1, int(lengths.max()))]
     b, cap = tokens.shape
     dev = tokens.device
     found = torch.full((b,), -1, dtype=torch.long, device=dev)

@@ -151,3 +151,39 @@ def test_kernel_class_counts_bad_arguments():
             ngram_lookup(tokens[:1], lengths[:1], starts[:1], 3, class_counts=counts, active=torch.ones(1, dtype=torch.bool))
     with pytest.raises(ValueError, match="needs active"):
         ngram_lookup(tokens[:1], lengths[:1], starts[:1], 3, class_counts=torch.zeros(4, dtype=torch.long))
+
+
+class _LargestTensor(torch.overrides.TorchFunctionMode):
+    """Records the most elements of any tensor an op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_lookup_work_follows_committed_tokens_not_capacity(use_kernel):
+    """A row's capacity is prompt + max_new_tokens, which a caller may set to millions: a round compares only the
+    committed tokens (the PyTorch path made [batch, capacity, n] comparisons every round, 737 ms a round on CPU
+    at max_new_tokens=10**7), with the drafts of a small buffer. The size check covers the PyTorch path; the
+    kernel (Triton's interpreter on CPU) makes no torch tensors, so for it this checks the drafts (its scan of the
+    whole capacity took ~40 s here before it stopped at the row's length)."""
+    g = torch.Generator().manual_seed(0)
+    committed = torch.randint(1, 5, (2, 60), generator=g)
+    lengths, starts = torch.tensor([60, 45]), torch.tensor([0, 3])
+    small = torch.zeros(2, 64, dtype=torch.long)
+    small[:, :60] = committed
+    want = prompt_lookup(small, lengths, starts, 5, use_kernel=use_kernel)
+    huge = torch.zeros(2, 2_000_000, dtype=torch.long)
+    huge[:, :60] = committed
+    with _LargestTensor() as seen:
+        got = prompt_lookup(huge, lengths, starts, 5, use_kernel=use_kernel)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert seen.most <= 2 * 64 * 3, seen.most  # nothing of the capacity's size (2 x 2e6) was made
