@@ -181,7 +181,8 @@ def test_peft_weights_changed_while_merged_give_what_stock_gives(change, tiny, h
         revert_model(ours)
     base = "base weights of LoRA layers changed while merged"
     loaded = "load_state_dict() was called"
-    said = {"load_state_dict": loaded, "set_peft_model_state_dict": loaded, "set_adapter": "add_adapter() was called", "base_in_place": base, "base_data": base}.get(
+    said = {"load_state_dict": loaded, "set_peft_model_state_dict": loaded, "set_adapter": "add_adapter() was called",
+            "base_in_place": base, "base_data": base}.get(
                 change, "LoRA weights or scalings changed while merged")
     message = str(err.value)
     assert f"hf-accel already reverted it itself when {said} on the PeftModel (logged)" in message, message
