@@ -9,15 +9,21 @@ recovery fine-tune, measures again and writes a safetensors checkpoint that stoc
 token, perplexity on the fixed pydoc topics text (:mod:`hf_accel.evaluation`) and, when CUDA is
 present, decode tokens/s through ``hf_accel.accelerate_model`` + ``generate``.
 
-Errors print one line to stderr and return 2. A write that fails removes what it created under ``--out``.
+Errors print one line to stderr and return 2. The checkpoint is written beside ``--out`` first and moved into place
+once complete: a write that fails or is interrupted leaves ``--out`` as it was (:func:`_write_checkpoint`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from hf_accel.conversion.gqa import GROUPINGS, METHODS
 
     parser.add_argument("--model", default=None,
-                        help="local model directory or .gguf file; 'default' or omitted: embedded SmolLM2")
+                        help="local model directory or .gguf file; 'default' or omitted: embedded SmolLM2 (a folder "
+                             "named default here is loaded instead)")
     parser.add_argument("--num-kv-heads", type=int, required=True,
                         help="new number of K/V heads (a divisor of the current number; 1 = MQA)")
     parser.add_argument("--method", choices=METHODS, default="mean",
@@ -46,11 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grouping", choices=GROUPINGS, default="adjacent",
                         help="which heads share a group: adjacent (paper; default) or similarity (calibrated)")
     parser.add_argument("--out", required=True, help="output directory for the converted checkpoint")
-    parser.add_argument("--overwrite", action="store_true", help="allow a non-empty --out directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="allow a non-empty --out directory (an earlier checkpoint there is replaced once the new "
+                             "one is written in full)")
     parser.add_argument("--dtype", default="auto",
                         help="float32, bfloat16 or float16: the conversion runs in it and the checkpoint is written "
                              "in it; auto (default): runs in bf16 on CUDA, else fp32, and writes the checkpoint in "
-                             "the source checkpoint's dtype (its config's dtype; for a GGUF, the dtype it ran in)")
+                             "the source checkpoint's dtype (its config's, else its safetensors weights'; for a "
+                             "GGUF, the dtype it ran in)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto: cuda when present (default)")
     parser.add_argument("--calibration-file", default=None,
                         help="UTF-8 text for the calibrated methods and the recovery fine-tune "
@@ -129,34 +139,88 @@ def format_table(before: dict, after: dict, ppl_label: str, no_gpu: bool) -> str
     return "\n".join(lines)
 
 
+#: Weight files of a transformers checkpoint (single file, shards, their index): those an earlier checkpoint left
+#: in ``--out`` that the new one does not replace are removed (under ``--overwrite``).
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+
+
 def _write_checkpoint(model, tokenizer, out: Path) -> None:
-    """``save_pretrained`` of the model and the tokenizer into ``out``. If that fails in any way, what this
-    call created is removed before the error propagates: the directories it made (``out`` and its missing
-    parents), or else the entries it added to an existing ``out`` (files replaced under ``--overwrite`` stay
-    replaced); no empty or half-written output is left behind. An earlier sharded checkpoint's index that the
-    new single-file checkpoint did not replace is removed (its shards are gone)."""
-    created = [p for p in (out, *out.parents) if not p.exists()]  # out first, then its missing parents
-    existing = set() if created else set(out.iterdir())
-    index = out / "model.safetensors.index.json"  # an earlier sharded checkpoint's, under --overwrite
-    index_before = index.stat() if index.is_file() else None
-    out.mkdir(parents=True, exist_ok=True)
+    """``save_pretrained`` of the model and the tokenizer into ``out``, all or nothing.
+
+    Both are written first into a new hidden directory beside ``out`` (``.NAME.partial-*``; inside an existing
+    ``out`` whose parent is not writable). If that fails or is interrupted (a full disk, Ctrl-C, SIGTERM), it is
+    removed with the parent directories this call made, and ``out`` is left as it was: also where ``out`` is an
+    earlier checkpoint under ``--overwrite``, or the source checkpoint itself. Then the written files move into
+    ``out`` by renames (the directory itself where ``out`` is new or empty; else file by file, weights first and
+    ``config.json`` last, with SIGINT and SIGTERM held until done), and weight files of an earlier checkpoint that
+    the new one did not replace (old shards, their index, a ``pytorch_model.bin``) are removed. Other files in
+    ``out`` stay."""
+    out = out.resolve() if out.is_symlink() else out.absolute()  # (a link to nothing was refused: _check_out)
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # missing parents, nearest first
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # beside out (the same file system, so the files move by renames), or inside an existing out whose parent
+    # this user may not write
+    beside = os.access(out.parent, os.W_OK | os.X_OK) or not out.is_dir()
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent if beside else out))
     try:
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(stage, 0o777 & ~umask)  # as a new directory gets (mkdtemp makes it private)
+        with _sigterm_raises():
+            model.save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
     except BaseException:
-        if created:
-            shutil.rmtree(created[-1], ignore_errors=True)
-        else:
-            for entry in set(out.iterdir()) - existing:
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry, ignore_errors=True)
-                else:
-                    entry.unlink(missing_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)
+        if made:
+            shutil.rmtree(made[-1], ignore_errors=True)
         raise
-    if index_before is not None and (out / "model.safetensors").is_file():
-        now = index.stat() if index.is_file() else None
-        if now is not None and (now.st_ino, now.st_mtime_ns) == (index_before.st_ino, index_before.st_mtime_ns):
-            index.unlink()  # not rewritten: it names the old shards (transformers removed them), not this file
+    with _signals_held():
+        if not out.exists() or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+            os.replace(stage, out)
+            return
+        written = sorted(stage.iterdir(), key=lambda e: (e.name == "config.json", not _WEIGHT_FILE.fullmatch(e.name)))
+        for entry in written:
+            target = out / entry.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+        names = {e.name for e in written}
+        for old in out.iterdir():
+            if _WEIGHT_FILE.fullmatch(old.name) and old.name not in names and old.is_file():
+                old.unlink()
+        stage.rmdir()
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM (``timeout``, ``docker stop``, job schedulers) raises SystemExit(143) in the main thread while
+    inside, so that the cleanup of a failed write runs as it does for Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM held (delivered on leaving) while the written files move into place."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 def _config_dtype(config):
@@ -169,6 +233,25 @@ def _config_dtype(config):
             value = getattr(torch, value, None)
         if value in (torch.float32, torch.bfloat16, torch.float16):
             return value
+    return None
+
+
+def _weights_dtype(model_arg):
+    """The dtype of a model directory's floating safetensors weights (float32, bfloat16 or float16: the first
+    floating tensor of its first file, as transformers' ``dtype="auto"`` falls back to), for a config that names
+    none; None for a GGUF, ``.bin`` weights or another dtype."""
+    path = Path(model_arg).expanduser() if model_arg is not None else None
+    files = sorted(path.glob("*.safetensors")) if path is not None and path.is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    with safe_open(str(files[0]), framework="pt") as f:
+        for key in f.keys():
+            kind = f.get_slice(key).get_dtype()
+            if kind.startswith(("F", "BF")):
+                return names.get(kind)
     return None
 
 
@@ -241,7 +324,7 @@ def _run(args) -> int:
     if args.model is not None and not args.model.strip():
         raise CliError("--model is empty; give a model directory or .gguf file (or leave it out for the embedded "
                        "model)")
-    model_arg = None if args.model in (None, "default") else args.model
+    model_arg = args.model  # "default": the embedded model, unless a folder of that name is here (load_model)
     config = load_config(model_arg)  # seconds: a count the model cannot take is refused before its load
     if getattr(config, "num_key_value_heads", None) and getattr(config, "num_attention_heads", None):
         check_num_kv_heads(config, args.num_kv_heads)
@@ -258,9 +341,15 @@ def _run(args) -> int:
     if calibrated and args.calibration_tokens < args.context_length:
         raise CliError(f"--calibration-tokens {args.calibration_tokens} is less than --context-length "
                        f"{args.context_length}: the calibration reads whole windows of --context-length tokens")
-    source_dtype = _config_dtype(config) if args.dtype == "auto" else None
+    source_dtype = None
+    if args.dtype == "auto":
+        source_dtype = _config_dtype(config) or _weights_dtype(model_arg)
     t0 = time.perf_counter()
-    model, tokenizer = load_model(model_arg, dtype=dtype, device=device)
+    try:  # strict: weights missing or of no place in the model would be written as random or dropped
+        model, tokenizer = load_model(model_arg, dtype=dtype, device=device, strict=True)
+    except RuntimeError as e:  # transformers' own load errors (not OSError / ValueError)
+        detail = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise CliError(f"could not load the model: {type(e).__name__}: {detail}") from None
     _check_model(model)  # a model type the conversion does not take: its one-line error before anything else
     print(f"loaded {type(model).__name__} ({model.config.model_type}, {model.config.num_attention_heads} heads, "
           f"{model.config.num_key_value_heads} KV heads, {dtype}, {device}) in {time.perf_counter() - t0:.1f} s",

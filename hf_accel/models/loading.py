@@ -86,7 +86,8 @@ def _resolve_dtype(dtype) -> torch.dtype:
     return names[key]
 
 
-def load_model(model: str | os.PathLike | None = None, *, dtype="float32", device="cpu", tokenizer: bool = True):
+def load_model(model: str | os.PathLike | None = None, *, dtype="float32", device="cpu", tokenizer: bool = True,
+               strict: bool = False):
     """Load (model, tokenizer) for inference, in eval mode, on ``device``.
 
     Args:
@@ -97,13 +98,17 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
         device: "cpu", "cuda" or "cuda:N" (or a ``torch.device``); checked before loading (:func:`check_device`).
         tokenizer: False: load no tokenizer and return None in its place (a draft model, which shares the
             target's tokenizer, needs no tokenizer files of its own).
+        strict: raise ValueError where the checkpoint's weights do not match the model its config builds
+            (weights missing, which transformers leaves at their random initialisation with a logged report;
+            weights the model has no place for, which it drops; or shapes that differ). Without it, transformers'
+            own behaviour: missing and dropped weights are only reported, differing shapes raise RuntimeError.
 
     Raises:
         ModelNotFoundError: the model path is empty or does not exist, is a file but not a ``.gguf``, is a
             directory without ``config.json``, the default model is not installed, or (with ``tokenizer``) a
             model directory has no tokenizer files.
-        ValueError: unknown dtype, a device that is not there (:func:`check_device`), or a ``.gguf`` that ends early
-            (truncated or corrupt).
+        ValueError: unknown dtype, a device that is not there (:func:`check_device`), a ``.gguf`` that ends early
+            (truncated or corrupt), or (``strict``) weights that do not match the config.
         TypeError: ``model`` is not a str, ``os.PathLike`` or None.
         OSError / ValueError from transformers: the files do not load (no weights, not a GGUF, ...).
     """
@@ -113,6 +118,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
     device = check_device(device)
     path = _model_path(model)
     tok = _tokenizer_at(path) if tokenizer else None
+    checks = {"output_loading_info": True, "ignore_mismatched_sizes": True} if strict else {}
     if path.is_file():
         from transformers import GgufConfig
 
@@ -122,11 +128,37 @@ def load_model(model: str | os.PathLike | None = None, *, dtype="float32", devic
             # dense weights of ``dtype`` (hf-accel's kernels read plain nn.Linear weights), also where transformers
             # could keep the GGUF blocks packed (its GGUF matmul kernels), which it would then run in float32
             hf_model = AutoModelForCausalLM.from_pretrained(
-                where, dtype=torch_dtype, quantization_config=GgufConfig(dequantize=True), **kwargs)
+                where, dtype=torch_dtype, quantization_config=GgufConfig(dequantize=True), **kwargs, **checks)
     else:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True, **checks)
+    if strict:
+        hf_model, info = hf_model
+        _check_loading_info(path, type(hf_model).__name__, info)
     hf_model.to(device).eval()
     return hf_model, tok
+
+
+def _check_loading_info(path: Path, model_class: str, info: dict) -> None:
+    """ValueError naming the weights of ``path`` that did not load into ``model_class`` as they are (transformers'
+    ``output_loading_info``: missing, unexpected and mismatched keys), a few of each."""
+    def some(keys) -> str:
+        keys = sorted(keys)
+        return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"{len(info['missing_keys'])} missing (they would be random: {some(info['missing_keys'])})")
+    if info.get("unexpected_keys"):
+        problems.append(f"{len(info['unexpected_keys'])} with no place in the model (they would be dropped: "
+                        f"{some(info['unexpected_keys'])})")
+    if info.get("mismatched_keys"):
+        shapes = sorted(info["mismatched_keys"])
+        shown = "; ".join(f"{k}: checkpoint {tuple(a)}, model {tuple(b)}" for k, a, b in shapes[:3])
+        problems.append(f"{len(shapes)} of another shape than the config gives ({shown}"
+                        f"{f' and {len(shapes) - 3} more' if len(shapes) > 3 else ''})")
+    if problems:
+        raise ValueError(f"the weights of {str(path)!r} do not match the {model_class} its config builds: "
+                         + "; ".join(problems))
 
 
 def load_tokenizer(model: str | os.PathLike | None = None):

@@ -406,3 +406,153 @@ def test_a_truncated_gguf_is_one_line_and_exit_2(cut_gguf, tmp_path, capsys):
     assert main(["--model", str(cut), "--num-kv-heads", "1", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("hf-accel convert-gqa: error: ") and "could not be read as a GGUF file" in err[-1]
+
+
+def _convert(src, out, *extra):
+    return main(["--model", str(src), "--num-kv-heads", "2", "--out", str(out), "--eval-tokens", "0", "--device",
+                 "cpu", *extra])
+
+
+def _edit_weights(path, edit):
+    """Rewrite ``path``'s model.safetensors with ``edit(tensors)`` applied (a dict it may change)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected", "classifier"])
+def test_weights_that_do_not_match_the_model_are_refused(change, tmp_path, capsys):
+    """A weight missing from the source (transformers fills it at random), one the model has no place for (it is
+    dropped), or a sequence-classification checkpoint (no LM head) was converted and written with exit 0, and the
+    written checkpoint then loaded with no warning: now one line naming the weights, exit 2, nothing written."""
+    src = _tiny_dir(tmp_path / "src")
+    if change == "missing":
+        _edit_weights(src, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+        want = "1 missing (they would be random: model.layers.1.self_attn.k_proj.weight)"
+    elif change == "unexpected":
+        _edit_weights(src, lambda t: t.update({"model.extra.weight": torch.ones(2)}))
+        want = "1 with no place in the model (they would be dropped: model.extra.weight)"
+    else:
+        from transformers import AutoModelForSequenceClassification
+
+        AutoModelForSequenceClassification.from_pretrained(src, num_labels=3).save_pretrained(src)
+        want = "missing (they would be random: lm_head.weight)"
+    out = tmp_path / "out"
+    assert _convert(src, out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"hf-accel convert-gqa: error: the weights of {str(src)!r} do not match the "
+                              "LlamaForCausalLM its config builds: ") and want in err[-1], err[-1]
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+def test_a_config_that_does_not_match_its_weights_is_one_line(tmp_path, capsys):
+    """num_key_value_heads edited in config.json but not in the weights: transformers raised a RuntimeError, shown as
+    a traceback with exit 1; now one line naming the weights and both shapes, exit 2."""
+    import json
+
+    src = _tiny_dir(tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["num_key_value_heads"] = 2
+    (src / "config.json").write_text(json.dumps(config))
+    assert main(["--model", str(src), "--num-kv-heads", "1", "--out", str(tmp_path / "out"), "--eval-tokens", "0",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "4 of another shape than the config gives (model.layers.0.self_attn.k_proj.weight: checkpoint (32, 32), " \
+           "model (16, 32);" in err, err
+
+
+def test_in_place_conversion_that_fails_to_write_leaves_the_source_as_it_was(tmp_path, monkeypatch, capsys):
+    """--out equal to --model under --overwrite: a write that failed part-way (a full disk) left the new config
+    (2 KV heads) beside the old weights (4), a source that no longer loaded. Now the source is untouched; and a
+    write that succeeds replaces it in place, keeping its other files."""
+    from transformers import PreTrainedModel
+
+    src = _tiny_dir(tmp_path / "src")
+    (src / "README.md").write_text("notes")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    original = PreTrainedModel.save_pretrained
+
+    def config_then_full_disk(self, path, *args, **kwargs):
+        self.config.save_pretrained(path)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", config_then_full_disk)
+    assert _convert(src, src, "--overwrite") == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no staging directory left
+    assert AutoModelForCausalLM.from_pretrained(src).config.num_key_value_heads == 4
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", original)
+    assert _convert(src, src, "--overwrite") == 0, capsys.readouterr().err
+    assert AutoModelForCausalLM.from_pretrained(src).config.num_key_value_heads == 2
+    assert (src / "README.md").read_text() == "notes" and [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+def test_sigterm_while_writing_leaves_nothing_behind(model_dir, tmp_path, monkeypatch):
+    """SIGTERM (timeout, docker stop) during the write left a partial --out (weights and config without
+    tokenizer.json) that looked like a checkpoint; now it exits 143 with nothing written, as Ctrl-C does."""
+    import os
+    import signal
+
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.save_pretrained
+
+    def save_then_terminated(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_then_terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        _convert(model_dir, tmp_path / "out")
+    assert stop.value.code == 143 and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_overwrite_replaces_an_earlier_checkpoints_weight_files_and_keeps_other_files(model_dir, tmp_path, capsys):
+    """An --out holding another checkpoint in pytorch_model.bin and a file of the user's: the new checkpoint's files
+    move in, the stale .bin goes, the user's file stays; the directory gets the usual permissions."""
+    import os
+
+    out = tmp_path / "out"
+    old = AutoModelForCausalLM.from_pretrained(model_dir)
+    old.config.save_pretrained(out)
+    torch.save(old.state_dict(), out / "pytorch_model.bin")
+    (out / "notes.txt").write_text("mine")
+    assert _convert(model_dir, out, "--overwrite") == 0, capsys.readouterr().err
+    assert not (out / "pytorch_model.bin").exists() and (out / "notes.txt").read_text() == "mine"
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_key_value_heads == 2
+    new = tmp_path / "new"
+    assert _convert(model_dir, new) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert new.stat().st_mode & 0o777 == 0o777 & ~umask  # not the private mode of a temporary directory
+
+
+def test_auto_dtype_without_a_dtype_in_the_config_follows_the_weights(tmp_path, capsys):
+    """A float16 checkpoint whose config.json names no dtype (transformers' dtype="auto" reads the weights then)
+    was written as float32, twice the size."""
+    import json
+
+    src = _tiny_dir(tmp_path / "src", dtype=torch.float16)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (src / "config.json").write_text(json.dumps(config))
+    assert _convert(src, tmp_path / "out") == 0
+    assert "writing the checkpoint in float16" in capsys.readouterr().err
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
+    assert loaded.model.layers[0].self_attn.k_proj.weight.dtype == torch.float16
+
+
+def test_model_default_means_what_it_means_to_generate(tmp_path, monkeypatch, capsys):
+    """`--model default` with a folder named default in the working directory: generate (load_model) loads the
+    folder; convert-gqa loaded the embedded model instead. Both now load the folder."""
+    _tiny_dir(tmp_path / "default")
+    monkeypatch.chdir(tmp_path)
+    assert _convert("default", tmp_path / "out") == 0, capsys.readouterr().err
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.hidden_size == 32

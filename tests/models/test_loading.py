@@ -326,3 +326,26 @@ def test_dtype_names_ignore_case():
     from hf_accel.models.loading import _resolve_dtype
 
     assert _resolve_dtype("FP16") is torch.float16 and _resolve_dtype("BFloat16") is torch.bfloat16
+
+
+def test_strict_load_names_weights_that_do_not_match_the_config(tmp_path):
+    """``strict=True``: a missing weight (transformers fills it at random and only reports it) and a weight of another
+    shape (transformers' RuntimeError) are a ValueError naming them; the complete checkpoint loads."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model, tok = load_model(tmp_path, tokenizer=False, strict=True)
+    assert tok is None and model.config.num_key_value_heads == 2
+    weights = load_file(tmp_path / "model.safetensors")
+    shapes = dict(weights)
+    shapes["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(8, 32)
+    del shapes["model.layers.0.mlp.up_proj.weight"]
+    save_file(shapes, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        load_model(tmp_path, tokenizer=False, strict=True)
+    assert "1 missing (they would be random: model.layers.0.mlp.up_proj.weight)" in str(err.value)
+    assert ("1 of another shape than the config gives (model.layers.0.self_attn.v_proj.weight: checkpoint (8, 32), "
+            "model (16, 32))") in str(err.value)
