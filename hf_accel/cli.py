@@ -10,6 +10,7 @@ or ``--draft-model PATH`` runs the accelerated side with speculative decoding an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -48,7 +49,8 @@ def _add_generate(sub):
     p = sub.add_parser("generate", help="stream an answer and compare stock HF generate vs hf-accel")
     p.add_argument("--prompt", required=True, help="the user prompt (chat template applied if the tokenizer has one)")
     p.add_argument("--model", default=None,
-                   help="local HF model directory or .gguf file ('default' or omitted: embedded SmolLM2)")
+                   help="local HF model directory or .gguf file ('default' or omitted: embedded SmolLM2; a folder "
+                        "named default here is loaded instead)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, type=_dtype_name, metavar="{float32,float16,bfloat16}",
@@ -135,8 +137,8 @@ def backoff_hint(spec: dict) -> str | None:
         return None
     low, high = f"{min(verify):.2f}", f"{max(verify):.2f}"
     took = low if low == high else f"{low}-{high}"
-    return (f"  mostly plain steps: here a verify round took {took} ms against "
-            f"{plain:.2f} ms for a plain step, so the adaptive draft length drafts only where enough is accepted")
+    return (f"  mostly plain steps: here a verify round took {took} ms and a plain step {plain:.2f} ms; the "
+            "adaptive draft length drafts only where the tokens a round is expected to accept pay for its time")
 
 
 #: Tokens a chat template and special tokens may add around the prompt, at most (for the bound below).
@@ -291,14 +293,39 @@ def _run_generate(args) -> int:
             print(hint)
     if args.json_out:
         try:
-            with open(args.json_out, "w") as f:
-                json.dump({"device": device, "dtype": dtype, "prompt": prompt, "identical": identical,
-                           "speculative": spec, "stock": stock.as_dict(), "hf_accel": ours.as_dict(),
-                           "answer": tokenizer.decode(ours.sequences[0, inputs["input_ids"].shape[1]:],
-                                                      skip_special_tokens=True)}, f, indent=2)
+            _write_json(args.json_out, {
+                "device": device, "dtype": dtype, "prompt": prompt, "identical": identical, "speculative": spec,
+                "stock": stock.as_dict(), "hf_accel": ours.as_dict(),
+                "answer": tokenizer.decode(ours.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)})
         except OSError as e:
             raise CLIError(f"--json {args.json_out}: could not write the results ({e.strerror or e})") from None
     return 0
+
+
+def _write_json(path: str, data) -> None:
+    """``data`` as JSON at ``path``. A regular file (or a new one) is written beside it first and renamed into place,
+    so a failed write (a full disk) leaves neither an empty nor a cut-off file, and an earlier file as it was; other
+    paths (``/dev/stdout``, a pipe) are written directly. Raises OSError."""
+    real = os.path.realpath(path)
+    if os.path.exists(real) and not os.path.isfile(real):
+        with open(real, "w") as f:
+            json.dump(data, f, indent=2)
+        return
+    import tempfile
+
+    fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(real)}.", suffix=".partial",
+                                   dir=os.path.dirname(real))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(partial, 0o666 & ~umask)  # as a new file gets (mkstemp makes it private)
+        os.replace(partial, real)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
 
 
 def _add_verbose(p) -> None:
