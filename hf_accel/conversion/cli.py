@@ -341,6 +341,10 @@ def _run(args) -> int:
     if calibrated and args.calibration_tokens < args.context_length:
         raise CliError(f"--calibration-tokens {args.calibration_tokens} is less than --context-length "
                        f"{args.context_length}: the calibration reads whole windows of --context-length tokens")
+    hidden = getattr(config, "hidden_size", None)
+    if args.method == "pca" and hidden and args.calibration_tokens <= hidden:  # (convert_to_gqa checks what is used)
+        raise CliError(f"--method pca needs more --calibration-tokens than the model's hidden size {hidden} (it "
+                       f"inverts each layer's input second moment); got {args.calibration_tokens}")
     source_dtype = None
     if args.dtype == "auto":
         source_dtype = _config_dtype(config) or _weights_dtype(model_arg)

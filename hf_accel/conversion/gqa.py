@@ -205,7 +205,8 @@ def convert_to_gqa(
             current count, < 1 or > current (the message lists the valid choices); unknown method or
             grouping; a ``batch_size`` below 1; a calibrated choice without calibration text; too little
             calibration text, token ids outside the model's vocabulary, a ``context_length`` that is not an int in
-            [2, the model's positions], or ``calibration_tokens`` not an int >= ``context_length``.
+            [2, the model's positions], or ``calibration_tokens`` not an int >= ``context_length``; with
+            ``method="pca"``, no more calibration tokens (whole windows) than ``hidden_size``.
     """
     from tqdm.auto import tqdm
 
@@ -252,6 +253,13 @@ def convert_to_gqa(
             raise ValueError(f"calibration_tokens={calibration_tokens} is less than context_length={context_length}: "
                              "not one calibration window")
         windows = calibration_windows(ids, context_length, calibration_tokens)
+        hidden = getattr(cfg, "hidden_size", None)
+        if method == "pca" and hidden and windows.numel() <= hidden:
+            # the moment has rank <= tokens: its inverse square root would blow the refitted Q/O weights up
+            raise ValueError(f"method='pca' refits Q/O through the inverse square root of each layer's input second "
+                             f"moment (hidden_size + 1 = {hidden + 1} square): it needs more calibration tokens than "
+                             f"hidden_size={hidden}; got {windows.numel()} (calibration_tokens={calibration_tokens}, "
+                             f"whole windows of context_length={context_length})")
         moments = collect_input_moments(model, windows, batch_size=batch_size, progress=progress)
 
     d = head_dim_of(model)

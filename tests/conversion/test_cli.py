@@ -556,3 +556,15 @@ def test_model_default_means_what_it_means_to_generate(tmp_path, monkeypatch, ca
     monkeypatch.chdir(tmp_path)
     assert _convert("default", tmp_path / "out") == 0, capsys.readouterr().err
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.hidden_size == 32
+
+
+def test_pca_with_no_more_calibration_tokens_than_the_hidden_size_is_refused_before_loading(model_dir, tmp_path,
+                                                                                             capsys, monkeypatch):
+    import hf_accel.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    rc = main(["--model", str(model_dir), "--num-kv-heads", "2", "--method", "pca", "--out", str(tmp_path / "o"),
+               "--context-length", "16", "--calibration-tokens", "32", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and err == ("hf-accel convert-gqa: error: --method pca needs more --calibration-tokens than the "
+                               "model's hidden size 32 (it inverts each layer's input second moment); got 32")

@@ -20,7 +20,7 @@ from hf_accel.conversion import (
 )
 from hf_accel.conversion.heads import attention_modules
 
-from gqa_tiny_models import build, logits, tokens, write_gguf
+from gqa_tiny_models import VOCAB, build, logits, tokens, write_gguf
 
 TIGHT = dict(rtol=1e-9, atol=1e-9)
 
@@ -427,3 +427,19 @@ def test_a_layer_that_fails_leaves_every_layer_as_before(how, monkeypatch):
     monkeypatch.setattr(gqa, name, original)
     convert_to_gqa(model, 2)  # and the model still converts
     assert all(m.k_proj.weight.shape == (16, 64) for m in attention_modules(model))
+
+
+def test_pca_with_fewer_calibration_tokens_than_the_hidden_size_is_refused():
+    """PCA inverts each layer's input second moment ([hidden + 1] square, rank <= tokens): from 2 tokens it gave
+    v_proj weights ~3000x the source's, with no word; now a ValueError names the minimum. One token more than the
+    hidden size converts, with weights of the source's size."""
+    model = build("llama", num_heads=4, num_kv_heads=4, head_dim=8, layers=1, dtype=torch.float32)  # hidden 32
+    cal = torch.arange(200) % VOCAB
+    with pytest.raises(ValueError, match=r"method='pca' .* needs more calibration tokens than hidden_size=32; got "
+                                         r"32 \(calibration_tokens=32, whole windows of context_length=16\)"):
+        convert_to_gqa(copy.deepcopy(model), 2, method="pca", calibration_text=cal, context_length=16,
+                       calibration_tokens=32)
+    done = convert_to_gqa(copy.deepcopy(model), 2, method="pca", calibration_text=cal, context_length=11,
+                          calibration_tokens=33)
+    source = model.model.layers[0].self_attn.v_proj.weight.abs().max()
+    assert done.model.layers[0].self_attn.v_proj.weight.abs().max() < 10 * source
