@@ -187,3 +187,18 @@ def test_lookup_work_follows_committed_tokens_not_capacity(use_kernel):
         got = prompt_lookup(huge, lengths, starts, 5, use_kernel=use_kernel)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert seen.most <= 2 * 64 * 3, seen.most  # nothing of the capacity's size (2 x 2e6) was made
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_lookup_of_a_row_whose_padding_spans_whole_scan_blocks(use_kernel):
+    """The kernel's scan starts at the block holding the row's first real token: a left padding of more than one
+    1024-token block, with a match inside the padding (never used) and one after it."""
+    cap, start, length = 2100, 1100, 2000
+    tokens = torch.full((1, cap), 3, dtype=torch.long)
+    tokens[0, :start] = 0
+    tokens[0, 5:8] = torch.tensor([7, 8, 9])  # in the padding: not a match
+    tokens[0, 1500:1504] = torch.tensor([7, 8, 1, 2])
+    tokens[0, length - 2:length] = torch.tensor([7, 8])
+    drafts, valid = prompt_lookup(tokens, torch.tensor([length]), torch.tensor([start]), 3, max_ngram=2,
+                                  use_kernel=use_kernel)
+    assert drafts[0][valid[0]].tolist() == [1, 2, 3]
