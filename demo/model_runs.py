@@ -95,7 +95,11 @@ class ModelStore:
 
     @staticmethod
     def normalise_path(path) -> str | None:
+        """The model a Model box entry names: None for the embedded model (empty, or "default" where no folder of
+        that name is here, as :func:`hf_accel.models.load_model` reads it), else the stripped path."""
         p = (path or "").strip()
+        if p == "default" and not os.path.exists(p):
+            return None
         return p or None
 
     def is_loaded(self, path) -> bool:
@@ -148,13 +152,21 @@ class ModelStore:
 # --------------------------------------------------------------------------------------------------
 
 
+class GenerationStopped(Exception):
+    """Raised from a :class:`PaneRun`'s streamer once :meth:`PaneRun.stop` was called: it ends the ``generate``
+    call at its next token (an exception from a streamer leaves no state behind, in stock transformers and in
+    hf-accel)."""
+
+
 class PaneRun:
     """Runs ``measure_generate`` in a thread and records tokens, timestamps and KV-cache bytes.
 
     It is the inner streamer of :func:`hf_accel.measure_generate` (which does the timing). Each new token
     samples the K/V memory of the cache the call writes: with ``paged`` (a model accelerated with its paged
     cache) the one :func:`hf_accel.cache_in_use` names, with no hook (a forward hook turns hf-accel's fast decode
-    path off); otherwise the one the model's forward returns, caught by a forward hook.
+    path off); otherwise the one the model's forward returns, caught by a forward hook. :meth:`stop` ends the
+    call at its next token (a stopping criterion would do it too, but would take hf-accel off its fused decode
+    loop, which the comparison measures).
     """
 
     def __init__(self, model, inputs: dict, gen_kwargs: dict, *, paged: bool = False):
@@ -171,11 +183,24 @@ class PaneRun:
         self.error: str | None = None
         self.started = False
         self.done = threading.Event()
+        self.stopped = False  # ended by stop() before its last token
+        self._stop = threading.Event()
         self._prompt_seen = False
         self._paged = paged
 
+    def stop(self) -> None:
+        """End the generation at its next token (nothing happens to a run that has ended or never starts)."""
+        self._stop.set()
+
+    def wait(self) -> None:
+        """Return once the run has ended; at once for a run that was never started."""
+        if self.started:
+            self.done.wait()
+
     # streamer interface
     def put(self, value):
+        if self._stop.is_set():
+            raise GenerationStopped
         if self._paged:
             self._cache = hf_accel.cache_in_use(self.model) or self._cache
         if not self._prompt_seen:  # generate hands the prompt over after the prefill
@@ -222,6 +247,8 @@ class PaneRun:
             self.t_start = time.perf_counter()
             with torch.inference_mode():
                 self.stats = hf_accel.measure_generate(self.model, self.inputs, streamer=self, **self.gen_kwargs)
+        except GenerationStopped:
+            self.stopped = True
         except Exception as e:
             log.warning("generate failed", exc_info=True)
             self.error = f"generation failed: {type(e).__name__}: {first_line(e)}"

@@ -218,10 +218,14 @@ def run_comparison(store: ModelStore, feats, model_path, prompt_text, n_new, dec
         return
     settings = dataclasses.replace(settings, max_new_tokens=n_new)
     kw = generate_kwargs(settings, tokenizer.pad_token_id)
-    if not all(r.done.is_set() for r in store.last_runs):
-        yield out(st("Waiting for the previous generation to finish…"))
+    if any(r.started and not r.done.is_set() for r in store.last_runs):
+        # comparisons run one at a time (concurrency_limit=1), so the request of these is gone: its page was
+        # closed or its event cancelled, which stops the handler but not the generation threads
+        yield out(st("Stopping the previous generation (its page was closed or it was cancelled)…"))
         for r in store.last_runs:
-            r.done.wait()
+            r.stop()
+        for r in store.last_runs:
+            r.wait()
     runs = {STOCK: PaneRun(stock_model, inputs, kw),
             ACCEL: PaneRun(accel_model, inputs, kw, paged=uses_paged_cache(enabled, feats))}
     store.last_runs = list(runs.values())
@@ -242,11 +246,16 @@ def run_comparison(store: ModelStore, feats, model_path, prompt_text, n_new, dec
     else:
         runs[STOCK].start()
     running_msg = f"Generating ({how}, {settings.max_new_tokens} new tokens max{'; ' + cap_note if cap_note else ''})…"
-    while not all(r.done.is_set() for r in runs.values()):
-        if not runs[ACCEL].started and runs[STOCK].done.is_set():
-            runs[ACCEL].start()
-        yield snapshot(running_msg)
-        time.sleep(POLL_S)
+    try:
+        while not all(r.done.is_set() for r in runs.values()):
+            if not runs[ACCEL].started and runs[STOCK].done.is_set():
+                runs[ACCEL].start()
+            yield snapshot(running_msg)
+            time.sleep(POLL_S)
+    except GeneratorExit:  # the handler was closed (cancelled, page gone): its generations stop too
+        for r in runs.values():
+            r.stop()
+        raise
     s, a = runs[STOCK], runs[ACCEL]
     errors = [f"{PANE_TITLES[k]}: {r.error}" for k, r in runs.items() if r.error]
     if errors:

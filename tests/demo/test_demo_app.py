@@ -626,3 +626,95 @@ def test_app_main_refuses_a_model_it_cannot_run(tmp_path, capsys):
     for path, message in ((gpt2, "does not support model_type 'gpt2'"), (empty, "the folder has no weights")):
         assert app.main(["--model", str(path), "--no-preload"]) == 2
         assert message in capsys.readouterr().err
+
+
+class _StopAfter3(app.PaneRun):
+    def put(self, value):
+        super().put(value)
+        if len(self.token_ids) == 3:
+            self.stop()
+
+
+@pytest.mark.parametrize("accelerated", [False, True])
+def test_pane_run_stop_ends_the_generation_at_the_next_token(accelerated):
+    """stop() ends the call at its next token, with no error, and the model's next call is whole (hf-accel's fast
+    path included: its cache is released)."""
+    import hf_accel
+
+    model = _tiny_llama()
+    want = model.generate(**_TinyTokenizer()("hello there"), max_new_tokens=40, do_sample=False, pad_token_id=0)
+    if accelerated:
+        hf_accel.accelerate_model(model)
+    inputs = _TinyTokenizer()("hello there")
+    run = _StopAfter3(model, inputs, dict(max_new_tokens=40, do_sample=False, pad_token_id=0), paged=accelerated)
+    run.start()
+    assert run.done.wait(60) and run.stopped and run.error is None and len(run.token_ids) == 3
+    again = app.PaneRun(model, inputs, dict(max_new_tokens=40, do_sample=False, pad_token_id=0), paged=accelerated)
+    again.start()
+    assert again.done.wait(60) and not again.stopped and again.error is None
+    assert torch.equal(again.stats.sequences.cpu(), want)
+    if accelerated:
+        assert hf_accel.cache_in_use(model) is None
+
+
+class _SlowRun(app.PaneRun):
+    def put(self, value):
+        import time
+
+        time.sleep(0.01)
+        super().put(value)
+
+
+def test_a_closed_comparison_stops_its_generations(tiny, monkeypatch):
+    """Gradio closes the handler of a cancelled request (or a closed page): its generation threads ran on to the end
+    (up to 1024 tokens) and the next request waited for them; now they stop."""
+    pytest.importorskip("gradio")
+    page = sys.modules["page"]
+    monkeypatch.setattr(page, "PaneRun", _SlowRun)
+    store = app.ModelStore(CPU, loader=_loader_for(tiny))
+    feats = [f for f in app.available_features() if f.key == "attention"]
+    gen = app.run_comparison(store, feats, "", "hello", 100, "Greedy", 0.7, 0.9, "concurrent", [True, None], 3)
+    for status, *_ in gen:
+        if "Generating" in status:
+            break
+    gen.close()
+    for r in store.last_runs:
+        assert r.done.wait(30)
+    assert all(r.stopped for r in store.last_runs) and all(len(r.token_ids) < 100 for r in store.last_runs)
+
+
+def test_the_next_request_stops_a_gone_requests_runs_and_does_not_wait_for_one_never_started(tiny):
+    """A request whose handler is gone (runs are one at a time) left runs behind: one running, stopped now
+    (it was waited for to its end), and, in sequential mode, the hf-accel one never started, which the next request
+    waited for forever."""
+    import threading
+
+    pytest.importorskip("gradio")
+    running = SimpleNamespace(started=True, done=threading.Event(), stopped_by=[])
+    running.stop = lambda: (running.stopped_by.append(1), running.done.set())
+    running.wait = running.done.wait
+    never = app.PaneRun(tiny[0], tiny[1]("hi"), {})  # not started: its done event is never set
+    store = app.ModelStore(CPU, loader=_loader_for(tiny))
+    store.last_runs = [running, never]
+    feats = [f for f in app.available_features() if f.key == "attention"]
+    outs = []
+    worker = threading.Thread(target=lambda: outs.extend(app.run_comparison(
+        store, feats, "", "hello", 4, "Greedy", 0.7, 0.9, "sequential", [True, None], 4)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "the request waited for a run that never started"
+    assert running.stopped_by and any("Stopping the previous generation" in o[0] for o in outs)
+    assert 'data-kind="ok"' in outs[-1][0]
+
+
+def test_store_default_names_the_embedded_model(tiny, tmp_path, monkeypatch):
+    """"default" in the Model box is the embedded model, as for `hf-accel generate`: it reloaded the same weights
+    (15 s for SmolLM2 on a CPU) when the box changed between empty and "default"; a folder named default is a path."""
+    monkeypatch.chdir(tmp_path)
+    store = app.ModelStore(CPU, loader=_loader_for(tiny))
+    store.load("")
+    assert store.is_loaded("default") and store.is_loaded(" default ")
+    store.load("default")
+    assert store._loader.calls == [None]
+    (tmp_path / "default").mkdir()
+    assert not store.is_loaded("default") and app.ModelStore.normalise_path("default") == "default"
