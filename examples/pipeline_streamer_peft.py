@@ -41,6 +41,8 @@ except Exception as e:  # files that do not load (no weights, not a GGUF, a corr
 if model.config.model_type not in SUPPORTED_MODEL_TYPES:  # checked before the stock run, not after it
     parser.error(f"hf-accel does not support model_type {model.config.model_type!r}; supported: "
                  f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+# an instruct model gets the prompt as a chat turn; a base model (no chat template) as plain text
+chat = bool(tokenizer.chat_template)
 messages = [{"role": "user", "content": args.prompt}]
 greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
@@ -52,8 +54,10 @@ def report(part, stock, ours):
 
 # 1. A text-generation pipeline over the model.
 def ask_pipeline(m):
-    chat = pipeline("text-generation", model=m, tokenizer=tokenizer, device=m.device)
-    return chat(messages, **greedy)[0]["generated_text"][-1]["content"]
+    generator = pipeline("text-generation", model=m, tokenizer=tokenizer, device=m.device)
+    if chat:
+        return generator(messages, **greedy)[0]["generated_text"][-1]["content"]
+    return generator(args.prompt, return_full_text=False, **greedy)[0]["generated_text"]
 
 
 stock = ask_pipeline(model)
@@ -63,8 +67,8 @@ report("pipeline", stock, ask_pipeline(model))
 
 # 2. A streamer read while generate runs in another thread (how chat UIs stream).
 def ask_streaming(m):
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True).to(device)
+    inputs = (tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+              if chat else tokenizer(args.prompt, return_tensors="pt")).to(device)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     worker = threading.Thread(target=m.generate, kwargs=dict(**inputs, **greedy, streamer=streamer))
     worker.start()

@@ -64,8 +64,12 @@ except ValueError as e:  # a draft hf-accel cannot use (another vocabulary, an u
     parser.error(f"--draft-model {args.draft_model}: {e}" if args.draft_model is not None else str(e))
 
 passage = topics["with"][:800]
-messages = [{"role": "user", "content": f"Rewrite this passage in plain English, keeping its terms:\n\n{passage}"}]
-inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+request = f"Rewrite this passage in plain English, keeping its terms:\n\n{passage}"
+if tokenizer.chat_template:  # an instruct model: the request as a chat turn
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+else:  # a base model (its tokenizer has no chat template): the request as plain text
+    inputs = tokenizer(request, return_tensors="pt")
 inputs = inputs.to(device)
 start = time.perf_counter()
 out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)

@@ -177,3 +177,37 @@ def test_examples_name_an_unsupported_model_type_in_one_line(tmp_path):
         run = _run_here(script, "--model", str(tmp_path))
         assert run.returncode == 2 and "Traceback" not in run.stderr, (script, run.stderr[-1500:])
         assert "does not support model_type 'gpt2'" in run.stderr.strip().splitlines()[-1], script
+
+
+@pytest.fixture(scope="module")
+def base_model_dir(tmp_path_factory):
+    """A tiny llama whose tokenizer has no chat template (a base model)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from hf_accel.evaluation import pydoc_topics_text
+
+    path = tmp_path_factory.mktemp("base-model")
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator([pydoc_topics_text()[:20_000]],
+                           trainers.BpeTrainer(vocab_size=96, special_tokens=["<unk>", "<eos>"], limit_alphabet=60))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
+    assert not tokenizer.chat_template
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=1)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("script", ["one_line_patch.py", "speculative_decoding.py", "pipeline_streamer_peft.py"])
+def test_examples_run_a_model_without_a_chat_template(script, base_model_dir):
+    """A base model (its tokenizer has no chat template) gets the prompt as plain text; every example ended in a
+    traceback from apply_chat_template."""
+    run = _run_here(script, "--model", str(base_model_dir), "--max-new-tokens", "4")
+    assert run.returncode == 0, run.stderr
+    if script == "pipeline_streamer_peft.py":
+        assert run.stdout.count("same answer") == 3, run.stdout
