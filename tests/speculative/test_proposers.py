@@ -183,9 +183,11 @@ def test_lookup_work_follows_committed_tokens_not_capacity(use_kernel):
     want = prompt_lookup(small, lengths, starts, 5, use_kernel=use_kernel)
     huge = torch.zeros(2, 2_000_000, dtype=torch.long)
     huge[:, :60] = committed
+    dev = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"  # the kernel: Triton's interpreter on CPU
+    huge, lengths, starts = huge.to(dev), lengths.to(dev), starts.to(dev)
     with _LargestTensor() as seen:
         got = prompt_lookup(huge, lengths, starts, 5, use_kernel=use_kernel)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     assert seen.most <= 2 * 64 * 3, seen.most  # nothing of the capacity's size (2 x 2e6) was made
 
 
@@ -199,6 +201,7 @@ def test_lookup_of_a_row_whose_padding_spans_whole_scan_blocks(use_kernel):
     tokens[0, 5:8] = torch.tensor([7, 8, 9])  # in the padding: not a match
     tokens[0, 1500:1504] = torch.tensor([7, 8, 1, 2])
     tokens[0, length - 2:length] = torch.tensor([7, 8])
-    drafts, valid = prompt_lookup(tokens, torch.tensor([length]), torch.tensor([start]), 3, max_ngram=2,
-                                  use_kernel=use_kernel)
+    dev = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"  # the kernel: Triton's interpreter on CPU
+    drafts, valid = prompt_lookup(tokens.to(dev), torch.tensor([length], device=dev), torch.tensor([start], device=dev),
+                                  3, max_ngram=2, use_kernel=use_kernel)
     assert drafts[0][valid[0]].tolist() == [1, 2, 3]
