@@ -9,8 +9,9 @@ recovery fine-tune, measures again and writes a safetensors checkpoint that stoc
 token, perplexity on the fixed pydoc topics text (:mod:`hf_accel.evaluation`) and, when CUDA is
 present, decode tokens/s through ``hf_accel.accelerate_model`` + ``generate``.
 
-Errors print one line to stderr and return 2. The checkpoint is written beside ``--out`` first and moved into place
-once complete: a write that fails or is interrupted leaves ``--out`` as it was (:func:`_write_checkpoint`).
+Errors print one line to stderr and return 2. The checkpoint is written into a hidden directory inside ``--out``
+first and moved into place once complete: a write that fails or is interrupted leaves ``--out`` as it was
+(:func:`_write_checkpoint`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class CliError(Exception):
 
 
 DEFAULT_CONTEXT_LENGTH = 512  # tokens per perplexity / calibration window
+DEFAULT_CALIBRATION_TOKENS = 4096
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-file", default=None,
                         help="UTF-8 text for the calibrated methods and the recovery fine-tune "
                              "(default: the last pydoc topics, disjoint from the evaluation text)")
-    parser.add_argument("--calibration-tokens", type=int, default=4096, help="calibration tokens used (default 4096)")
+    parser.add_argument("--calibration-tokens", type=int, default=None,
+                        help="calibration tokens used, in whole windows of --context-length (default 4096; with "
+                             "--method pca at least one window more than the model's hidden size)")
     parser.add_argument("--eval-tokens", type=int, default=4096,
                         help="perplexity tokens from the pydoc topics text; 0 skips perplexity (default 4096)")
     parser.add_argument("--context-length", type=int, default=None,
@@ -147,54 +151,51 @@ _WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensor
 def _write_checkpoint(model, tokenizer, out: Path) -> None:
     """``save_pretrained`` of the model and the tokenizer into ``out``, all or nothing.
 
-    Both are written first into a new hidden directory beside ``out`` (``.NAME.partial-*``; inside an existing
-    ``out`` whose parent is not writable). If that fails or is interrupted (a full disk, Ctrl-C, SIGTERM), it is
-    removed with the parent directories this call made, and ``out`` is left as it was: also where ``out`` is an
-    earlier checkpoint under ``--overwrite``, or the source checkpoint itself. Then the written files move into
-    ``out`` by renames (the directory itself where ``out`` is new or empty; else file by file, weights first and
-    ``config.json`` last, with SIGINT and SIGTERM held until done), and weight files of an earlier checkpoint that
-    the new one did not replace (old shards, their index, a ``pytorch_model.bin``) are removed. Other files in
-    ``out`` stay."""
-    out = out.resolve() if out.is_symlink() else out.absolute()  # (a link to nothing was refused: _check_out)
-    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # missing parents, nearest first
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # beside out (the same file system, so the files move by renames), or inside an existing out whose parent
-    # this user may not write
-    beside = os.access(out.parent, os.W_OK | os.X_OK) or not out.is_dir()
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent if beside else out))
+    ``out`` is made if it is missing (with its missing parents), and both are written first into a new hidden
+    directory inside it (``.partial-*``: the same file system, also where ``out`` is a mount point). If that fails or
+    is interrupted (a full disk, Ctrl-C, SIGTERM), the hidden directory and the directories this call made are
+    removed, and an existing ``out`` is left as it was: also an earlier checkpoint under ``--overwrite``, or the
+    source checkpoint itself. Then the written files move up into ``out`` by renames, weights first and
+    ``config.json`` last, with SIGINT and SIGTERM deferred until done (a failed move removes the hidden
+    directory), and weight files of an earlier checkpoint that the new one did not replace (old shards, their
+    index, a ``pytorch_model.bin``) are removed. Other files in ``out``, and ``out`` itself (its mode, owner,
+    ACLs, a shell's working directory in it), stay."""
+    made = [p for p in (out, *out.parents) if not p.exists()]  # missing directories, nearest first
+    out.mkdir(parents=True, exist_ok=True)
+    stage = None
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(stage, 0o777 & ~umask)  # as a new directory gets (mkdtemp makes it private)
+        stage = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
         with _sigterm_raises():
             model.save_pretrained(stage)
             tokenizer.save_pretrained(stage)
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
         if made:
             shutil.rmtree(made[-1], ignore_errors=True)
         raise
-    with _signals_held():
-        if not out.exists() or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
-            os.replace(stage, out)
-            return
-        written = sorted(stage.iterdir(), key=lambda e: (e.name == "config.json", not _WEIGHT_FILE.fullmatch(e.name)))
-        for entry in written:
-            target = out / entry.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(entry, target)
-        names = {e.name for e in written}
-        for old in out.iterdir():
-            if _WEIGHT_FILE.fullmatch(old.name) and old.name not in names and old.is_file():
-                old.unlink()
-        stage.rmdir()
+    with _signals_deferred():
+        try:
+            written = sorted(stage.iterdir(),
+                             key=lambda e: (e.name == "config.json", not _WEIGHT_FILE.fullmatch(e.name)))
+            for entry in written:
+                target = out / entry.name
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                os.replace(entry, target)
+            names = {e.name for e in written}
+            for old in out.iterdir():
+                if _WEIGHT_FILE.fullmatch(old.name) and old.name not in names and old.is_file():
+                    old.unlink()
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def _sigterm_raises():
-    """SIGTERM (``timeout``, ``docker stop``, job schedulers) raises SystemExit(143) in the main thread while
-    inside, so that the cleanup of a failed write runs as it does for Ctrl-C."""
+    """SIGTERM (``timeout``, ``docker stop``, job schedulers) raises SystemExit(143) while inside, so that the cleanup
+    of a failed write runs as it does for Ctrl-C. (Python runs signal handlers in the main thread, whichever thread
+    the signal reaches; called from another thread this does nothing.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -210,17 +211,26 @@ def _sigterm_raises():
 
 
 @contextlib.contextmanager
-def _signals_held():
-    """SIGINT and SIGTERM held (delivered on leaving) while the written files move into place."""
-    held = {signal.SIGINT, signal.SIGTERM}
+def _signals_deferred():
+    """SIGINT and SIGTERM recorded while inside and acted on when it ends (KeyboardInterrupt, SystemExit(143)), so
+    that the written files move into place together. Python-level handlers: they run in the main thread whichever
+    thread the signal reaches (a thread mask would cover only the main thread). Called from another thread this
+    does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    caught = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if signal.SIGINT in caught:
+        raise KeyboardInterrupt
+    if signal.SIGTERM in caught:
+        raise SystemExit(128 + signal.SIGTERM)
 
 
 def _config_dtype(config):
@@ -241,7 +251,8 @@ def _weights_dtype(model_arg):
     floating tensor of its first file, as transformers' ``dtype="auto"`` falls back to), for a config that names
     none; None for a GGUF, ``.bin`` weights or another dtype."""
     path = Path(model_arg).expanduser() if model_arg is not None else None
-    files = sorted(path.glob("*.safetensors")) if path is not None and path.is_dir() else []
+    files = sorted(p for p in path.glob("*.safetensors") if _WEIGHT_FILE.fullmatch(p.name)) \
+        if path is not None and path.is_dir() else []  # model.safetensors or its shards, not an adapter's file
     if not files:
         return None
     from safetensors import safe_open
@@ -253,6 +264,21 @@ def _weights_dtype(model_arg):
             if kind.startswith(("F", "BF")):
                 return names.get(kind)
     return None
+
+
+def _calibration_tokens(method: str, hidden: int | None, context_length: int, given: int | None) -> int:
+    """``--calibration-tokens``: ``given``, or by default 4096, raised for ``pca`` to the fewest whole windows of
+    ``context_length`` tokens that exceed ``hidden`` (pca inverts each layer's input second moment, [hidden + 1]
+    square, so it needs more tokens than that). CliError where a given count uses no more tokens than ``hidden``."""
+    least = (hidden // context_length + 1) * context_length if method == "pca" and hidden else 0
+    if given is None:
+        return max(DEFAULT_CALIBRATION_TOKENS, least)
+    used = given // context_length * context_length
+    if 0 < used < least:  # (fewer tokens than one window: refused as such by the caller)
+        raise CliError(f"--method pca needs more calibration tokens than the model's hidden size {hidden} (it inverts "
+                       f"each layer's input second moment): --calibration-tokens {given} uses {used} (whole windows "
+                       f"of --context-length {context_length}); give at least {least}")
+    return given
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -338,13 +364,11 @@ def _run(args) -> int:
         raise CliError(f"--method pca does not support model_type {config.model_type!r} (its per-head q/k norms "
                        "undo the query-side compensation); use --method mean, norm or activation")
     calibrated = args.method in CALIBRATED_METHODS or args.grouping == "similarity"
+    args.calibration_tokens = _calibration_tokens(args.method, getattr(config, "hidden_size", None),
+                                                  args.context_length, args.calibration_tokens)
     if calibrated and args.calibration_tokens < args.context_length:
         raise CliError(f"--calibration-tokens {args.calibration_tokens} is less than --context-length "
                        f"{args.context_length}: the calibration reads whole windows of --context-length tokens")
-    hidden = getattr(config, "hidden_size", None)
-    if args.method == "pca" and hidden and args.calibration_tokens <= hidden:  # (convert_to_gqa checks what is used)
-        raise CliError(f"--method pca needs more --calibration-tokens than the model's hidden size {hidden} (it "
-                       f"inverts each layer's input second moment); got {args.calibration_tokens}")
     source_dtype = None
     if args.dtype == "auto":
         source_dtype = _config_dtype(config) or _weights_dtype(model_arg)

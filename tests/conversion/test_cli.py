@@ -560,11 +560,69 @@ def test_model_default_means_what_it_means_to_generate(tmp_path, monkeypatch, ca
 
 def test_pca_with_no_more_calibration_tokens_than_the_hidden_size_is_refused_before_loading(model_dir, tmp_path,
                                                                                              capsys, monkeypatch):
+    """Counted in whole windows, as the conversion uses them: 40 tokens in windows of 16 are 32, no more than the
+    hidden size 32 (a check of the count itself passed 40 and failed after the model loaded)."""
     import hf_accel.models.loading as loading
 
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
     rc = main(["--model", str(model_dir), "--num-kv-heads", "2", "--method", "pca", "--out", str(tmp_path / "o"),
-               "--context-length", "16", "--calibration-tokens", "32", "--device", "cpu"])
+               "--context-length", "16", "--calibration-tokens", "40", "--device", "cpu"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert rc == 2 and err == ("hf-accel convert-gqa: error: --method pca needs more --calibration-tokens than the "
-                               "model's hidden size 32 (it inverts each layer's input second moment); got 32")
+    assert rc == 2 and err == ("hf-accel convert-gqa: error: --method pca needs more calibration tokens than the "
+                               "model's hidden size 32 (it inverts each layer's input second moment): "
+                               "--calibration-tokens 40 uses 32 (whole windows of --context-length 16); give at least "
+                               "48")
+
+
+def test_default_calibration_tokens_suit_pca_on_a_wide_model():
+    """The default 4096 tokens are no more than a 4096-wide model's hidden size: for pca the default grows to the
+    fewest whole windows past it (it refused a Llama-8B-shaped model with the default)."""
+    from hf_accel.conversion.cli import _calibration_tokens
+
+    assert _calibration_tokens("pca", 4096, 512, None) == 4608
+    assert _calibration_tokens("pca", 576, 512, None) == 4096 and _calibration_tokens("mean", 8192, 512, None) == 4096
+    assert _calibration_tokens("pca", 4096, 512, 5000) == 5000
+
+
+def test_a_signal_while_the_files_move_into_place_waits_for_the_moves(model_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C (sent here from another thread, as a signal may reach any thread) while the written files move into an
+    earlier checkpoint: the moves finish, then KeyboardInterrupt; the checkpoint is whole (a thread mask on the main
+    thread alone left new weights beside the old config.json)."""
+    import os
+    import signal
+    import threading
+
+    import hf_accel.conversion.cli as conversion_cli
+
+    out = tmp_path / "out"
+    assert _convert(model_dir, out) == 0  # an earlier checkpoint (2 KV heads) ...
+    replace, sent = os.replace, []
+
+    def replace_then_interrupted(src, dst):
+        replace(src, dst)
+        if not sent:
+            sent.append(1)
+            t = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
+            t.start()
+            t.join()
+
+    monkeypatch.setattr(conversion_cli.os, "replace", replace_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):  # ... replaced by a 1-KV-head one
+        main(["--model", str(model_dir), "--num-kv-heads", "1", "--out", str(out), "--overwrite", "--eval-tokens",
+              "0", "--device", "cpu"])
+    assert sent and AutoModelForCausalLM.from_pretrained(out).config.num_key_value_heads == 1
+    assert not list(out.glob(".partial-*"))
+
+
+def test_an_existing_out_keeps_its_mode_and_inode(model_dir, tmp_path, capsys):
+    """An empty --out made beforehand (shared, setgid) was replaced by a new directory of the default mode; a shell
+    in it was left in a deleted directory. Now the files move into it."""
+    import os
+
+    out = tmp_path / "shared"
+    out.mkdir()
+    os.chmod(out, 0o2770)
+    inode = out.stat().st_ino
+    assert _convert(model_dir, out) == 0, capsys.readouterr().err
+    assert out.stat().st_ino == inode and out.stat().st_mode & 0o7777 == 0o2770
+    assert (out / "config.json").is_file() and not list(out.glob(".partial-*"))
