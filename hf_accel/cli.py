@@ -303,28 +303,19 @@ def _run_generate(args) -> int:
 
 
 def _write_json(path: str, data) -> None:
-    """``data`` as JSON at ``path``. A regular file (or a new one) is written beside it first and renamed into place,
-    so a failed write (a full disk) leaves neither an empty nor a cut-off file, and an earlier file as it was; other
-    paths (``/dev/stdout``, a pipe) are written directly. Raises OSError."""
-    real = os.path.realpath(path)
-    if os.path.exists(real) and not os.path.isfile(real):
-        with open(real, "w") as f:
-            json.dump(data, f, indent=2)
-        return
-    import tempfile
-
-    fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(real)}.", suffix=".partial",
-                                   dir=os.path.dirname(real))
+    """``data`` as JSON at ``path``, serialized before the file is opened (an error there leaves the file alone) and
+    written in place, so a pipe, ``/dev/stdout`` or an existing file keeps what it is (mode, owner, links). If the
+    write fails (a full disk) a file this call created is removed: no empty or cut-off new file stays behind.
+    Raises OSError."""
+    text = json.dumps(data, indent=2)
+    existed = os.path.lexists(path)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(partial, 0o666 & ~umask)  # as a new file gets (mkstemp makes it private)
-        os.replace(partial, real)
+        with open(path, "w") as f:
+            f.write(text)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(partial)
+        if not existed:
+            with contextlib.suppress(OSError):
+                os.remove(path)
         raise
 
 

@@ -396,32 +396,39 @@ def test_a_chat_template_that_fails_is_one_line_naming_no_chat_template(template
     assert "greedy tokens identical: yes" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("earlier", [None, "old results"])
-def test_a_json_write_that_fails_leaves_no_cut_off_file(earlier, tmp_path, monkeypatch):
-    """A full disk during the final --json write left an empty (or cut-off) file after the start-up check passed;
-    now the file is written beside its path and renamed into place: nothing new is left, an earlier file stays."""
+def test_a_json_write_that_fails_leaves_no_new_file(tmp_path, monkeypatch):
+    """A full disk during the final --json write left an empty file where none was (the start-up check had
+    passed); now a file this write created is removed. A path that existed is written in place: its mode stays."""
+    import builtins
     import json
+    import os
 
     from hf_accel.cli import _write_json
 
     path = tmp_path / "out.json"
-    if earlier is not None:
-        path.write_text(earlier)
-    real_dump = json.dump
+    real_open = builtins.open
 
-    def dump_then_full_disk(obj, f, **kw):
-        f.write("{")
-        raise OSError(28, "No space left on device")
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
 
-    monkeypatch.setattr(json, "dump", dump_then_full_disk)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[:1])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **k: FullDisk(real_open(p, *a, **k)))
     with pytest.raises(OSError, match="No space left"):
         _write_json(str(path), {"a": 1})
-    assert [p.name for p in tmp_path.iterdir()] == ([] if earlier is None else ["out.json"])
-    if earlier is not None:
-        assert path.read_text() == earlier
-    monkeypatch.setattr(json, "dump", real_dump)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(builtins, "open", real_open)
+    path.write_text("old")
+    os.chmod(path, 0o600)
     _write_json(str(path), {"a": 1})
-    assert json.loads(path.read_text()) == {"a": 1} and [p.name for p in tmp_path.iterdir()] == ["out.json"]
-    umask = __import__("os").umask(0)
-    __import__("os").umask(umask)
-    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert json.loads(path.read_text()) == {"a": 1} and path.stat().st_mode & 0o777 == 0o600
+    assert list(tmp_path.iterdir()) == [path]
