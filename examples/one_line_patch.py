@@ -41,7 +41,7 @@ if tokenizer.chat_template:  # an instruct model: the prompt as a chat turn
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 else:  # a base model (its tokenizer has no chat template): the prompt as plain text
-    inputs = tokenizer(args.prompt, return_tensors="pt")
+    inputs = tokenizer(args.prompt, return_tensors="pt", return_token_type_ids=False)
 inputs = inputs.to(device)
 model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
                streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))

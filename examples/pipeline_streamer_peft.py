@@ -68,12 +68,23 @@ report("pipeline", stock, ask_pipeline(model))
 # 2. A streamer read while generate runs in another thread (how chat UIs stream).
 def ask_streaming(m):
     inputs = (tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-              if chat else tokenizer(args.prompt, return_tensors="pt")).to(device)
+              if chat else tokenizer(args.prompt, return_tensors="pt", return_token_type_ids=False)).to(device)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    worker = threading.Thread(target=m.generate, kwargs=dict(**inputs, **greedy, streamer=streamer))
+    failed = []
+
+    def run():  # an error in generate ends the stream (else the reader below would wait forever) and is re-raised
+        try:
+            m.generate(**inputs, **greedy, streamer=streamer)
+        except Exception as e:
+            failed.append(e)
+            streamer.end()
+
+    worker = threading.Thread(target=run)
     worker.start()
     text = "".join(piece for piece in streamer)
     worker.join()
+    if failed:
+        raise failed[0]
     return text
 
 

@@ -69,7 +69,7 @@ if tokenizer.chat_template:  # an instruct model: the request as a chat turn
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)
 else:  # a base model (its tokenizer has no chat template): the request as plain text
-    inputs = tokenizer(request, return_tensors="pt")
+    inputs = tokenizer(request, return_tensors="pt", return_token_type_ids=False)
 inputs = inputs.to(device)
 start = time.perf_counter()
 out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)

@@ -192,8 +192,10 @@ def base_model_dir(tmp_path_factory):
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.train_from_iterator([pydoc_topics_text()[:20_000]],
                            trainers.BpeTrainer(vocab_size=96, special_tokens=["<unk>", "<eos>"], limit_alphabet=60))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
-    assert not tokenizer.chat_template
+    # token_type_ids too, as BERT-style tokenizers give them (generate refuses them for a llama)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>",
+                                        model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    assert not tokenizer.chat_template and "token_type_ids" in tokenizer("a b")
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -205,8 +207,8 @@ def base_model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("script", ["one_line_patch.py", "speculative_decoding.py", "pipeline_streamer_peft.py"])
 def test_examples_run_a_model_without_a_chat_template(script, base_model_dir):
-    """A base model (its tokenizer has no chat template) gets the prompt as plain text; every example ended in a
-    traceback from apply_chat_template."""
+    """A base model (its tokenizer has no chat template) gets the prompt as plain text, without token_type_ids;
+    every example ended in a traceback from apply_chat_template."""
     run = _run_here(script, "--model", str(base_model_dir), "--max-new-tokens", "4")
     assert run.returncode == 0, run.stderr
     if script == "pipeline_streamer_peft.py":
