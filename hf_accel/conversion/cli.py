@@ -283,7 +283,7 @@ def _calibration_tokens(method: str, hidden: int | None, context_length: int, gi
 
 def _check_out(out: Path, overwrite: bool) -> None:
     """CliError before any work when ``--out`` cannot become the checkpoint directory: a file, a non-empty
-    directory without ``--overwrite``, or a path under a file or an unwritable directory."""
+    directory without ``--overwrite``, or a path under a file or a directory where no directory can be made."""
     if out.is_symlink() and not out.exists():
         raise CliError(f"--out {str(out)!r} is a symbolic link to a path that does not exist")
     if out.exists():
@@ -298,6 +298,14 @@ def _check_out(out: Path, overwrite: bool) -> None:
             raise CliError(f"--out {str(out)!r} cannot be created: {str(parent)!r} is a file")
     if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
         raise CliError(f"--out {str(out)!r} cannot be written: no write permission in {str(parent)!r}")
+    if parent is not None:
+        # os.access answers for the permission bits only: root passes it where mkdir still fails (a read-only
+        # mount, /proc, /sys), so a directory is made and removed there too
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".hf-accel-probe-", dir=parent))
+        except OSError as e:
+            raise CliError(f"--out {str(out)!r} cannot be written: making a directory in {str(parent)!r} failed "
+                           f"({e.strerror or type(e).__name__})") from None
 
 
 def _run(args) -> int:
@@ -424,6 +432,8 @@ def _run(args) -> int:
         _write_checkpoint(model, tokenizer, out)
     except SafetensorError as e:  # safetensors' I/O errors (a full disk, ...) are not OSErrors
         raise CliError(f"could not write the checkpoint to {str(out)!r}: {type(e).__name__}: {e}") from None
+    except OSError as e:  # the path in the message is the file that failed; name --out too
+        raise CliError(f"could not write the checkpoint to --out {str(out)!r}: {e}") from None
     label = (f"perplexity (pydoc, {eval_ids.shape[1]} tok)" if eval_ids is not None else "perplexity (skipped)")
     print(format_table(before, after, label, not device.startswith("cuda")))
     print(f"wrote {out} (method={args.method}, grouping={args.grouping}"

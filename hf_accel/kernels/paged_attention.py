@@ -289,6 +289,12 @@ def check_paged_args(query, key_cache, value_cache, block_table, seq_lens, key_m
                          f"equal; got {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
     batch, num_heads, q_len, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
+    empty = {name: size for name, size in (("num_heads", num_heads), ("head_dim", head_dim),
+                                           ("block_size", key_cache.shape[1]), ("num_kv_heads", num_kv_heads))
+             if size == 0}
+    if empty:
+        raise ValueError(f"{', '.join(empty)} must be >= 1 (query {tuple(query.shape)}, pools "
+                         f"{tuple(key_cache.shape)} = [num_blocks, block_size, num_kv_heads, head_dim])")
     if key_cache.shape[3] != head_dim:
         raise ValueError(f"cache head_dim {key_cache.shape[3]} != query head_dim {head_dim}")
     if num_heads % num_kv_heads:

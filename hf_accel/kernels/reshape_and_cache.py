@@ -159,13 +159,9 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
         ValueError: dtypes other than int32, shapes that do not match, ``q_len`` or ``block_size`` not a host int
             >= 1.
     """
-    if cache_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
-        raise ValueError(f"cache_lens and block_table must be int32, got {cache_lens.dtype}, {block_table.dtype}")
-    if cache_lens.dim() != 1 or block_table.dim() != 2 or block_table.shape[0] != cache_lens.shape[0] \
-            or block_table.stride(1) != 1:
-        raise ValueError(f"cache_lens must be [batch] and block_table a [batch, max_blocks] with a contiguous last "
-                         f"dimension; got {tuple(cache_lens.shape)}, {tuple(block_table.shape)}")
-    _check_counts(q_len, block_size)
+    _check_slot_args(cache_lens, block_table, q_len, block_size)
+    if block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have a contiguous last dimension; got strides {block_table.stride()}")
     batch = cache_lens.shape[0]
     slots = torch.empty(batch * q_len, dtype=torch.int32, device=cache_lens.device)
     seq_lens = torch.empty_like(cache_lens)
@@ -178,7 +174,13 @@ def slot_mapping(cache_lens: torch.Tensor, block_table: torch.Tensor, q_len: int
     return slots, seq_lens
 
 
-def _check_counts(q_len, block_size) -> None:
+def _check_slot_args(cache_lens, block_table, q_len, block_size) -> None:
+    """The checks :func:`slot_mapping` and :func:`slot_mapping_ref` share (host-side only: no device read)."""
+    if cache_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
+        raise ValueError(f"cache_lens and block_table must be int32, got {cache_lens.dtype}, {block_table.dtype}")
+    if cache_lens.dim() != 1 or block_table.dim() != 2 or block_table.shape[0] != cache_lens.shape[0]:
+        raise ValueError(f"cache_lens must be [batch] and block_table [batch, max_blocks] of the same batch; got "
+                         f"{tuple(cache_lens.shape)}, {tuple(block_table.shape)}")
     for name, value in (("q_len", q_len), ("block_size", block_size)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{name} must be a host int, got {value!r}")
@@ -187,8 +189,8 @@ def _check_counts(q_len, block_size) -> None:
 
 
 def slot_mapping_ref(cache_lens, block_table, q_len, block_size):
-    """PyTorch reference of :func:`slot_mapping`."""
-    _check_counts(q_len, block_size)
+    """PyTorch reference of :func:`slot_mapping` (the same arguments and checks; any strides)."""
+    _check_slot_args(cache_lens, block_table, q_len, block_size)
     pos = cache_lens.long()[:, None] + torch.arange(q_len, device=cache_lens.device)
     idx = pos // block_size
     listed = (pos >= 0) & (idx < block_table.shape[1])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -626,3 +628,32 @@ def test_an_existing_out_keeps_its_mode_and_inode(model_dir, tmp_path, capsys):
     assert _convert(model_dir, out) == 0, capsys.readouterr().err
     assert out.stat().st_ino == inode and out.stat().st_mode & 0o7777 == 0o2770
     assert (out / "config.json").is_file() and not list(out.glob(".partial-*"))
+
+
+def test_an_out_path_where_mkdir_fails_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """--out in a directory whose permission bits allow writing but where no directory can be made (as root: /proc,
+    /sys, a read-only mount): refused first, naming --out (was: after loading, converting and measuring, with a
+    raw OSError). The failing mkdir is simulated so that the test does not depend on who runs it."""
+    import hf_accel.conversion.cli as conv_cli
+
+    real = conv_cli.tempfile.mkdtemp
+
+    def refuse(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == tmp_path:
+            raise PermissionError(1, "Operation not permitted")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(conv_cli.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(conv_cli.os, "access", lambda *a, **k: True)
+    assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--out {str(tmp_path / 'o')!r} cannot be written" in err and "Operation not permitted" in err, err
+    assert "does not exist" not in err
+
+
+def test_an_out_under_proc_is_refused_before_the_model_loads(tmp_path, capsys):
+    if not Path("/proc/self").exists():
+        pytest.skip("needs Linux's /proc")
+    assert main(["--model", str(tmp_path / "nope"), "--num-kv-heads", "1", "--out", "/proc/hf-accel-out"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--out '/proc/hf-accel-out' cannot be written" in err and "does not exist" not in err, err

@@ -631,3 +631,17 @@ def test_merge_pdl_back_to_back_in_a_cuda_graph(position, warps, monkeypatch):
         torch.cuda.synchronize()
         for out, ref in zip(outs, want):
             assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("empty", ["num_kv_heads", "block_size"])
+def test_pools_with_an_empty_dimension_are_refused(impl, empty):
+    """Pools with 0 KV heads or a block size of 0: a ValueError naming the dimension (was a ZeroDivisionError from
+    the argument checks, from all three implementations)."""
+    q = torch.randn(1, 4, 1, 16, device=DEVICE)
+    shape = [4, 0, 2, 16] if empty == "block_size" else [4, 4, 0, 16]
+    kc, vc = torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=f"{empty} must be >= 1"):
+        IMPLEMENTATIONS[impl](q, kc, vc, table, lens, 3)

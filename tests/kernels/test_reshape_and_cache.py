@@ -258,3 +258,17 @@ def test_slot_mapping_with_an_empty_block_table():
     got, want = slot_mapping(cache_lens, table, 2, 4), slot_mapping_ref(cache_lens, table, 2, 4)
     assert got[0].tolist() == want[0].tolist() == [-1] * 4
     assert torch.equal(got[1], want[1])
+
+
+def test_slot_mapping_ref_makes_the_kernels_checks():
+    """The reference refuses what the kernel's launcher refuses: a block table of another batch (it read row 0
+    only and answered for one row) and int64 inputs."""
+    from hf_accel.kernels.reshape_and_cache import slot_mapping, slot_mapping_ref
+
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE).view(2, 2)
+    one_row = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    for fn in (slot_mapping, slot_mapping_ref):
+        with pytest.raises(ValueError, match="same batch"):
+            fn(one_row, table, 2, 4)
+        with pytest.raises(ValueError, match="int32"):
+            fn(torch.tensor([1, 0], device=DEVICE), table.long(), 2, 4)
